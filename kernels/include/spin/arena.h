@@ -1,0 +1,193 @@
+// The per-session arena (DESIGN §4): one allocation holding all SPIN state of a session, a
+// versioned layout header first so that a process that maps it can validate what it got.
+//
+// The layout is plain data with 64-bit offsets from the arena base; the same bytes are read by
+// the CPU backend (host memory, a memfd in the daemon) and the CUDA backend (device memory).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace spin {
+
+/// "SPIN" in little-endian byte order.
+inline constexpr uint32_t kArenaMagic = 0x4E495053u;
+/// Bumped on any change of the bytes below.
+inline constexpr uint32_t kArenaLayoutVersion = 1;
+/// Section alignment inside the arena.
+inline constexpr uint64_t kArenaAlign = 256;
+/// Keep fractions of the probe-step miss curve: 5%, 10%, ..., 100%.
+inline constexpr int kCurvePoints = 20;
+/// Keep fraction of curve point p.
+inline constexpr double CurveKeepFraction(int p) { return 0.05 * (p + 1); }
+
+/// Limits checked by ValidateGeometry (they bound the arena and the index arithmetic).
+inline constexpr uint32_t kMaxLayers = 1024;
+inline constexpr uint32_t kMaxSequences = 4096;
+inline constexpr uint32_t kMaxSlots = 1u << 24;
+inline constexpr uint32_t kMaxRows = 16;
+
+/// Element type of the V and D statistics.
+enum class StateDtype : uint32_t { kFp32 = 1, kBf16 = 2 };
+
+/// Bytes of one state element.
+inline constexpr uint32_t StateBytes(StateDtype d) { return d == StateDtype::kBf16 ? 2 : 4; }
+
+/// Budget mode of a session (per-layer budgets come from the daemon's probe thread).
+enum class BudgetMode : uint32_t { kUniform = 1, kPerLayer = 2 };
+
+/// The shape of a session, fixed at attach.
+struct Geometry {
+  uint32_t layers = 0;      ///< indexer layers L
+  uint32_t max_seqs = 0;    ///< sequences S held at once
+  uint32_t max_slots = 0;   ///< slots N per sequence (compressed slots on V4)
+  uint32_t block_size = 64; ///< slots per block b
+  uint32_t topk = 0;        ///< the indexer's top-K
+  uint32_t max_rows = 1;    ///< query rows per step R (1 + MTP drafts)
+  StateDtype dtype = StateDtype::kFp32;
+};
+
+/// Policy knobs read by the kernels at launch time (written by the owner of the arena).
+struct Policy {
+  double target_sparsity = 0.5; ///< rho: fraction of blocks to skip, [0, 1)
+  double exploration = 0.05;    ///< gamma: share of kept blocks chosen at random, [0, 1)
+  float alpha = 0.5f;           ///< EMA decay: weight of the old value, [0, 1)
+  uint32_t probe_period = 0;    ///< P: every P-th step of a sequence is dense; 0 = never
+  BudgetMode budget_mode = BudgetMode::kUniform;
+};
+
+/// Checks each field of a policy; the message names the field and its allowed range.
+absl::Status ValidatePolicy(const Policy& p);
+/// Checks a geometry against the limits above.
+absl::Status ValidateGeometry(const Geometry& g);
+
+/// Policy block as stored in the arena.
+struct ArenaPolicy {
+  double target_sparsity;
+  double exploration;
+  float alpha;
+  float beta;  ///< (float)(1 - alpha), computed once on write
+  uint32_t probe_period;
+  uint32_t budget_mode;
+  uint64_t epoch;  ///< bumped on every policy or budget-table write
+};
+
+/// Per-layer statistics counters (monotone; readers take differences).
+struct LayerStats {
+  uint64_t steps;               ///< (sequence, step) pairs selected
+  uint64_t dense_steps;         ///< of which dense (fresh or probe)
+  uint64_t probe_steps;         ///< of which probe steps with a miss-curve sample
+  uint64_t blocks_kept;         ///< blocks scored, all steps
+  uint64_t blocks_total;        ///< blocks in context, all steps
+  uint64_t sparse_blocks_kept;  ///< blocks scored, non-dense steps
+  uint64_t sparse_blocks_total; ///< blocks in context, non-dense steps
+  uint64_t observed;            ///< finite scores applied to V/D
+  uint64_t bad_scores;          ///< non-finite scores skipped
+  uint64_t probe_topk;          ///< dense top-K slots seen on probe steps
+  uint64_t probe_missed;        ///< of which outside the layer's current budget
+};
+
+/// Per-batch-entry step description written by BeginStep.
+struct StepEntry {
+  int32_t seq;      ///< sequence slot, or -1 for a padding entry
+  int32_t ctx_len;  ///< context of row 0
+  int32_t q_pos;    ///< slot of row 0's query key
+  uint32_t dense;   ///< 1 if every block is scored this step (fresh or probe)
+  uint32_t probe;   ///< 1 if this is a probe step of a sequence that is not fresh
+  uint32_t pad;
+  uint64_t step;    ///< the sequence's step number
+};
+
+/// Per-sequence persistent record.
+struct SeqRecord {
+  uint64_t key;    ///< engine key for exploration draws
+  uint64_t steps;  ///< steps begun since reset
+  uint32_t open;   ///< 1 after ResetSequence
+  uint32_t pad;
+};
+
+/// The layout header at offset 0 of every arena.
+struct ArenaHeader {
+  uint32_t magic;
+  uint32_t version;
+  uint64_t total_bytes;
+  uint32_t layers, max_seqs, max_slots, block_size, topk, max_rows;
+  uint32_t state_dtype;
+  uint32_t max_blocks;   ///< ceil(max_slots / block_size)
+  uint32_t curve_points; ///< kCurvePoints
+  uint32_t header_bytes; ///< sizeof(ArenaHeader)
+  uint64_t seed;         ///< session seed for exploration
+  // Section offsets from the arena base.
+  uint64_t off_policy;      ///< ArenaPolicy
+  uint64_t off_sparsity;    ///< double[L]: per-layer sparsity rho_l (the budget table)
+  uint64_t off_stats;       ///< LayerStats[L]
+  uint64_t off_curves;      ///< uint64[L][kCurvePoints]: missed top-K slots per keep fraction
+  uint64_t off_seqs;        ///< SeqRecord[S]
+  uint64_t off_fresh;       ///< uint8[S][L]: 1 until the first observation
+  uint64_t off_state;       ///< per (seq, layer): V[N] then D[N], dtype elements
+  uint64_t off_batch;       ///< int32 batch size n, int32 rows, then StepEntry[S]
+  uint64_t off_union_count; ///< int32[S]: selected blocks of batch entry e (union over rows)
+  uint64_t off_union;       ///< int32[S][max_blocks]: selected logical block ids, ascending
+  uint64_t off_phys;        ///< int32[S][max_blocks]: compacted physical block table
+  uint64_t off_compact_len; ///< int32[S][R]: compacted context length of each row
+  uint64_t off_scratch;     ///< float[S][max_blocks]: row-0 block scores (probe curves)
+  uint64_t off_mask;        ///< uint8[S][max_blocks]: union mask scratch
+  uint64_t off_error;       ///< uint32: first bounds-check error code seen by a kernel
+};
+
+/// Bytes needed for an arena of this geometry.
+uint64_t ArenaBytes(const Geometry& g);
+
+/// Typed view of a validated arena. All pointers point into the same allocation.
+struct ArenaView {
+  ArenaHeader* header = nullptr;
+  Geometry geometry;
+  uint32_t max_blocks = 0;
+  ArenaPolicy* policy = nullptr;
+  double* sparsity = nullptr;
+  LayerStats* stats = nullptr;
+  uint64_t* curves = nullptr;
+  SeqRecord* seqs = nullptr;
+  uint8_t* fresh = nullptr;
+  uint8_t* state = nullptr;
+  int32_t* batch_n = nullptr;
+  int32_t* batch_rows = nullptr;
+  StepEntry* entries = nullptr;
+  int32_t* union_count = nullptr;
+  int32_t* union_ids = nullptr;
+  int32_t* phys = nullptr;
+  int32_t* compact_len = nullptr;
+  float* scratch = nullptr;
+  uint8_t* mask = nullptr;
+  uint32_t* error = nullptr;
+
+  /// Bytes of one (sequence, layer) state record: V[N] then D[N].
+  uint64_t StateRecordBytes() const {
+    return 2ull * geometry.max_slots * StateBytes(geometry.dtype);
+  }
+  /// Start of V for (seq, layer); D follows after max_slots elements.
+  uint8_t* StateRecord(int seq, int layer) const {
+    return state + (static_cast<uint64_t>(seq) * geometry.layers + layer) * StateRecordBytes();
+  }
+};
+
+/// Writes a fresh arena into [base, base + bytes): header, policy, uniform budget table, every
+/// sequence closed, all state unset, outputs zeroed. `base` must be 256-byte aligned.
+absl::StatusOr<ArenaView> InitArena(void* base, uint64_t bytes, const Geometry& g, uint64_t seed,
+                                    const Policy& policy);
+
+/// Validates the header of a mapped arena (magic, version, sizes, offsets) and returns a view.
+/// Only the header is read; the rest may live in device memory.
+absl::StatusOr<ArenaView> ViewArena(void* base, uint64_t bytes);
+
+/// Writes a policy into the arena's policy block (and, in uniform mode, the budget table), and
+/// bumps the epoch. Host memory only; the CUDA backend has its own device-side write.
+absl::Status WritePolicy(const ArenaView& a, const Policy& p);
+
+/// Reads the policy block back.
+Policy ReadPolicy(const ArenaView& a);
+
+}  // namespace spin

@@ -1,0 +1,99 @@
+// The SPIN data plane: the per-step operations an engine runs around its indexer (DESIGN §3, §5).
+//
+// One interface, two backends: cpu/ (the reference, host pointers) and cuda/ (device pointers,
+// launched on the caller's stream with no host synchronisation). A decode step of a batch is:
+//
+//   BeginStep(batch)                  once per step
+//   for each indexer layer l:
+//     Select(l, block_table)          -> union of selected logical blocks per batch entry,
+//                                        compacted physical block table, compacted lengths
+//     <engine runs its paged indexer over the compacted table and its top-K>
+//     Remap(topk)                     -> compacted top-K indices back to logical slots
+//     Observe(l, logits, accepted)    -> EMA update from accepted rows, probe miss curves
+//
+// Per-step inputs are read through pointers (fixed addresses, so CUDA graphs replay them);
+// outputs are written to fixed-address buffers inside the arena (see Outputs()).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "spin/arena.h"
+
+struct CUstream_st;
+using cudaStream_t = CUstream_st*;
+
+namespace spin {
+
+/// One decode step of a batch. Arrays have `n` entries; on the CUDA backend they are device
+/// pointers that must stay valid until the work on the stream has run.
+struct StepBatch {
+  const int32_t* seq = nullptr;      ///< sequence slot per entry, -1 = padding (skipped)
+  const int32_t* ctx_len = nullptr;  ///< context length of row 0 (row r has ctx_len + r)
+  const int32_t* q_pos = nullptr;    ///< slot of row 0's query key (row r: q_pos + r)
+  int32_t n = 0;                     ///< entries, at most max_seqs
+  int32_t rows = 1;                  ///< query rows this step, 1..max_rows (1 + MTP drafts)
+};
+
+/// Where the outputs of the last Select live (pointers into the arena). Entry e of the batch:
+///   union_count[e]                 blocks selected (union over rows)
+///   union_ids[e * max_blocks + k]  k-th selected logical block, ascending
+///   phys[e * max_blocks + k]       engine physical block of union_ids[..k] (if a table was given)
+///   compact_len[e * max_rows + r]  compacted context length of row r
+struct Outputs {
+  const int32_t* union_count;
+  const int32_t* union_ids;
+  const int32_t* phys;
+  const int32_t* compact_len;
+  int32_t max_blocks;
+  int32_t max_rows;
+};
+
+/// The data-plane operations over one session arena.
+class DataPlane {
+ public:
+  virtual ~DataPlane() = default;
+
+  /// The arena this data plane operates on.
+  virtual const ArenaView& arena() const = 0;
+
+  /// Opens or reopens sequence slot `seq` with the engine's key: state unset, fresh, step 0.
+  virtual absl::Status ResetSequence(int32_t seq, uint64_t key, cudaStream_t stream = nullptr) = 0;
+
+  /// Starts a decode step: validates and records each entry, advances each sequence's step
+  /// counter and decides dense/probe. Rejects the whole batch (nothing changes) on a bad entry.
+  virtual absl::Status BeginStep(const StepBatch& batch, cudaStream_t stream = nullptr) = 0;
+
+  /// Selects the blocks of layer `layer` for every entry of the current step. If
+  /// `block_table` is given (entry e's table at block_table + e * table_stride, indexed by
+  /// logical block), also fills the compacted physical block table.
+  virtual absl::Status Select(int32_t layer, const int32_t* block_table = nullptr,
+                              int64_t table_stride = 0, cudaStream_t stream = nullptr) = 0;
+
+  /// Maps compacted slot indices (the engine's top-K over the compacted table) back to logical
+  /// slots in place: idx[(e * rows + r) * count + k]. Negative indices stay -1; an index at or
+  /// beyond the row's compacted length becomes -1.
+  virtual absl::Status Remap(int32_t* idx, int32_t count, cudaStream_t stream = nullptr) = 0;
+
+  /// Feeds back the indexer logits of layer `layer` for the current step. Entry e, row r,
+  /// compacted slot c is logits[(e * rows + r) * logits_stride + c], for c below the row's
+  /// compacted length. Rows 0..accepted[e]-1 are applied in order (accepted == nullptr: all
+  /// rows). Non-finite scores are skipped and counted. On a probe step, row 0's dense top-K
+  /// (computed from the logits) is scored against the layer's miss curve first.
+  virtual absl::Status Observe(int32_t layer, const float* logits, int64_t logits_stride,
+                               const int32_t* accepted = nullptr,
+                               cudaStream_t stream = nullptr) = 0;
+
+  /// The output buffers of the last Select.
+  Outputs outputs() const {
+    const ArenaView& a = arena();
+    return Outputs{a.union_count, a.union_ids, a.phys, a.compact_len,
+                   static_cast<int32_t>(a.max_blocks), static_cast<int32_t>(a.geometry.max_rows)};
+  }
+};
+
+/// The CPU reference backend over an arena in host memory.
+std::unique_ptr<DataPlane> MakeCpuDataPlane(const ArenaView& arena);
+
+}  // namespace spin
