@@ -90,15 +90,21 @@ struct LayerStats {
   uint64_t probe_missed;        ///< of which outside the layer's current budget
 };
 
+/// The current step of the batch, written by BeginStep.
+struct BatchHeader {
+  int32_t n;               ///< entries
+  int32_t rows;            ///< query rows per entry
+  int32_t selected_layer;  ///< layer of the last Select (its outputs are current), -1 = none
+  int32_t pad;
+};
+
 /// Per-batch-entry step description written by BeginStep.
 struct StepEntry {
   int32_t seq;      ///< sequence slot, or -1 for a padding entry
   int32_t ctx_len;  ///< context of row 0
   int32_t q_pos;    ///< slot of row 0's query key
-  uint32_t dense;   ///< 1 if every block is scored this step (fresh or probe)
-  uint32_t probe;   ///< 1 if this is a probe step of a sequence that is not fresh
-  uint32_t pad;
-  uint64_t step;    ///< the sequence's step number
+  uint32_t probe;   ///< 1 if step % P == 0: every layer scores all blocks
+  uint64_t step;    ///< the sequence's step number (0 = first step after reset)
 };
 
 /// Per-sequence persistent record.
@@ -128,7 +134,7 @@ struct ArenaHeader {
   uint64_t off_seqs;        ///< SeqRecord[S]
   uint64_t off_fresh;       ///< uint8[S][L]: 1 until the first observation
   uint64_t off_state;       ///< per (seq, layer): V[N] then D[N], dtype elements
-  uint64_t off_batch;       ///< int32 batch size n, int32 rows, then StepEntry[S]
+  uint64_t off_batch;       ///< BatchHeader, then StepEntry[S]
   uint64_t off_union_count; ///< int32[S]: selected blocks of batch entry e (union over rows)
   uint64_t off_union;       ///< int32[S][max_blocks]: selected logical block ids, ascending
   uint64_t off_phys;        ///< int32[S][max_blocks]: compacted physical block table
@@ -137,6 +143,14 @@ struct ArenaHeader {
   uint64_t off_mask;        ///< uint8[S][max_blocks]: union mask scratch
   uint64_t off_error;       ///< uint32: first bounds-check error code seen by a kernel
 };
+
+// The layout is shared by host and device code and across processes: pin the record sizes.
+static_assert(sizeof(ArenaPolicy) == 40);
+static_assert(sizeof(LayerStats) == 88);
+static_assert(sizeof(BatchHeader) == 16);
+static_assert(sizeof(StepEntry) == 24);
+static_assert(sizeof(SeqRecord) == 24);
+static_assert(sizeof(ArenaHeader) % 8 == 0);
 
 /// Bytes needed for an arena of this geometry.
 uint64_t ArenaBytes(const Geometry& g);
@@ -153,8 +167,7 @@ struct ArenaView {
   SeqRecord* seqs = nullptr;
   uint8_t* fresh = nullptr;
   uint8_t* state = nullptr;
-  int32_t* batch_n = nullptr;
-  int32_t* batch_rows = nullptr;
+  BatchHeader* batch = nullptr;
   StepEntry* entries = nullptr;
   int32_t* union_count = nullptr;
   int32_t* union_ids = nullptr;

@@ -1,0 +1,311 @@
+// Observation rules of DESIGN §5 (EMA, non-finite scores, MTP prefix-valid replay, probe miss
+// curves, reset) and the no-change guarantee of rejected calls, on the CPU backend.
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "test_arena.h"
+
+namespace spin::testing {
+namespace {
+
+Geometry Geo(uint32_t slots, uint32_t topk = 64, uint32_t rows = 1, uint32_t seqs = 1,
+             StateDtype dt = StateDtype::kFp32) {
+  Geometry g;
+  g.layers = 2;
+  g.max_seqs = seqs;
+  g.max_slots = slots;
+  g.block_size = 64;
+  g.topk = topk;
+  g.max_rows = rows;
+  g.dtype = dt;
+  return g;
+}
+
+Policy Pol(double rho, float alpha = 0.75f, uint32_t period = 0) {
+  Policy p;
+  p.target_sparsity = rho;
+  p.exploration = 0.0;
+  p.alpha = alpha;
+  p.probe_period = period;
+  return p;
+}
+
+TEST(Observe, FirstObservationSetsThenEmaBlends) {
+  TestArena t(Geo(128), Pol(0.5, 0.75f));
+  ASSERT_TRUE(t.dp().ResetSequence(0, 1).ok());
+  OneSeqStep s{0, 100, 99};
+  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());
+  ASSERT_TRUE(t.dp().Select(0).ok());  // fresh: dense, compacted == logical
+  std::vector<float> z(100);
+  for (int i = 0; i < 100; ++i) z[i] = static_cast<float>(i);
+  ASSERT_TRUE(t.dp().Observe(0, z.data(), 100).ok());
+  EXPECT_FALSE(t.Fresh(0, 0));
+  EXPECT_TRUE(t.Fresh(0, 1));
+  EXPECT_EQ(t.Get(0, 0, 0, 10), 10.0f);   // V[10] = z
+  EXPECT_EQ(t.Get(0, 0, 1, 89), 10.0f);   // D[99 - 10] = z
+  EXPECT_TRUE(std::isnan(t.Get(0, 0, 0, 100)));  // beyond the context: untouched
+  // Second step, one slot further: V blends 0.75 * old + 0.25 * new.
+  s.ctx = 101;
+  s.q = 100;
+  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  // B = 2, rho 0.5 -> m = max(1, 1) = 1... the floor ceil(64/64) = 1; query block 1 only.
+  ASSERT_EQ(t.Selected(), (std::vector<int>{1}));
+  std::vector<float> z2(64, 0.0f);
+  for (int c = 0; c < 37; ++c) z2[c] = 4.0f;
+  ASSERT_TRUE(t.dp().Observe(0, z2.data(), 64).ok());
+  EXPECT_EQ(t.Get(0, 0, 0, 64), std::fma(0.75f, 64.0f, 0.25f * 4.0f));
+  EXPECT_EQ(t.Get(0, 0, 0, 10), 10.0f);  // not scored this step: unchanged
+  EXPECT_EQ(t.Get(0, 0, 0, 100), 4.0f);  // first observation of slot 100
+  EXPECT_EQ(t.view().stats[0].observed, 100u + 37u);
+}
+
+TEST(Observe, NonFiniteScoresAreSkippedAndCounted) {
+  TestArena t(Geo(128), Pol(0.0));
+  ASSERT_TRUE(t.dp().ResetSequence(0, 1).ok());
+  OneSeqStep s{0, 8, 7};
+  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  std::vector<float> z = {1, NAN, INFINITY, -INFINITY, 5, 6, 7, 8};
+  ASSERT_TRUE(t.dp().Observe(0, z.data(), 8).ok());
+  EXPECT_EQ(t.view().stats[0].bad_scores, 3u);
+  EXPECT_EQ(t.view().stats[0].observed, 5u);
+  EXPECT_TRUE(std::isnan(t.Get(0, 0, 0, 1)));
+  EXPECT_TRUE(std::isnan(t.Get(0, 0, 0, 2)));
+  EXPECT_TRUE(std::isnan(t.Get(0, 0, 1, 7 - 3)));
+  EXPECT_EQ(t.Get(0, 0, 0, 4), 5.0f);
+  // A later finite score still sets the skipped slot as a first observation.
+  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  std::vector<float> z2(8, 2.0f);
+  ASSERT_TRUE(t.dp().Observe(0, z2.data(), 8).ok());
+  EXPECT_EQ(t.Get(0, 0, 0, 1), 2.0f);
+}
+
+TEST(Observe, MtpReplaysOnlyAcceptedRowsInOrder) {
+  const float alpha = 0.5f;
+  TestArena t(Geo(256, 64, 3), Pol(0.0, alpha));
+  ASSERT_TRUE(t.dp().ResetSequence(0, 1).ok());
+  OneSeqStep s{0, 100, 99};  // rows see 100, 101, 102 slots
+  ASSERT_TRUE(t.dp().BeginStep(s.batch(3)).ok());
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  ASSERT_EQ(t.Selected(), (std::vector<int>{0, 1}));
+  const int stride = 128;
+  std::vector<float> z(3 * stride, 0.0f);
+  for (int r = 0; r < 3; ++r) {
+    for (int i = 0; i < 100 + r; ++i) z[r * stride + i] = static_cast<float>(10 * (r + 1));
+  }
+  int32_t accepted = 2;
+  ASSERT_TRUE(t.dp().Observe(0, z.data(), stride, &accepted).ok());
+  // Slot 5: row 0 sets 10, row 1 blends 0.5 * 10 + 0.5 * 20 = 15; row 2 is rejected.
+  EXPECT_EQ(t.Get(0, 0, 0, 5), 15.0f);
+  // Slot 100 exists for rows 1 and 2 only: row 1 sets it; row 2 must not.
+  EXPECT_EQ(t.Get(0, 0, 0, 100), 20.0f);
+  EXPECT_TRUE(std::isnan(t.Get(0, 0, 0, 101)));
+  // D: row 0 (q = 99) sets D[94] from slot 5 -> 10; row 1 (q = 100) sets D[95] from slot 5 ->
+  // 20 and blends D[94] with slot 6 -> 15. D[0] came from slots 99 and 100.
+  EXPECT_EQ(t.Get(0, 0, 1, 94), 15.0f);
+  EXPECT_EQ(t.Get(0, 0, 1, 95), 15.0f);  // row 0 slot 4 -> 10, row 1 slot 5 -> blend 15
+  EXPECT_TRUE(std::isnan(t.Get(0, 0, 1, 101)));  // only row 2 reaches offset 101
+  // With accepted = 0 nothing changes and the pair stays fresh.
+  TestArena u(Geo(256, 64, 3), Pol(0.0, alpha));
+  ASSERT_TRUE(u.dp().ResetSequence(0, 1).ok());
+  ASSERT_TRUE(u.dp().BeginStep(s.batch(3)).ok());
+  ASSERT_TRUE(u.dp().Select(0).ok());
+  const std::vector<uint8_t> before = u.Snapshot();
+  int32_t none = 0;
+  ASSERT_TRUE(u.dp().Observe(0, z.data(), stride, &none).ok());
+  EXPECT_TRUE(u.Fresh(0, 0));
+  EXPECT_TRUE(std::isnan(u.Get(0, 0, 0, 5)));
+}
+
+TEST(Observe, ProbeStepAccumulatesTheMissCurve) {
+  // 10 blocks, K = 128 (2 blocks at least). Prediction: block b scores 10 - b except the query
+  // block 9. The dense top-K lies in blocks 0 and 5 (64 slots each).
+  TestArena t(Geo(640, 128), Pol(0.5, 0.5f, 2));
+  ASSERT_TRUE(t.dp().ResetSequence(0, 1).ok());
+  for (int i = 0; i < 640; ++i) t.Set(0, 0, 0, i, static_cast<float>(10 - i / 64));
+  t.SetFresh(0, 0, false);
+  OneSeqStep s{0, 640, 639};
+  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());  // step 0: probe
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  ASSERT_EQ(t.Selected().size(), 10u);
+  std::vector<float> z(640, 0.0f);
+  for (int i = 0; i < 64; ++i) z[i] = 100.0f;
+  for (int i = 320; i < 384; ++i) z[i] = 90.0f;
+  ASSERT_TRUE(t.dp().Observe(0, z.data(), 640).ok());
+  const uint64_t* curve = t.view().curves;
+  // Ranking: 9 (query), 0, 1, 2, 3, 4, 5, ... keep f -> m = max(2, ceil(10 f)).
+  // m <= 6 keeps block 0 only (64 missed); m >= 7 keeps both (0 missed).
+  for (int p = 0; p < kCurvePoints; ++p) {
+    const int m = KeptBlocks(10, 128, 64, 1.0 - CurveKeepFraction(p));
+    EXPECT_EQ(curve[p], m >= 7 ? 0u : 64u) << "keep " << CurveKeepFraction(p);
+  }
+  EXPECT_EQ(t.view().stats[0].probe_steps, 1u);
+  EXPECT_EQ(t.view().stats[0].probe_topk, 128u);
+  EXPECT_EQ(t.view().stats[0].probe_missed, 64u);  // rho 0.5 -> m = 5
+  // The probe step also updated the state from every slot.
+  EXPECT_EQ(t.Get(0, 0, 0, 0), std::fma(0.5f, 10.0f, 0.5f * 100.0f));
+  // Step 1 is not a probe step: the curve stays.
+  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  EXPECT_EQ(t.Selected().size(), 5u);
+  std::vector<float> zc(5 * 64, 1.0f);
+  ASSERT_TRUE(t.dp().Observe(0, zc.data(), 5 * 64).ok());
+  EXPECT_EQ(t.view().stats[0].probe_steps, 1u);
+}
+
+TEST(Observe, FreshProbeStepTakesNoCurveSample) {
+  TestArena t(Geo(640, 128), Pol(0.5, 0.5f, 2));
+  ASSERT_TRUE(t.dp().ResetSequence(0, 1).ok());
+  OneSeqStep s{0, 640, 639};
+  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  std::vector<float> z(640, 1.0f);
+  ASSERT_TRUE(t.dp().Observe(0, z.data(), 640).ok());
+  EXPECT_EQ(t.view().stats[0].probe_steps, 0u);
+  EXPECT_EQ(t.view().curves[0], 0u);
+}
+
+TEST(Observe, ResetForgetsEverything) {
+  TestArena t(Geo(128), Pol(0.0));
+  ASSERT_TRUE(t.dp().ResetSequence(0, 1).ok());
+  OneSeqStep s{0, 100, 99};
+  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  std::vector<float> z(100, 3.0f);
+  ASSERT_TRUE(t.dp().Observe(0, z.data(), 100).ok());
+  ASSERT_FALSE(t.Fresh(0, 0));
+  ASSERT_TRUE(t.dp().ResetSequence(0, 2).ok());
+  EXPECT_TRUE(t.Fresh(0, 0));
+  EXPECT_EQ(t.view().seqs[0].key, 2u);
+  EXPECT_EQ(t.view().seqs[0].steps, 0u);
+  for (int i = 0; i < 128; ++i) {
+    EXPECT_TRUE(std::isnan(t.Get(0, 0, 0, i)));
+    EXPECT_TRUE(std::isnan(t.Get(0, 0, 1, i)));
+  }
+  // The step begun before the reset no longer refers to the sequence.
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  EXPECT_EQ(t.view().union_count[0], 0);
+}
+
+TEST(Observe, RejectedCallsChangeNothing) {
+  TestArena t(Geo(256, 64, 2, 2), Pol(0.5));
+  ASSERT_TRUE(t.dp().ResetSequence(0, 1).ok());
+  ASSERT_TRUE(t.dp().ResetSequence(1, 2).ok());
+  int32_t seq[2] = {0, 1}, ctx[2] = {100, 100}, q[2] = {99, 99};
+  ASSERT_TRUE(t.dp().BeginStep(StepBatch{seq, ctx, q, 2, 1}).ok());
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  const std::vector<uint8_t> before = t.Snapshot();
+  auto same = [&] { return t.Snapshot() == before; };
+
+  EXPECT_EQ(t.dp().ResetSequence(2, 0).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(t.dp().ResetSequence(-1, 0).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(t.dp().Select(2).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(t.dp().Select(-1).code(), absl::StatusCode::kOutOfRange);
+  std::vector<float> z(2 * 2 * 128, 1.0f);
+  EXPECT_EQ(t.dp().Observe(1, z.data(), 128).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(t.dp().Observe(0, z.data(), 50).code(), absl::StatusCode::kInvalidArgument);
+  int32_t bad_acc[2] = {1, 2};  // rows = 1
+  EXPECT_EQ(t.dp().Observe(0, z.data(), 128, bad_acc).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(same());
+
+  auto begin = [&](std::vector<int32_t> s, std::vector<int32_t> c, std::vector<int32_t> p,
+                   int rows) {
+    return t.dp().BeginStep(
+        StepBatch{s.data(), c.data(), p.data(), static_cast<int32_t>(s.size()), rows});
+  };
+  EXPECT_EQ(begin({0, 2}, {10, 10}, {9, 9}, 1).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(begin({0, 0}, {10, 10}, {9, 9}, 1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(begin({0, 1}, {10, 0}, {9, 9}, 1).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(begin({0, 1}, {10, 256}, {9, 9}, 2).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(begin({0, 1}, {10, 10}, {9, -1}, 1).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(begin({0, 1}, {10, 10}, {9, 255}, 2).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(begin({0, 1}, {10, 10}, {9, 9}, 3).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(begin({0, 1, -1}, {10, 10, 0}, {9, 9, 0}, 1).code(),
+            absl::StatusCode::kInvalidArgument);  // more entries than max_seqs
+  EXPECT_TRUE(same());
+
+  TestArena u(Geo(256, 64, 1, 2), Pol(0.5));
+  ASSERT_TRUE(u.dp().ResetSequence(0, 1).ok());
+  const std::vector<uint8_t> ub = u.Snapshot();
+  int32_t s2[2] = {0, 1}, c2[2] = {10, 10}, q2[2] = {9, 9};
+  EXPECT_EQ(u.dp().BeginStep(StepBatch{s2, c2, q2, 2, 1}).code(),
+            absl::StatusCode::kFailedPrecondition);  // sequence 1 never opened
+  EXPECT_TRUE(u.Snapshot() == ub);
+}
+
+TEST(Observe, SequencesAreIsolated) {
+  TestArena t(Geo(256, 64, 1, 2), Pol(0.0));
+  ASSERT_TRUE(t.dp().ResetSequence(0, 1).ok());
+  ASSERT_TRUE(t.dp().ResetSequence(1, 2).ok());
+  int32_t seq[2] = {1, 0}, ctx[2] = {10, 20}, q[2] = {9, 19};
+  ASSERT_TRUE(t.dp().BeginStep(StepBatch{seq, ctx, q, 2, 1}).ok());
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  std::vector<float> z(2 * 64);
+  for (int c = 0; c < 64; ++c) {
+    z[c] = 1.0f;        // entry 0 = sequence 1
+    z[64 + c] = 2.0f;   // entry 1 = sequence 0
+  }
+  ASSERT_TRUE(t.dp().Observe(0, z.data(), 64).ok());
+  EXPECT_EQ(t.Get(1, 0, 0, 3), 1.0f);
+  EXPECT_EQ(t.Get(0, 0, 0, 3), 2.0f);
+  EXPECT_TRUE(std::isnan(t.Get(1, 0, 0, 15)));  // sequence 1 has 10 slots
+  EXPECT_EQ(t.Get(0, 0, 0, 15), 2.0f);
+}
+
+// Runs identical dense observations through fp32 and bf16 state: every bf16 value stays within
+// its rounding of the fp32 value (relative 2^-8 per store, compounded over the EMA steps), and
+// the selections made from the two states agree on nearly every block.
+TEST(Observe, Bf16TracksFp32) {
+  const int n = 64 * 64;
+  TestArena f(Geo(n, 256, 1, 1, StateDtype::kFp32), Pol(0.0, 0.5f));
+  TestArena h(Geo(n, 256, 1, 1, StateDtype::kBf16), Pol(0.0, 0.5f));
+  std::mt19937 rng(5);
+  std::normal_distribution<float> noise(0.0f, 1.0f);
+  std::vector<float> base(n);
+  for (float& b : base) b = 3.0f * noise(rng);
+  for (TestArena* t : {&f, &h}) ASSERT_TRUE(t->dp().ResetSequence(0, 9).ok());
+  const int steps = 20;
+  for (int step = 0; step < steps; ++step) {
+    OneSeqStep s{0, n - steps + step, n - steps - 1 + step};
+    std::vector<float> z(s.ctx);
+    for (int i = 0; i < s.ctx; ++i) z[i] = base[i] + 0.3f * noise(rng);
+    for (TestArena* t : {&f, &h}) {
+      ASSERT_TRUE(t->dp().BeginStep(s.batch()).ok());
+      ASSERT_TRUE(t->dp().Select(0).ok());
+      ASSERT_EQ(t->Selected().size(), static_cast<size_t>(n / 64));
+      ASSERT_TRUE(t->dp().Observe(0, z.data(), s.ctx).ok());
+    }
+  }
+  for (int which = 0; which < 2; ++which) {
+    for (int i = 0; i < n; ++i) {
+      const float a = f.Get(0, 0, which, i), b = h.Get(0, 0, which, i);
+      ASSERT_EQ(std::isnan(a), std::isnan(b)) << i;
+      if (std::isnan(a)) continue;
+      // Error relative to the scores' scale (~3): EMA blends of large values land near 0.
+      ASSERT_LE(std::fabs(a - b), 0.01f * (std::fabs(a) + 3.0f)) << which << " " << i;
+    }
+  }
+  size_t agree = 0, total = 0;
+  Policy sparse = Pol(0.5, 0.5f);
+  for (TestArena* t : {&f, &h}) ASSERT_TRUE(WritePolicy(t->view(), sparse).ok());
+  for (int step = 0; step < 5; ++step) {
+    OneSeqStep s{0, n - 5 + step, n - 6 + step};
+    std::vector<std::vector<int>> sel;
+    for (TestArena* t : {&f, &h}) {
+      ASSERT_TRUE(t->dp().BeginStep(s.batch()).ok());
+      ASSERT_TRUE(t->dp().Select(0).ok());
+      sel.push_back(t->Selected());
+    }
+    ASSERT_EQ(sel[0].size(), 32u);
+    for (int j : sel[0]) agree += std::binary_search(sel[1].begin(), sel[1].end(), j);
+    total += sel[0].size();
+  }
+  EXPECT_GE(static_cast<double>(agree) / total, 0.9);
+}
+
+}  // namespace
+}  // namespace spin::testing

@@ -1,0 +1,81 @@
+// Test helpers: an arena in host memory with a CPU data plane, and direct access to its state.
+#pragma once
+
+#include <cmath>
+#include <cstdlib>
+#include <memory>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "spin/arena.h"
+#include "spin/data_plane.h"
+#include "spin/numerics.h"
+
+namespace spin::testing {
+
+/// An arena in 256-byte-aligned host memory with a CPU data plane over it.
+class TestArena {
+ public:
+  explicit TestArena(const Geometry& g, const Policy& p = Policy{}, uint64_t seed = 7) {
+    bytes_ = ArenaBytes(g);
+    mem_.reset(static_cast<uint8_t*>(std::aligned_alloc(kArenaAlign, (bytes_ + 255) / 256 * 256)));
+    auto view = InitArena(mem_.get(), bytes_, g, seed, p);
+    EXPECT_TRUE(view.ok()) << view.status();
+    view_ = *view;
+    dp_ = MakeCpuDataPlane(view_);
+  }
+
+  DataPlane& dp() { return *dp_; }
+  const ArenaView& view() const { return view_; }
+  uint8_t* base() { return mem_.get(); }
+  uint64_t bytes() const { return bytes_; }
+
+  /// State element i of V (which=0) or D (which=1) for (seq, layer), as float.
+  float Get(int seq, int layer, int which, int i) const {
+    const uint8_t* rec = view_.StateRecord(seq, layer);
+    const uint64_t at = static_cast<uint64_t>(which) * view_.geometry.max_slots + i;
+    if (view_.geometry.dtype == StateDtype::kFp32) return reinterpret_cast<const float*>(rec)[at];
+    return Bf16ToFloat(reinterpret_cast<const uint16_t*>(rec)[at]);
+  }
+  void Set(int seq, int layer, int which, int i, float v) {
+    uint8_t* rec = view_.StateRecord(seq, layer);
+    const uint64_t at = static_cast<uint64_t>(which) * view_.geometry.max_slots + i;
+    if (view_.geometry.dtype == StateDtype::kFp32) {
+      reinterpret_cast<float*>(rec)[at] = v;
+    } else {
+      reinterpret_cast<uint16_t*>(rec)[at] = FloatToBf16(v);
+    }
+  }
+  void SetFresh(int seq, int layer, bool fresh) {
+    view_.fresh[static_cast<uint64_t>(seq) * view_.geometry.layers + layer] = fresh ? 1 : 0;
+  }
+  bool Fresh(int seq, int layer) const {
+    return view_.fresh[static_cast<uint64_t>(seq) * view_.geometry.layers + layer] != 0;
+  }
+
+  /// Selected blocks (union) of batch entry e after the last Select.
+  std::vector<int> Selected(int e = 0) const {
+    const int32_t* ids = view_.union_ids + static_cast<int64_t>(e) * view_.max_blocks;
+    return std::vector<int>(ids, ids + view_.union_count[e]);
+  }
+
+  /// Snapshot of the whole arena, to check that a rejected call changed nothing.
+  std::vector<uint8_t> Snapshot() const { return {mem_.get(), mem_.get() + bytes_}; }
+
+ private:
+  struct Free {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  std::unique_ptr<uint8_t, Free> mem_;
+  uint64_t bytes_ = 0;
+  ArenaView view_;
+  std::unique_ptr<DataPlane> dp_;
+};
+
+/// One-entry batch over host arrays that outlive the call.
+struct OneSeqStep {
+  int32_t seq = 0, ctx = 0, q = 0;
+  StepBatch batch(int rows = 1) const { return StepBatch{&seq, &ctx, &q, 1, rows}; }
+};
+
+}  // namespace spin::testing
