@@ -31,7 +31,9 @@ TEST(Bf16, NanBecomesCanonicalUnset) {
 TEST(Bf16, WidenIsExact) {
   for (uint32_t h = 0; h < 0x10000; h += 7) {
     const float f = Bf16ToFloat(static_cast<uint16_t>(h));
-    if (!std::isnan(f)) EXPECT_EQ(FloatToBf16(f), h);
+    if (!std::isnan(f)) {
+      EXPECT_EQ(FloatToBf16(f), h);
+    }
   }
 }
 

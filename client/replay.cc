@@ -1,0 +1,257 @@
+#include "replay.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "nlohmann/json.hpp"
+#include "spin/numerics.h"
+
+namespace spin {
+namespace {
+
+// Top-K of scores[0..n) (ties: lower index), non-finite scores excluded; unordered.
+void TopK(const float* scores, int32_t n, int32_t k, std::vector<int32_t>* out) {
+  out->clear();
+  for (int32_t i = 0; i < n; ++i) {
+    if (std::isfinite(scores[i])) out->push_back(i);
+  }
+  const int32_t kk = std::min<int32_t>(k, static_cast<int32_t>(out->size()));
+  if (kk > 0 && kk < static_cast<int32_t>(out->size())) {
+    std::nth_element(out->begin(), out->begin() + (kk - 1), out->end(),
+                     [scores](int32_t a, int32_t b) {
+                       return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
+                     });
+  }
+  out->resize(kk);
+}
+
+// Nearest-rank percentile of an unsorted sample (sorted in place).
+double Percentile(std::vector<double>* v, double p) {
+  if (v->empty()) return 0.0;
+  std::sort(v->begin(), v->end());
+  const size_t rank = static_cast<size_t>(std::ceil(p * static_cast<double>(v->size())));
+  return (*v)[std::clamp<size_t>(rank, 1, v->size()) - 1];
+}
+
+double Mean(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x;
+  return v.empty() ? 0.0 : s / static_cast<double>(v.size());
+}
+
+double Skipped(uint64_t kept, uint64_t total) {
+  return total == 0 ? 0.0 : 1.0 - static_cast<double>(kept) / static_cast<double>(total);
+}
+
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+
+}  // namespace
+
+Geometry TraceGeometry(const TraceMeta& meta, int64_t n_max, StateDtype dtype) {
+  Geometry g;
+  g.layers = static_cast<uint32_t>(meta.layers);
+  g.max_seqs = 1;
+  g.max_slots = static_cast<uint32_t>(n_max);
+  g.block_size = static_cast<uint32_t>(meta.block_size);
+  g.topk = static_cast<uint32_t>(meta.topk);
+  g.max_rows = static_cast<uint32_t>(meta.rows);
+  g.dtype = dtype;
+  return g;
+}
+
+absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
+                                       const ReplayOptions& options) {
+  const TraceMeta& meta = trace.meta();
+  const ArenaView& a = dp.arena();
+  const Geometry& g = a.geometry;
+  if (g.layers != static_cast<uint32_t>(meta.layers) ||
+      g.block_size != static_cast<uint32_t>(meta.block_size) ||
+      g.topk != static_cast<uint32_t>(meta.topk) || g.max_rows < static_cast<uint32_t>(meta.rows) ||
+      g.max_slots < trace.n_max()) {
+    return absl::InvalidArgumentError(
+        "the session's geometry does not fit the trace (layers, block size, top-K, rows, slots)");
+  }
+  std::unique_ptr<std::ofstream> dump;
+  if (!options.dump_path.empty()) {
+    dump = std::make_unique<std::ofstream>(options.dump_path, std::ios::trunc);
+    if (!*dump) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot write the dump file ", options.dump_path));
+    }
+  }
+  if (absl::Status s = dp.ResetSequence(0, options.sequence_key); !s.ok()) return s;
+
+  const int32_t b = meta.block_size, rows = meta.rows, k = meta.topk;
+  const int32_t max_blocks = static_cast<int32_t>(a.max_blocks);
+  std::vector<std::vector<double>> miss(meta.layers);
+  std::vector<float> logits;
+  std::vector<int32_t> dense_topk, sparse_topk;
+  std::vector<uint8_t> selected(max_blocks);
+  // Stats counters are monotone: remember where they started so a shared arena works too.
+  std::vector<LayerStats> start(a.stats, a.stats + meta.layers);
+
+  for (int t = 0; t < meta.steps; ++t) {
+    const int32_t seq = 0, ctx = meta.ctx_len[t], q = meta.q_pos[t];
+    const int32_t accepted = meta.accepted.empty() ? rows : meta.accepted[t];
+    StepBatch batch{&seq, &ctx, &q, 1, rows};
+    if (absl::Status s = dp.BeginStep(batch); !s.ok()) {
+      return absl::InternalError(absl::StrCat("step ", t, ": ", s.message()));
+    }
+    for (int l = 0; l < meta.layers; ++l) {
+      const uint64_t dense_before = a.stats[l].dense_steps;
+      if (absl::Status s = dp.Select(l); !s.ok()) {
+        return absl::InternalError(absl::StrCat("step ", t, " layer ", l, ": ", s.message()));
+      }
+      const bool dense = a.stats[l].dense_steps != dense_before;
+      const int32_t count = a.union_count[0];
+      const int32_t* ids = a.union_ids;
+      // The engine's indexer over the compacted table: row r sees the union's slots below
+      // its own context; the rest of the row is padding.
+      const int64_t stride = static_cast<int64_t>(std::max(count, 1)) * b;
+      logits.assign(stride * rows, -INFINITY);
+      for (int32_t r = 0; r < rows; ++r) {
+        const float* z = trace.scores(t, l, r);
+        const int32_t n = ctx + r;
+        for (int32_t c = 0; c < count; ++c) {
+          const int32_t lo = ids[c] * b, hi = std::min(lo + b, n);
+          if (lo < hi)
+            std::copy(z + lo, z + hi, logits.begin() + r * stride + static_cast<int64_t>(c) * b);
+        }
+      }
+      // The engine's own top-K over the compacted logits, remapped to logical slots.
+      sparse_topk.assign(static_cast<size_t>(rows) * k, -1);
+      for (int32_t r = 0; r < rows; ++r) {
+        TopK(logits.data() + r * stride, a.compact_len[r], k, &dense_topk);
+        std::copy(dense_topk.begin(), dense_topk.end(), sparse_topk.begin() + r * k);
+      }
+      if (absl::Status s = dp.Remap(sparse_topk.data(), k); !s.ok()) return s;
+      if (absl::Status s = dp.Observe(l, logits.data(), stride, &accepted); !s.ok()) {
+        return absl::InternalError(absl::StrCat("step ", t, " layer ", l, ": ", s.message()));
+      }
+      // Miss of row 0: dense top-K slots that the sparse top-K lost, i.e. that lie in skipped
+      // blocks (a dense top-K slot in a selected block is in the sparse top-K too).
+      TopK(trace.scores(t, l, 0), ctx, k, &dense_topk);
+      std::sort(sparse_topk.begin(), sparse_topk.begin() + k);
+      int32_t lost = 0;
+      for (int32_t i : dense_topk) {
+        if (!std::binary_search(sparse_topk.begin(), sparse_topk.begin() + k, i)) ++lost;
+      }
+      const double m = dense_topk.empty() ? 0.0 : static_cast<double>(lost) / dense_topk.size();
+      if (!dense) miss[l].push_back(m);
+      if (dump) {
+        std::string line = absl::StrCat("{\"step\":", t, ",\"layer\":", l, ",\"blocks\":[");
+        for (int32_t c = 0; c < count; ++c) absl::StrAppend(&line, c ? "," : "", ids[c]);
+        absl::StrAppend(&line, "],\"miss\":", absl::StrFormat("%.6g", m), "}\n");
+        *dump << line;
+      }
+    }
+    if (options.progress) options.progress(t + 1, meta.steps);
+  }
+  if (dump) {
+    dump->flush();
+    if (!*dump) {
+      return absl::DataLossError(
+          absl::StrCat("writing the dump file ", options.dump_path, " failed (disk full?)"));
+    }
+  }
+
+  ReplaySummary out;
+  out.steps = meta.steps;
+  out.layers = meta.layers;
+  std::vector<double> all;
+  uint64_t kept = 0, total = 0, skept = 0, stotal = 0;
+  for (int l = 0; l < meta.layers; ++l) {
+    const LayerStats& s = a.stats[l];
+    const LayerStats& s0 = start[l];
+    LayerSummary ls;
+    ls.layer = l;
+    ls.mean_miss = Mean(miss[l]);
+    all.insert(all.end(), miss[l].begin(), miss[l].end());
+    ls.p99_miss = Percentile(&miss[l], 0.99);
+    ls.sparsity = Skipped(s.sparse_blocks_kept - s0.sparse_blocks_kept,
+                          s.sparse_blocks_total - s0.sparse_blocks_total);
+    ls.effective_sparsity =
+        Skipped(s.blocks_kept - s0.blocks_kept, s.blocks_total - s0.blocks_total);
+    ls.probe_steps = s.probe_steps - s0.probe_steps;
+    ls.bad_scores = s.bad_scores - s0.bad_scores;
+    kept += s.blocks_kept - s0.blocks_kept;
+    total += s.blocks_total - s0.blocks_total;
+    skept += s.sparse_blocks_kept - s0.sparse_blocks_kept;
+    stotal += s.sparse_blocks_total - s0.sparse_blocks_total;
+    out.dense_steps += s.dense_steps - s0.dense_steps;
+    out.bad_scores += ls.bad_scores;
+    out.per_layer.push_back(ls);
+  }
+  out.sparse_steps = all.size();
+  out.mean_miss = Mean(all);
+  out.p99_miss = Percentile(&all, 0.99);
+  out.realized_sparsity = Skipped(skept, stotal);
+  out.effective_sparsity = Skipped(kept, total);
+  return out;
+}
+
+absl::StatusOr<ReplaySummary> Replay(const Trace& trace, const ReplayOptions& options) {
+  const Geometry g = TraceGeometry(trace.meta(), trace.n_max(), options.dtype);
+  if (absl::Status s = ValidateGeometry(g); !s.ok()) return s;
+  const uint64_t bytes = ArenaBytes(g);
+  std::unique_ptr<void, FreeDeleter> mem(std::aligned_alloc(kArenaAlign, bytes));
+  if (!mem) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate a ", bytes, "-byte arena for this trace"));
+  }
+  absl::StatusOr<ArenaView> view = InitArena(mem.get(), bytes, g, options.seed, options.policy);
+  if (!view.ok()) return view.status();
+  std::unique_ptr<DataPlane> dp = MakeCpuDataPlane(*view);
+  return ReplayOn(*dp, trace, options);
+}
+
+std::string SummaryJson(const ReplaySummary& s) {
+  nlohmann::json j;
+  j["steps"] = s.steps;
+  j["layers"] = s.layers;
+  j["mean_miss"] = s.mean_miss;
+  j["p99_miss"] = s.p99_miss;
+  j["realized_sparsity"] = s.realized_sparsity;
+  j["effective_sparsity"] = s.effective_sparsity;
+  j["sparse_steps"] = s.sparse_steps;
+  j["dense_steps"] = s.dense_steps;
+  j["bad_scores"] = s.bad_scores;
+  j["per_layer"] = nlohmann::json::array();
+  for (const LayerSummary& l : s.per_layer) {
+    j["per_layer"].push_back({{"layer", l.layer},
+                              {"mean_miss", l.mean_miss},
+                              {"p99_miss", l.p99_miss},
+                              {"sparsity", l.sparsity},
+                              {"effective_sparsity", l.effective_sparsity},
+                              {"probe_steps", l.probe_steps},
+                              {"bad_scores", l.bad_scores}});
+  }
+  return j.dump();
+}
+
+std::string SummaryTable(const ReplaySummary& s) {
+  std::string out = absl::StrFormat("%5s  %9s  %8s  %8s  %9s  %6s  %5s\n", "layer", "mean_miss",
+                                    "p99_miss", "sparsity", "effective", "probes", "bad");
+  for (const LayerSummary& l : s.per_layer) {
+    absl::StrAppendFormat(&out, "%5d  %9.4f  %8.4f  %8.4f  %9.4f  %6d  %5d\n", l.layer, l.mean_miss,
+                          l.p99_miss, l.sparsity, l.effective_sparsity, l.probe_steps,
+                          l.bad_scores);
+  }
+  absl::StrAppendFormat(&out, "%5s  %9.4f  %8.4f  %8.4f  %9.4f  %6s  %5d\n", "all", s.mean_miss,
+                        s.p99_miss, s.realized_sparsity, s.effective_sparsity, "", s.bad_scores);
+  absl::StrAppendFormat(&out,
+                        "%d steps x %d layers: %d sparse and %d dense (fresh or probe) "
+                        "layer-steps\n",
+                        s.steps, s.layers, s.sparse_steps, s.dense_steps);
+  return out;
+}
+
+}  // namespace spin

@@ -1,0 +1,77 @@
+// Offline replay: runs the real data plane over a trace as an engine would (DESIGN §8).
+//
+// Per step: BeginStep; per layer: Select, "score" the selected blocks from the trace into a
+// compacted logits buffer, take the top-K of each row and Remap it, Observe. The quality proxy
+// is the miss rate of row 0: the fraction of the dense top-K (from the trace) that falls in
+// skipped blocks.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "spin/arena.h"
+#include "spin/data_plane.h"
+#include "trace.h"
+
+namespace spin {
+
+/// The default EMA decay; docs/alpha.md has the replay evidence behind it.
+inline constexpr float kDefaultAlpha = 0.5f;
+
+/// What to replay with.
+struct ReplayOptions {
+  Policy policy;              ///< sparsity, exploration, alpha, probe period, budgets
+  uint64_t seed = 1;          ///< session seed of the exploration draws
+  uint64_t sequence_key = 0;  ///< the trace's sequence key
+  StateDtype dtype = StateDtype::kFp32;
+  std::string dump_path;  ///< JSONL, one line per (step, layer); empty = none
+  /// Called after each step with (steps done, steps total).
+  std::function<void(int, int)> progress;
+};
+
+/// Per-layer results.
+struct LayerSummary {
+  int layer = 0;
+  double mean_miss = 0;  ///< over the layer's non-dense steps
+  double p99_miss = 0;
+  double sparsity = 0;            ///< realized: skipped / total blocks over non-dense steps
+  double effective_sparsity = 0;  ///< over all steps, dense ones included
+  uint64_t probe_steps = 0;
+  uint64_t bad_scores = 0;
+};
+
+/// Whole-trace results.
+struct ReplaySummary {
+  int steps = 0;
+  int layers = 0;
+  double mean_miss = 0;  ///< over all non-dense (step, layer) pairs
+  double p99_miss = 0;
+  double realized_sparsity = 0;   ///< skipped / total blocks over non-dense steps
+  double effective_sparsity = 0;  ///< skipped / total blocks, dense steps counted as dense
+  uint64_t sparse_steps = 0;      ///< non-dense (step, layer) pairs
+  uint64_t dense_steps = 0;       ///< dense (step, layer) pairs (fresh or probe)
+  uint64_t bad_scores = 0;        ///< non-finite scores skipped by Observe
+  std::vector<LayerSummary> per_layer;
+};
+
+/// The arena geometry that holds one trace.
+Geometry TraceGeometry(const TraceMeta& meta, int64_t n_max, StateDtype dtype);
+
+/// Replays `trace` on a data plane whose arena fits TraceGeometry (any backend, any owner),
+/// using sequence slot 0. The arena's policy is used as it is.
+absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
+                                       const ReplayOptions& options);
+
+/// Replays `trace` on a private CPU arena built from `options`.
+absl::StatusOr<ReplaySummary> Replay(const Trace& trace, const ReplayOptions& options);
+
+/// The summary as one JSON object (keys documented in docs/replay.md).
+std::string SummaryJson(const ReplaySummary& s);
+
+/// The summary as a human-readable table.
+std::string SummaryTable(const ReplaySummary& s);
+
+}  // namespace spin

@@ -1,0 +1,184 @@
+// spinctl: the command-line tool. Offline commands for now: gen-trace, trace-stats, replay.
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <string>
+
+#include "CLI/CLI.hpp"
+#include "absl/status/status.h"
+#include "gen_trace.h"
+#include "replay.h"
+#include "trace.h"
+
+namespace spin {
+namespace {
+
+int Fail(const absl::Status& s) {
+  std::fprintf(stderr, "spinctl: error: %s\n", std::string(s.message()).c_str());
+  return 1;
+}
+
+// Rate-limited progress on stderr: rewritten in place on a terminal, a line every few seconds
+// otherwise (logs), nothing for runs that finish quickly.
+class Progress {
+ public:
+  explicit Progress(std::string what, bool quiet)
+      : what_(std::move(what)),
+        quiet_(quiet),
+        tty_(isatty(STDERR_FILENO) != 0),
+        start_(Clock::now()),
+        last_(start_) {}
+
+  void Update(int done, int total) {
+    if (quiet_) return;
+    const auto now = Clock::now();
+    const double since = Seconds(last_, now);
+    if (done < total && since < (tty_ ? 0.5 : 5.0)) return;
+    if (done == total && !printed_) return;  // finished before the first report
+    last_ = now;
+    printed_ = true;
+    const double elapsed = Seconds(start_, now);
+    const double left = done > 0 ? elapsed * (total - done) / done : 0.0;
+    std::fprintf(stderr, "%s%s: step %d/%d (%.0f%%), %.1f s elapsed, ~%.1f s left%s",
+                 tty_ ? "\r" : "", what_.c_str(), done, total, 100.0 * done / total, elapsed, left,
+                 tty_ && done < total ? "" : "\n");
+    std::fflush(stderr);
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  static double Seconds(Clock::time_point a, Clock::time_point b) {
+    return std::chrono::duration<double>(b - a).count();
+  }
+  std::string what_;
+  bool quiet_, tty_, printed_ = false;
+  Clock::time_point start_, last_;
+};
+
+}  // namespace
+}  // namespace spin
+
+int main(int argc, char** argv) {
+  using namespace spin;
+  CLI::App app{
+      "spinctl: tools for spind, the SPIN (Shadow Predictive Indexer) sidecar.\n"
+      "Offline: generate synthetic indexer-score traces and replay them through the real\n"
+      "data plane to measure miss rate and block sparsity."};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "spinctl 0.1.0");
+
+  // gen-trace
+  GenTraceOptions gen;
+  std::string gen_out;
+  bool gen_json = false;
+  CLI::App* g = app.add_subcommand("gen-trace", "Write a synthetic trace (meta.json + scores.npy)");
+  g->add_option("OUT", gen_out, "Output directory (created if missing)")->required();
+  g->add_option("--layers", gen.layers, "Indexer layers")->capture_default_str();
+  g->add_option("--slots", gen.slots, "Slots per sequence (the scores' last axis)")
+      ->capture_default_str();
+  g->add_option("--steps", gen.steps, "Decode steps")->capture_default_str();
+  g->add_option("--rows", gen.rows, "Query rows per step (1 + MTP drafts)")->capture_default_str();
+  g->add_option("--seed", gen.seed, "Random seed")->capture_default_str();
+  g->add_option("--block-size", gen.block_size, "KV block size in slots")->capture_default_str();
+  g->add_option("--topk", gen.topk, "The indexer's top-K")->capture_default_str();
+  g->add_option("--prompt-len", gen.prompt_len,
+                "Context of the first step (-1: slots - steps*rows - block size)")
+      ->capture_default_str();
+  g->add_option("--accept-rate", gen.accept_rate, "MTP: chance each draft row is accepted")
+      ->capture_default_str();
+  g->add_option("--shifts", gen.shifts, "Sudden shifts (needles appearing mid-decode)")
+      ->capture_default_str();
+  g->add_option("--needles", gen.shift_needles, "Needle runs per shift")->capture_default_str();
+  g->add_option("--noise", gen.noise_scale, "Scale of the per-step noise")->capture_default_str();
+  g->add_option("--drift", gen.drift_scale, "Scale of the slow drift")->capture_default_str();
+  g->add_option("--nonfinite-rate", gen.nonfinite_rate,
+                "Fraction of scores replaced by NaN/inf (to exercise bad-score handling)")
+      ->capture_default_str();
+  g->add_flag("--json", gen_json, "Print the trace statistics as JSON");
+
+  // trace-stats
+  std::string stats_dir;
+  CLI::App* ts = app.add_subcommand("trace-stats", "Print prev-iter Pearson and top-K recall");
+  ts->add_option("TRACE", stats_dir, "Trace directory")->required();
+
+  // replay
+  ReplayOptions ro;
+  ro.policy.alpha = kDefaultAlpha;
+  std::string trace_dir, budget = "uniform", state = "fp32";
+  bool json = false, quiet = false;
+  CLI::App* r = app.add_subcommand(
+      "replay", "Replay a trace through the CPU data plane and report miss rate and sparsity");
+  r->add_option("--trace", trace_dir, "Trace directory (meta.json + scores.npy)")->required();
+  r->add_option("--sparsity", ro.policy.target_sparsity, "Target block sparsity rho in [0, 1)")
+      ->capture_default_str();
+  r->add_option("--exploration", ro.policy.exploration,
+                "Share of kept blocks chosen at random, in [0, 1)")
+      ->capture_default_str();
+  r->add_option("--alpha", ro.policy.alpha, "EMA decay (weight of history), in [0, 1)")
+      ->capture_default_str();
+  r->add_option("--probe-period", ro.policy.probe_period,
+                "Every P-th step is a dense probe step (0: none)")
+      ->capture_default_str();
+  r->add_option("--budget", budget, "Budget mode")
+      ->check(CLI::IsMember({"uniform"}))
+      ->capture_default_str();
+  r->add_option("--seed", ro.seed, "Session seed of the exploration draws")->capture_default_str();
+  r->add_option("--key", ro.sequence_key, "Sequence key of the exploration draws")
+      ->capture_default_str();
+  r->add_option("--state", state, "State dtype")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
+  r->add_option("--dump", ro.dump_path,
+                "Write JSONL, one line per (step, layer): selected blocks and row-0 miss");
+  r->add_flag("--json", json, "Print the summary as one JSON object");
+  r->add_flag("--quiet", quiet, "No progress on stderr");
+
+  CLI11_PARSE(app, argc, argv);
+
+  if (g->parsed()) {
+    if (absl::Status s = GenerateTrace(gen_out, gen); !s.ok()) return Fail(s);
+    absl::StatusOr<Trace> t = LoadTrace(gen_out);
+    if (!t.ok()) return Fail(t.status());
+    absl::StatusOr<TraceStats> st = ComputeTraceStats(*t);
+    if (!st.ok()) return Fail(st.status());
+    if (gen_json) {
+      std::printf("{\"trace\":\"%s\",\"prev_iter_pearson\":%.6f,\"prev_iter_recall\":%.6f}\n",
+                  gen_out.c_str(), st->prev_iter_pearson, st->prev_iter_recall);
+    } else {
+      std::printf("wrote %s: %d steps x %d layers x %d rows x %d slots\n%s", gen_out.c_str(),
+                  t->meta().steps, t->meta().layers, t->meta().rows, static_cast<int>(t->n_max()),
+                  FormatTraceStats(*st).c_str());
+    }
+    return 0;
+  }
+  if (ts->parsed()) {
+    absl::StatusOr<Trace> t = LoadTrace(stats_dir);
+    if (!t.ok()) return Fail(t.status());
+    absl::StatusOr<TraceStats> st = ComputeTraceStats(*t);
+    if (!st.ok()) return Fail(st.status());
+    std::printf("%s", FormatTraceStats(*st).c_str());
+    return 0;
+  }
+  // replay
+  ro.dtype = state == "bf16" ? StateDtype::kBf16 : StateDtype::kFp32;
+  ro.policy.budget_mode = BudgetMode::kUniform;
+  if (absl::Status s = ValidatePolicy(ro.policy); !s.ok()) return Fail(s);
+  absl::StatusOr<Trace> t = LoadTrace(trace_dir);
+  if (!t.ok()) return Fail(t.status());
+  Progress progress("replay", quiet);
+  ro.progress = [&progress](int done, int total) { progress.Update(done, total); };
+  absl::StatusOr<ReplaySummary> sum = Replay(*t, ro);
+  if (!sum.ok()) return Fail(sum.status());
+  if (json) {
+    std::printf("%s\n", SummaryJson(*sum).c_str());
+  } else {
+    std::printf(
+        "replay of %s: sparsity %.2f, exploration %.2f, alpha %.2f, probe period %u, "
+        "%s state\n%s",
+        trace_dir.c_str(), ro.policy.target_sparsity, ro.policy.exploration, ro.policy.alpha,
+        ro.policy.probe_period, state.c_str(), SummaryTable(*sum).c_str());
+  }
+  return 0;
+}
