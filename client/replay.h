@@ -18,9 +18,6 @@
 
 namespace spin {
 
-/// The default EMA decay; docs/alpha.md has the replay evidence behind it.
-inline constexpr float kDefaultAlpha = 0.5f;
-
 /// What to replay with.
 struct ReplayOptions {
   Policy policy;              ///< sparsity, exploration, alpha, probe period, budgets

@@ -67,6 +67,10 @@ int main(int argc, char** argv) {
       "Offline: generate synthetic indexer-score traces and replay them through the real\n"
       "data plane to measure miss rate and block sparsity."};
   app.require_subcommand(1);
+  // Usage errors: one line, like every other error.
+  app.failure_message([](const CLI::App*, const CLI::Error& e) {
+    return std::string("spinctl: error: ") + e.what() + " (see --help)\n";
+  });
   app.set_version_flag("--version", "spinctl 0.1.0");
 
   // gen-trace
@@ -105,7 +109,6 @@ int main(int argc, char** argv) {
 
   // replay
   ReplayOptions ro;
-  ro.policy.alpha = kDefaultAlpha;
   std::string trace_dir, budget = "uniform", state = "fp32";
   bool json = false, quiet = false;
   CLI::App* r = app.add_subcommand(

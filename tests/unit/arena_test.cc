@@ -58,8 +58,7 @@ TEST(Arena, ViewRejectsWhatIsNotAnArena) {
   EXPECT_FALSE(ViewArena(t.base() + 8, t.bytes() - 256).ok());
   auto* h = reinterpret_cast<ArenaHeader*>(t.base());
   h->version = 99;
-  EXPECT_EQ(ViewArena(t.base(), t.bytes()).status().code(),
-            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ViewArena(t.base(), t.bytes()).status().code(), absl::StatusCode::kFailedPrecondition);
   h->version = kArenaLayoutVersion;
   h->off_state += 256;
   EXPECT_FALSE(ViewArena(t.base(), t.bytes()).ok());
@@ -100,10 +99,10 @@ TEST(Arena, PolicyValidationAndWrite) {
   const Policy back = ReadPolicy(t.view());
   EXPECT_EQ(back.probe_period, 8u);
   EXPECT_EQ(back.alpha, 0.9f);
-  for (Policy bad : {Policy{1.0}, Policy{-0.1}, Policy{NAN}, Policy{0.5, 1.0}, Policy{0.5, -1},
-                     Policy{0.5, 0.05, 1.0f}, Policy{0.5, 0.05, NAN},
-                     Policy{0.5, 0.05, 0.5f, (1u << 20) + 1},
-                     Policy{0.5, 0.05, 0.5f, 0, static_cast<BudgetMode>(0)}}) {
+  for (Policy bad :
+       {Policy{1.0}, Policy{-0.1}, Policy{NAN}, Policy{0.5, 1.0}, Policy{0.5, -1},
+        Policy{0.5, 0.05, 1.0f}, Policy{0.5, 0.05, NAN}, Policy{0.5, 0.05, 0.5f, (1u << 20) + 1},
+        Policy{0.5, 0.05, 0.5f, 0, static_cast<BudgetMode>(0)}}) {
     const std::vector<uint8_t> before = t.Snapshot();
     EXPECT_EQ(WritePolicy(t.view(), bad).code(), absl::StatusCode::kInvalidArgument);
     EXPECT_TRUE(t.Snapshot() == before);

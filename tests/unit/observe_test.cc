@@ -43,8 +43,8 @@ TEST(Observe, FirstObservationSetsThenEmaBlends) {
   ASSERT_TRUE(t.dp().Observe(0, z.data(), 100).ok());
   EXPECT_FALSE(t.Fresh(0, 0));
   EXPECT_TRUE(t.Fresh(0, 1));
-  EXPECT_EQ(t.Get(0, 0, 0, 10), 10.0f);   // V[10] = z
-  EXPECT_EQ(t.Get(0, 0, 1, 89), 10.0f);   // D[99 - 10] = z
+  EXPECT_EQ(t.Get(0, 0, 0, 10), 10.0f);          // V[10] = z
+  EXPECT_EQ(t.Get(0, 0, 1, 89), 10.0f);          // D[99 - 10] = z
   EXPECT_TRUE(std::isnan(t.Get(0, 0, 0, 100)));  // beyond the context: untouched
   // Second step, one slot further: V blends 0.75 * old + 0.25 * new.
   s.ctx = 101;
@@ -107,7 +107,7 @@ TEST(Observe, MtpReplaysOnlyAcceptedRowsInOrder) {
   // D: row 0 (q = 99) sets D[94] from slot 5 -> 10; row 1 (q = 100) sets D[95] from slot 5 ->
   // 20 and blends D[94] with slot 6 -> 15. D[0] came from slots 99 and 100.
   EXPECT_EQ(t.Get(0, 0, 1, 94), 15.0f);
-  EXPECT_EQ(t.Get(0, 0, 1, 95), 15.0f);  // row 0 slot 4 -> 10, row 1 slot 5 -> blend 15
+  EXPECT_EQ(t.Get(0, 0, 1, 95), 15.0f);          // row 0 slot 4 -> 10, row 1 slot 5 -> blend 15
   EXPECT_TRUE(std::isnan(t.Get(0, 0, 1, 101)));  // only row 2 reaches offset 101
   // With accepted = 0 nothing changes and the pair stays fresh.
   TestArena u(Geo(256, 64, 3), Pol(0.0, alpha));
@@ -246,8 +246,8 @@ TEST(Observe, SequencesAreIsolated) {
   ASSERT_TRUE(t.dp().Select(0).ok());
   std::vector<float> z(2 * 64);
   for (int c = 0; c < 64; ++c) {
-    z[c] = 1.0f;        // entry 0 = sequence 1
-    z[64 + c] = 2.0f;   // entry 1 = sequence 0
+    z[c] = 1.0f;       // entry 0 = sequence 1
+    z[64 + c] = 2.0f;  // entry 1 = sequence 0
   }
   ASSERT_TRUE(t.dp().Observe(0, z.data(), 64).ok());
   EXPECT_EQ(t.Get(1, 0, 0, 3), 1.0f);

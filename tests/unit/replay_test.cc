@@ -114,16 +114,16 @@ void ExpectMatchesOracle(const Trace& trace, const Case& c, const std::string& n
       const nlohmann::json j = nlohmann::json::parse(line);
       ASSERT_EQ(j["step"].get<int>(), t);
       ASSERT_EQ(j["layer"].get<int>(), l);
-      ASSERT_EQ(j["blocks"].get<std::vector<int>>(), want) << name << " step " << t << " layer " << l;
+      ASSERT_EQ(j["blocks"].get<std::vector<int>>(), want)
+          << name << " step " << t << " layer " << l;
       // Row-0 miss: dense top-K slots in blocks the union skipped.
       const float* z0 = trace.scores(t, l, 0);
       std::vector<int> idx;
       for (int i = 0; i < m.ctx_len[t]; ++i) {
         if (std::isfinite(z0[i])) idx.push_back(i);
       }
-      std::sort(idx.begin(), idx.end(), [z0](int a, int b) {
-        return z0[a] != z0[b] ? z0[a] > z0[b] : a < b;
-      });
+      std::sort(idx.begin(), idx.end(),
+                [z0](int a, int b) { return z0[a] != z0[b] ? z0[a] > z0[b] : a < b; });
       idx.resize(std::min<size_t>(idx.size(), m.topk));
       int lost = 0;
       for (int i : idx) lost += !std::binary_search(want.begin(), want.end(), i / m.block_size);
@@ -143,8 +143,8 @@ TEST(ReplayOracle, MatchesOnIndependentRandomTraces) {
   const Trace t1 = RandomTrace(TempDir("r1"), 3, 64 * 24, 40, 1, 256, 1, 0.0);
   const Trace t3 = RandomTrace(TempDir("r3"), 2, 64 * 30 + 17, 30, 3, 200, 2, 0.01);
   const std::vector<Case> cases = {
-      {0.5, 0.0, 0.5f, 0, StateDtype::kFp32},   {0.4, 0.05, 0.8f, 0, StateDtype::kFp32},
-      {0.7, 0.2, 0.3f, 5, StateDtype::kFp32},   {0.3, 0.1, 0.9f, 4, StateDtype::kBf16},
+      {0.5, 0.0, 0.5f, 0, StateDtype::kFp32},  {0.4, 0.05, 0.8f, 0, StateDtype::kFp32},
+      {0.7, 0.2, 0.3f, 5, StateDtype::kFp32},  {0.3, 0.1, 0.9f, 4, StateDtype::kBf16},
       {0.6, 0.25, 0.0f, 3, StateDtype::kBf16},
   };
   int k = 0;

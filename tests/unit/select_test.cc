@@ -209,9 +209,9 @@ TEST(Select, ExplorationCountAndDeterminism) {
   EXPECT_EQ(explored, 20);
   for (int j = 0; j < 79; ++j) EXPECT_TRUE(std::binary_search(a.begin(), a.end(), j)) << j;
   EXPECT_TRUE(std::binary_search(a.begin(), a.end(), 199));
-  EXPECT_EQ(a, ExploreRun(11, 5));  // same seed and key: same blocks
-  EXPECT_NE(a, ExploreRun(11, 6));  // other sequence key: other blocks
-  EXPECT_NE(a, ExploreRun(12, 5));  // other session seed: other blocks
+  EXPECT_EQ(a, ExploreRun(11, 5));     // same seed and key: same blocks
+  EXPECT_NE(a, ExploreRun(11, 6));     // other sequence key: other blocks
+  EXPECT_NE(a, ExploreRun(12, 5));     // other session seed: other blocks
   EXPECT_NE(a, ExploreRun(11, 5, 1));  // next step: other blocks
 }
 

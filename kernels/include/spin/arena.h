@@ -50,11 +50,14 @@ struct Geometry {
   StateDtype dtype = StateDtype::kFp32;
 };
 
+/// The default EMA decay; docs/alpha.md has the replay evidence behind it.
+inline constexpr float kDefaultAlpha = 0.3f;
+
 /// Policy knobs read by the kernels at launch time (written by the owner of the arena).
 struct Policy {
   double target_sparsity = 0.5; ///< rho: fraction of blocks to skip, [0, 1)
   double exploration = 0.05;    ///< gamma: share of kept blocks chosen at random, [0, 1)
-  float alpha = 0.5f;           ///< EMA decay: weight of the old value, [0, 1)
+  float alpha = kDefaultAlpha;  ///< EMA decay: weight of the old value, [0, 1)
   uint32_t probe_period = 0;    ///< P: every P-th step of a sequence is dense; 0 = never
   BudgetMode budget_mode = BudgetMode::kUniform;
 };
