@@ -1,0 +1,117 @@
+// NumPy .npy files holding little-endian float32 in C order, read through a read-only mapping
+// (trace scores run to gigabytes and must not be copied) and written atomically.
+//
+// Supported: format versions 1.0 and 2.0, dtype '<f4', fortran_order False, any rank (rank 0
+// is a scalar). A file longer than its shape implies is rejected: trailing bytes mean the
+// header and the data disagree, and guessing which one is right would hide a broken writer.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace spin {
+
+/// A float32 array mapped read-only from a .npy file; owns the mapping (move-only).
+class NpyArray {
+ public:
+  /// An empty array that maps nothing.
+  NpyArray() = default;
+  /// Unmaps the file.
+  ~NpyArray();
+  /// Takes over `other`'s mapping; `other` becomes empty.
+  NpyArray(NpyArray&& other) noexcept;
+  /// Releases this mapping and takes over `other`'s.
+  NpyArray& operator=(NpyArray&& other) noexcept;
+  /// Not copyable: the mapping has a single owner.
+  NpyArray(const NpyArray&) = delete;
+  /// Not copyable: the mapping has a single owner.
+  NpyArray& operator=(const NpyArray&) = delete;
+
+  /// Dimensions, outermost first (C order); empty for a scalar.
+  const std::vector<int64_t>& shape() const { return shape_; }
+  /// Number of dimensions.
+  int rank() const { return static_cast<int>(shape_.size()); }
+  /// Number of elements (product of the shape; 1 for a scalar).
+  int64_t size() const { return size_; }
+  /// First element, 64-byte aligned for files written by WriteNpyF32; valid while *this lives.
+  const float* data() const { return data_; }
+  /// The path the array was read from.
+  const std::string& path() const { return path_; }
+
+ private:
+  friend absl::StatusOr<NpyArray> ReadNpyF32(const std::string& path);
+  void Reset();
+
+  void* map_ = nullptr;
+  size_t map_len_ = 0;
+  const float* data_ = nullptr;
+  int64_t size_ = 0;
+  std::vector<int64_t> shape_;
+  std::string path_;
+};
+
+/// Maps `path` read-only and validates its header and length. Errors: NotFound for a missing
+/// file, InvalidArgument (one line naming the file and the problem) for anything malformed.
+absl::StatusOr<NpyArray> ReadNpyF32(const std::string& path);
+
+/// Writes `data` (product of `shape` floats, C order) to `path` via a temporary file and a
+/// rename, so readers see either the old file or the complete new one.
+absl::Status WriteNpyF32(const std::string& path, const std::vector<int64_t>& shape,
+                         const float* data);
+
+/// Streams a float32 .npy file of known shape in pieces; the file appears at its final path only
+/// when Close() succeeds, and an unclosed writer removes its temporary file (move-only).
+class NpyWriter {
+ public:
+  /// Creates the temporary file beside `path` and writes the header for `shape`.
+  static absl::StatusOr<NpyWriter> Open(const std::string& path, std::vector<int64_t> shape);
+
+  /// A writer that holds nothing; only assignment and destruction are valid.
+  NpyWriter() = default;
+  /// Removes the temporary file unless Close() succeeded.
+  ~NpyWriter();
+  /// Takes over `other`'s file; `other` holds nothing afterwards.
+  NpyWriter(NpyWriter&& other) noexcept;
+  /// Abandons this writer's file (as the destructor does) and takes over `other`'s.
+  NpyWriter& operator=(NpyWriter&& other) noexcept;
+  /// Not copyable: the temporary file has a single owner.
+  NpyWriter(const NpyWriter&) = delete;
+  /// Not copyable: the temporary file has a single owner.
+  NpyWriter& operator=(const NpyWriter&) = delete;
+
+  /// Appends `count` floats (one write(2) per call: pass large chunks). Fails, writing nothing,
+  /// if that would exceed the shape.
+  absl::Status Write(const float* data, int64_t count);
+  /// Checks that exactly the shape's element count was written, flushes to disk and renames
+  /// the file into place. The writer holds nothing afterwards, whatever the outcome.
+  absl::Status Close();
+
+  /// True between a successful Open() and Close() (or a failed Write()).
+  bool is_open() const { return fd_ >= 0; }
+  /// Floats written so far.
+  int64_t written() const { return written_; }
+  /// Floats the shape calls for.
+  int64_t total() const { return total_; }
+  /// The final path.
+  const std::string& path() const { return path_; }
+
+ private:
+  void Abandon();
+
+  int fd_ = -1;
+  std::string path_;
+  std::string tmp_path_;
+  int64_t written_ = 0;
+  int64_t total_ = 0;
+};
+
+/// The complete .npy header (magic, version, length, padded dict) for a float32 C-order array
+/// of `shape`, sized so that the data starts at a multiple of 64 bytes.
+std::string NpyF32Header(const std::vector<int64_t>& shape);
+
+}  // namespace spin

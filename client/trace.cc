@@ -1,0 +1,410 @@
+#include "trace.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace spin {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+std::string JoinPath(const std::string& dir, const char* name) {
+  return (fs::path(dir) / name).string();
+}
+
+// Same code, message prefixed with where the problem is.
+absl::Status WithContext(const absl::Status& status, const std::string& where) {
+  if (status.ok()) return status;
+  return absl::Status(status.code(), absl::StrCat(where, ": ", status.message()));
+}
+
+const char* JsonTypeName(const json& j) {
+  if (j.is_number_integer()) return "an integer";
+  if (j.is_number_float()) return "a float";
+  if (j.is_string()) return "a string";
+  if (j.is_boolean()) return "a boolean";
+  if (j.is_null()) return "null";
+  if (j.is_array()) return "an array";
+  if (j.is_object()) return "an object";
+  return "an unknown type";
+}
+
+// An int32 from a JSON integer; `what` names the key or element in the message.
+absl::Status GetInt32(const json& j, const std::string& what, int32_t* out) {
+  if (!j.is_number_integer()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " must be an integer, found ", JsonTypeName(j)));
+  }
+  const bool in_range =
+      j.is_number_unsigned()
+          ? j.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<int32_t>::max())
+          : (j.get<int64_t>() >= std::numeric_limits<int32_t>::min() &&
+             j.get<int64_t>() <= std::numeric_limits<int32_t>::max());
+  if (!in_range) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, "=", j.dump(), " is out of the 32-bit integer range"));
+  }
+  *out = static_cast<int32_t>(j.get<int64_t>());
+  return absl::OkStatus();
+}
+
+absl::Status GetIntKey(const json& root, const char* key, bool required, int* out) {
+  const auto it = root.find(key);
+  if (it == root.end()) {
+    if (!required) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat("missing required key '", key, "'"));
+  }
+  int32_t value = 0;
+  if (absl::Status s = GetInt32(*it, absl::StrCat("'", key, "'"), &value); !s.ok()) return s;
+  *out = value;
+  return absl::OkStatus();
+}
+
+absl::Status GetIntArray(const json& root, const char* key, bool required,
+                         std::vector<int32_t>* out) {
+  const auto it = root.find(key);
+  if (it == root.end()) {
+    if (!required) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat("missing required key '", key, "'"));
+  }
+  if (!it->is_array()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", key, "' must be an array of integers, found ", JsonTypeName(*it)));
+  }
+  out->clear();
+  out->reserve(it->size());
+  for (size_t i = 0; i < it->size(); ++i) {
+    int32_t value = 0;
+    if (absl::Status s = GetInt32((*it)[i], absl::StrCat(key, "[", i, "]"), &value); !s.ok()) {
+      return s;
+    }
+    out->push_back(value);
+  }
+  return absl::OkStatus();
+}
+
+// The checks that do not need the scores; `check_arrays` is off while a writer is still
+// collecting the per-step arrays.
+absl::Status ValidateGeometry(const TraceMeta& m, bool check_arrays) {
+  if (m.version != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unsupported version ", m.version, "; this build reads version 1"));
+  }
+  for (const auto& [name, value] :
+       {std::pair{"layers", m.layers}, std::pair{"block_size", m.block_size},
+        std::pair{"topk", m.topk}, std::pair{"steps", m.steps}, std::pair{"rows", m.rows}}) {
+    if (value <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("'", name, "' is ", value, "; it must be > 0"));
+    }
+  }
+  if (!check_arrays) return absl::OkStatus();
+  for (const auto& [name, array, optional] :
+       {std::tuple{"q_pos", &m.q_pos, false}, std::tuple{"ctx_len", &m.ctx_len, false},
+        std::tuple{"accepted", &m.accepted, true}}) {
+    if (optional && array->empty()) continue;
+    if (array->size() != static_cast<size_t>(m.steps)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("'", name, "' has ", array->size(), " entries but steps is ", m.steps));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The per-step checks against the scores' last axis.
+absl::Status ValidateSteps(const TraceMeta& m, int64_t n_max) {
+  if (n_max < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the scores' last axis is ", n_max, "; it must be at least 1"));
+  }
+  const std::string with_rows = m.rows > 1 ? absl::StrCat(" with rows=", m.rows) : "";
+  for (int t = 0; t < m.steps; ++t) {
+    const int64_t ctx = m.ctx_len[t];
+    const int64_t q = m.q_pos[t];
+    if (ctx < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ctx_len[", t, "]=", ctx, " must be at least 1"));
+    }
+    if (ctx + m.rows - 1 > n_max) {
+      return absl::InvalidArgumentError(absl::StrCat("ctx_len[", t, "]=", ctx, with_rows,
+                                                     " exceeds the scores' last axis ", n_max));
+    }
+    if (q < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("q_pos[", t, "]=", q, " is negative"));
+    }
+    if (q + m.rows - 1 >= n_max) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "q_pos[", t, "]=", q, with_rows, " is at or beyond the scores' last axis ", n_max));
+    }
+    if (t > 0 && q <= m.q_pos[t - 1]) {
+      return absl::InvalidArgumentError(absl::StrCat("q_pos must be strictly increasing: q_pos[", t,
+                                                     "]=", q, " after q_pos[", t - 1,
+                                                     "]=", m.q_pos[t - 1]));
+    }
+    if (!m.accepted.empty() && (m.accepted[t] < 0 || m.accepted[t] > m.rows)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("accepted[", t, "]=", m.accepted[t], " is outside [0, rows=", m.rows, "]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Temporary file, fsync, rename: readers see the old file or the whole new one.
+absl::Status WriteFileAtomically(const std::string& path, const std::string& contents) {
+  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat("cannot create ", tmp));
+  const char* p = contents.data();
+  size_t left = contents.size();
+  while (left > 0) {
+    const ssize_t n = ::write(fd, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      return absl::ErrnoToStatus(err, absl::StrCat("cannot write ", tmp));
+    }
+    p += n;
+    left -= static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    return absl::ErrnoToStatus(err, absl::StrCat("cannot flush ", tmp));
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    return absl::ErrnoToStatus(err, absl::StrCat("cannot rename ", tmp, " to ", path));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateTraceMeta(const TraceMeta& meta, int64_t n_max) {
+  if (absl::Status s = ValidateGeometry(meta, /*check_arrays=*/true); !s.ok()) return s;
+  return ValidateSteps(meta, n_max);
+}
+
+absl::StatusOr<TraceMeta> ParseTraceMeta(const std::string& json_text, const std::string& source) {
+  json root;
+  try {
+    root = json::parse(json_text);
+  } catch (const json::parse_error& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": malformed JSON at byte ", e.byte, " (", e.what(), ")"));
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": malformed JSON (", e.what(), ")"));
+  }
+  if (!root.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": the top level must be an object, found ", JsonTypeName(root)));
+  }
+  TraceMeta meta;
+  absl::Status s;
+  // Version first: a future version may change what the other keys mean.
+  if (s.ok()) s = GetIntKey(root, "version", true, &meta.version);
+  if (s.ok() && meta.version != 1) s = ValidateGeometry(meta, false);
+  if (s.ok()) s = GetIntKey(root, "layers", true, &meta.layers);
+  if (s.ok()) s = GetIntKey(root, "block_size", true, &meta.block_size);
+  if (s.ok()) s = GetIntKey(root, "topk", true, &meta.topk);
+  if (s.ok()) s = GetIntKey(root, "steps", true, &meta.steps);
+  if (s.ok()) s = GetIntKey(root, "rows", false, &meta.rows);
+  if (s.ok()) s = GetIntArray(root, "q_pos", true, &meta.q_pos);
+  if (s.ok()) s = GetIntArray(root, "ctx_len", true, &meta.ctx_len);
+  if (s.ok()) s = GetIntArray(root, "accepted", false, &meta.accepted);
+  // TraceMeta spells "absent" as empty, so an explicitly empty array must be caught here.
+  if (s.ok() && root.contains("accepted") && meta.accepted.empty() && meta.steps != 0) {
+    s = absl::InvalidArgumentError(
+        absl::StrCat("'accepted' has 0 entries but steps is ", meta.steps));
+  }
+  if (!s.ok()) return WithContext(s, source);
+  return meta;
+}
+
+std::string TraceMetaToJson(const TraceMeta& meta) {
+  nlohmann::ordered_json j;
+  j["version"] = meta.version;
+  j["layers"] = meta.layers;
+  j["block_size"] = meta.block_size;
+  j["topk"] = meta.topk;
+  j["steps"] = meta.steps;
+  j["rows"] = meta.rows;
+  j["q_pos"] = meta.q_pos;
+  j["ctx_len"] = meta.ctx_len;
+  if (!meta.accepted.empty()) j["accepted"] = meta.accepted;
+  return j.dump() + "\n";
+}
+
+absl::StatusOr<Trace> LoadTrace(const std::string& dir) {
+  struct stat st;
+  if (::stat(dir.c_str(), &st) != 0) {
+    if (errno == ENOENT) {
+      return absl::NotFoundError(absl::StrCat("trace directory ", dir, " does not exist"));
+    }
+    return absl::ErrnoToStatus(errno, absl::StrCat("cannot access trace directory ", dir));
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        dir, " is not a directory; a trace is a directory holding meta.json and scores.npy"));
+  }
+  const std::string meta_path = JoinPath(dir, "meta.json");
+  if (::stat(meta_path.c_str(), &st) != 0) {
+    if (errno == ENOENT) {
+      return absl::NotFoundError(absl::StrCat(
+          meta_path, " does not exist; a trace directory holds meta.json and scores.npy"));
+    }
+    return absl::ErrnoToStatus(errno, absl::StrCat("cannot access ", meta_path));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(meta_path, " is not a regular file"));
+  }
+  std::ifstream in(meta_path, std::ios::binary);
+  if (!in) return absl::PermissionDeniedError(absl::StrCat("cannot read ", meta_path));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return absl::DataLossError(absl::StrCat("error reading ", meta_path));
+
+  absl::StatusOr<TraceMeta> meta = ParseTraceMeta(text.str(), meta_path);
+  if (!meta.ok()) return meta.status();
+  if (absl::Status s = ValidateGeometry(*meta, true); !s.ok()) return WithContext(s, meta_path);
+
+  const std::string scores_path = JoinPath(dir, "scores.npy");
+  absl::StatusOr<NpyArray> scores = ReadNpyF32(scores_path);
+  if (!scores.ok()) return scores.status();
+  const std::vector<int64_t>& shape = scores->shape();
+  if (shape.size() != 4 || shape[0] != meta->steps || shape[1] != meta->layers ||
+      shape[2] != meta->rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(scores_path, " has shape [", absl::StrJoin(shape, ", "),
+                     "]; meta.json expects [", meta->steps, ", ", meta->layers, ", ", meta->rows,
+                     ", N_max] (steps, layers, rows, slots)"));
+  }
+  if (absl::Status s = ValidateSteps(*meta, shape[3]); !s.ok()) return WithContext(s, meta_path);
+
+  Trace trace;
+  trace.meta_ = *std::move(meta);
+  trace.n_max_ = shape[3];
+  trace.scores_ = *std::move(scores);
+  trace.dir_ = dir;
+  return trace;
+}
+
+absl::StatusOr<TraceWriter> TraceWriter::Open(const std::string& dir, const TraceMeta& meta,
+                                              int64_t n_max) {
+  const std::string where = absl::StrCat("trace ", dir);
+  if (absl::Status s = ValidateGeometry(meta, false); !s.ok()) return WithContext(s, where);
+  if (n_max < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": n_max is ", n_max, "; must be >= 1"));
+  }
+  if (!meta.q_pos.empty() || !meta.ctx_len.empty() || !meta.accepted.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where,
+        ": TraceWriter::Open takes the geometry only; pass q_pos, ctx_len and accepted "
+        "to WriteStep"));
+  }
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot create trace directory ", dir, ": ", ec.message()));
+  }
+  absl::StatusOr<NpyWriter> scores =
+      NpyWriter::Open(JoinPath(dir, "scores.npy"), {meta.steps, meta.layers, meta.rows, n_max});
+  if (!scores.ok()) return scores.status();
+  TraceWriter writer;
+  writer.dir_ = dir;
+  writer.meta_ = meta;
+  writer.n_max_ = n_max;
+  writer.scores_ = *std::move(scores);
+  return writer;
+}
+
+absl::Status TraceWriter::WriteStep(const float* scores, int32_t q_pos, int32_t ctx_len,
+                                    int32_t accepted) {
+  if (!scores_.is_open()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "trace ", dir_, ": WriteStep on a writer that is closed or had a failed write"));
+  }
+  const int t = steps_written();
+  if (t >= meta_.steps) {
+    return absl::OutOfRangeError(
+        absl::StrCat("trace ", dir_, ": all ", meta_.steps, " steps were already written"));
+  }
+  if (t > 0 && (accepted >= 0) != !meta_.accepted.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("trace ", dir_, ": step ", t,
+                     " differs from step 0 in giving 'accepted'; give it on every step or none"));
+  }
+  const int64_t count = int64_t{meta_.layers} * meta_.rows * n_max_;
+  if (absl::Status s = scores_.Write(scores, count); !s.ok()) return s;
+  meta_.q_pos.push_back(q_pos);
+  meta_.ctx_len.push_back(ctx_len);
+  if (accepted >= 0) meta_.accepted.push_back(accepted);
+  return absl::OkStatus();
+}
+
+absl::Status TraceWriter::Close() {
+  const std::string where = absl::StrCat("trace ", dir_);
+  if (!scores_.is_open()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(where, ": Close on a writer that is closed or had a failed write"));
+  }
+  NpyWriter scores = std::move(scores_);  // whatever happens, this writer is done
+  if (steps_written() != meta_.steps) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(where, ": closed after ", steps_written(), " of ", meta_.steps, " steps"));
+  }
+  if (absl::Status s = ValidateTraceMeta(meta_, n_max_); !s.ok()) return WithContext(s, where);
+  const std::string meta_path = JoinPath(dir_, "meta.json");
+  // Without meta.json the directory does not load, so no instant pairs old meta with new scores.
+  if (::unlink(meta_path.c_str()) != 0 && errno != ENOENT) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("cannot replace ", meta_path));
+  }
+  if (absl::Status s = scores.Close(); !s.ok()) return s;
+  return WriteFileAtomically(meta_path, TraceMetaToJson(meta_));
+}
+
+absl::Status WriteTrace(const std::string& dir, const TraceMeta& meta, int64_t n_max,
+                        const float* scores) {
+  TraceMeta geometry = meta;
+  geometry.q_pos.clear();
+  geometry.ctx_len.clear();
+  geometry.accepted.clear();
+  if (meta.q_pos.size() != static_cast<size_t>(meta.steps) ||
+      meta.ctx_len.size() != static_cast<size_t>(meta.steps) ||
+      (!meta.accepted.empty() && meta.accepted.size() != static_cast<size_t>(meta.steps))) {
+    // Report the same message a loader would.
+    absl::Status s = ValidateGeometry(meta, true);
+    return WithContext(
+        s.ok() ? absl::InvalidArgumentError("per-step arrays do not match steps") : s,
+        absl::StrCat("trace ", dir));
+  }
+  absl::StatusOr<TraceWriter> writer = TraceWriter::Open(dir, geometry, n_max);
+  if (!writer.ok()) return writer.status();
+  const int64_t step_floats = int64_t{meta.layers} * meta.rows * n_max;
+  for (int t = 0; t < meta.steps; ++t) {
+    absl::Status s = writer->WriteStep(scores + t * step_floats, meta.q_pos[t], meta.ctx_len[t],
+                                       meta.accepted.empty() ? -1 : meta.accepted[t]);
+    if (!s.ok()) return s;
+  }
+  return writer->Close();
+}
+
+}  // namespace spin
