@@ -102,11 +102,10 @@ uint64_t ArenaBytes(const Geometry& g) { return ComputeLayout(g).total; }
 
 namespace {
 
-ArenaView MakeView(void* base, const Geometry& g) {
+ArenaView MakeView(void* base, const ArenaHeader& h, const Geometry& g) {
   auto* b = static_cast<uint8_t*>(base);
   ArenaView v;
   v.header = reinterpret_cast<ArenaHeader*>(b);
-  const ArenaHeader& h = *v.header;
   v.geometry = g;
   v.max_blocks = h.max_blocks;
   v.policy = reinterpret_cast<ArenaPolicy*>(b + h.off_policy);
@@ -178,7 +177,7 @@ absl::StatusOr<ArenaView> InitArena(void* base, uint64_t bytes, const Geometry& 
   }
   std::memset(base, 0, need);
   FillHeader(static_cast<ArenaHeader*>(base), g, seed);
-  ArenaView v = MakeView(base, g);
+  ArenaView v = MakeView(base, *static_cast<ArenaHeader*>(base), g);
   // Unset state is NaN: 0xFFFFFFFF is a quiet NaN for fp32 and a pair of bf16 NaNs for bf16,
   // but use the canonical patterns so a reader sees exactly one unset value per dtype.
   const uint64_t elems = 2ull * g.max_seqs * g.layers * g.max_slots;
@@ -196,6 +195,13 @@ absl::StatusOr<ArenaView> InitArena(void* base, uint64_t bytes, const Geometry& 
   return v;
 }
 
+absl::StatusOr<ArenaHeader> MakeArenaHeader(const Geometry& g, uint64_t seed) {
+  if (absl::Status s = ValidateGeometry(g); !s.ok()) return s;
+  ArenaHeader h;
+  FillHeader(&h, g, seed);
+  return h;
+}
+
 absl::StatusOr<ArenaView> ViewArena(void* base, uint64_t bytes) {
   if (base == nullptr || reinterpret_cast<uintptr_t>(base) % kArenaAlign != 0) {
     return absl::InvalidArgumentError("arena base must be non-null and 256-byte aligned");
@@ -204,7 +210,15 @@ absl::StatusOr<ArenaView> ViewArena(void* base, uint64_t bytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("arena of ", bytes, " bytes is smaller than its layout header"));
   }
-  const auto* h = static_cast<const ArenaHeader*>(base);
+  return ViewArenaWithHeader(base, bytes, *static_cast<const ArenaHeader*>(base));
+}
+
+absl::StatusOr<ArenaView> ViewArenaWithHeader(void* base, uint64_t bytes,
+                                              const ArenaHeader& header) {
+  if (base == nullptr || reinterpret_cast<uintptr_t>(base) % kArenaAlign != 0) {
+    return absl::InvalidArgumentError("arena base must be non-null and 256-byte aligned");
+  }
+  const ArenaHeader* h = &header;
   if (h->magic != kArenaMagic) {
     return absl::InvalidArgumentError("arena has no SPIN layout header (bad magic)");
   }
@@ -235,23 +249,26 @@ absl::StatusOr<ArenaView> ViewArena(void* base, uint64_t bytes) {
                                                    " bytes is smaller than its layout's ",
                                                    h->total_bytes));
   }
-  return MakeView(base, g);
+  return MakeView(base, *h, g);
 }
 
 absl::Status WritePolicy(const ArenaView& a, const Policy& p) {
   if (absl::Status s = ValidatePolicy(p); !s.ok()) return s;
-  ArenaPolicy* ap = a.policy;
+  FillArenaPolicy(p, a.policy);
+  if (p.budget_mode == BudgetMode::kUniform) {
+    for (uint32_t l = 0; l < a.geometry.layers; ++l) a.sparsity[l] = p.target_sparsity;
+  }
+  a.policy->epoch += 1;
+  return absl::OkStatus();
+}
+
+void FillArenaPolicy(const Policy& p, ArenaPolicy* ap) {
   ap->target_sparsity = p.target_sparsity;
   ap->exploration = p.exploration;
   ap->alpha = p.alpha;
   ap->beta = 1.0f - p.alpha;
   ap->probe_period = p.probe_period;
   ap->budget_mode = static_cast<uint32_t>(p.budget_mode);
-  if (p.budget_mode == BudgetMode::kUniform) {
-    for (uint32_t l = 0; l < a.geometry.layers; ++l) a.sparsity[l] = p.target_sparsity;
-  }
-  ap->epoch += 1;
-  return absl::OkStatus();
 }
 
 Policy ReadPolicy(const ArenaView& a) {

@@ -195,13 +195,34 @@ struct ArenaView {
 absl::StatusOr<ArenaView> InitArena(void* base, uint64_t bytes, const Geometry& g, uint64_t seed,
                                     const Policy& policy);
 
-/// Validates the header of a mapped arena (magic, version, sizes, offsets) and returns a view.
-/// Only the header is read; the rest may live in device memory.
+/// The layout header an arena of this geometry has.
+absl::StatusOr<ArenaHeader> MakeArenaHeader(const Geometry& g, uint64_t seed);
+
+/// Validates the header of a mapped arena in host memory (magic, version, sizes, offsets) and
+/// returns a view.
 absl::StatusOr<ArenaView> ViewArena(void* base, uint64_t bytes);
+
+/// Like ViewArena for an arena whose bytes may live in device memory: `header` is a host copy
+/// of its first sizeof(ArenaHeader) bytes. The view's pointers point into `base`.
+absl::StatusOr<ArenaView> ViewArenaWithHeader(void* base, uint64_t bytes,
+                                              const ArenaHeader& header);
+
+/// Error codes a device-side kernel records (first one wins) in the arena's error word, since
+/// it cannot return a status without a host synchronisation.
+enum ArenaError : uint32_t {
+  kArenaOk = 0,
+  kArenaBadBatch = 1,     ///< BeginStep: an entry failed validation; the step has no entries
+  kArenaBadAccepted = 2,  ///< Observe: accepted outside [0, rows]; that entry was not applied
+  kArenaBadStride = 3,    ///< Observe: logits stride below a row's compacted length; skipped
+  kArenaNoSelect = 4,     ///< Remap without a Select in this step
+};
 
 /// Writes a policy into the arena's policy block (and, in uniform mode, the budget table), and
 /// bumps the epoch. Host memory only; the CUDA backend has its own device-side write.
 absl::Status WritePolicy(const ArenaView& a, const Policy& p);
+
+/// Fills every field of an arena policy block from `p` except the epoch (no validation).
+void FillArenaPolicy(const Policy& p, ArenaPolicy* out);
 
 /// Reads the policy block back.
 Policy ReadPolicy(const ArenaView& a);

@@ -1,0 +1,837 @@
+// The CUDA backend: the semantics of kernels/cpu/cpu_data_plane.cc, bit for bit, on device
+// arenas. Every shared formula comes from spin/numerics.h; this file compiles with
+// --fmad=false so no other arithmetic is contracted differently from the host.
+//
+// Per step: BeginStep (1 CTA) -> per layer: Scores (block scores of every row, grid over
+// block chunks) -> SelectRows (one CTA per (entry, row): radix selects) -> Union (one CTA per
+// entry: compaction, compacted table and lengths, stats) ... Observe: Probe (one CTA per
+// entry, probe steps only) -> Ema (one launch per row, in row order) -> Finish.
+#include <cuda_runtime.h>
+
+#include <cub/block/block_scan.cuh>
+#include <memory>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "spin/arena.h"
+#include "spin/cuda_data_plane.h"
+#include "spin/data_plane.h"
+#include "spin/numerics.h"
+
+namespace spin {
+namespace {
+
+constexpr int kSelectThreads = 1024;
+constexpr int kScoreThreads = 256;
+constexpr int kBlocksPerScoreCta = 32;  // 8 warps x 4 blocks
+constexpr int kEmaThreads = 256;
+
+absl::Status CudaStatus(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+}
+
+// Everything a kernel needs about the arena, passed by value (fixed for the data plane's life).
+struct Dev {
+  ArenaPolicy* policy;
+  const double* sparsity;
+  LayerStats* stats;
+  unsigned long long* curves;
+  SeqRecord* seqs;
+  uint8_t* fresh;
+  uint8_t* state;
+  BatchHeader* batch;
+  StepEntry* entries;
+  int32_t* union_count;
+  int32_t* union_ids;
+  int32_t* phys;
+  int32_t* compact_len;
+  float* scratch0;   // arena scratch: row-0 block scores
+  uint8_t* mask;     // arena: union mask
+  uint32_t* error;
+  // Private scratch (allocated by the data plane).
+  float* scores_rest;  // rows >= 1: [S][R-1][MB]
+  uint8_t* sel;        // [S][R][MB]: 1 = chosen or excluded in this row's selection
+  unsigned long long* keys;  // [S][R][MB]
+  int32_t* hits;       // [S][MB]: dense top-K slots per block (probe steps)
+  uint32_t* seen;      // [S]: duplicate detection in BeginStep
+  // Geometry.
+  int32_t layers, max_seqs, max_slots, block, topk, max_rows, max_blocks;
+  int32_t dtype_bytes;
+  uint64_t seed;
+  uint64_t record_elems;  // 2 * max_slots
+
+  __device__ uint8_t* Record(int seq, int layer) const {
+    return state + (static_cast<uint64_t>(seq) * layers + layer) * record_elems * dtype_bytes;
+  }
+  __device__ float* Scores(int e, int r) const {
+    return r == 0 ? scratch0 + static_cast<int64_t>(e) * max_blocks
+                  : scores_rest + (static_cast<int64_t>(e) * (max_rows - 1) + (r - 1)) *
+                                      max_blocks;
+  }
+};
+
+__device__ __forceinline__ float LoadState(const uint8_t* base, int bytes, int64_t i) {
+  if (bytes == 4) return reinterpret_cast<const float*>(base)[i];
+  return Bf16ToFloat(reinterpret_cast<const uint16_t*>(base)[i]);
+}
+__device__ __forceinline__ void StoreState(uint8_t* base, int bytes, int64_t i, float v) {
+  if (bytes == 4) {
+    reinterpret_cast<float*>(base)[i] = v;
+  } else {
+    reinterpret_cast<uint16_t*>(base)[i] = FloatToBf16(v);
+  }
+}
+
+// Orderable key of a float (larger float -> larger key); -0 and +0 map to one key because the
+// reference compares values, not bits.
+__device__ __forceinline__ uint32_t FloatKey(float f) {
+  uint32_t u = FloatBits(f == 0.0f ? 0.0f : f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ void RecordError(uint32_t* error, uint32_t code) { atomicCAS(error, 0u, code); }
+
+// ---------------------------------------------------------------------------------------------
+// CTA-wide exact top-t by key, ties to the lower index, among candidates [0, n) with
+// cand(j) true. Calls take(j) for each chosen j. All threads of the CTA must call it.
+// ---------------------------------------------------------------------------------------------
+template <typename Key, typename KeyFn, typename CandFn, typename TakeFn>
+__device__ void CtaTopT(int n, int t, KeyFn key, CandFn cand, TakeFn take) {
+  using Scan = cub::BlockScan<int, kSelectThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ unsigned int hist[256];
+  __shared__ unsigned long long s_prefix;
+  __shared__ int s_remaining, s_running;
+  if (t <= 0) return;
+  if (threadIdx.x == 0) {
+    s_prefix = 0;
+    s_remaining = t;
+  }
+  unsigned long long mask = 0;
+  for (int shift = static_cast<int>(sizeof(Key)) * 8 - 8; shift >= 0; shift -= 8) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+    __syncthreads();
+    const unsigned long long prefix = s_prefix;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+      if (!cand(j)) continue;
+      const unsigned long long k = static_cast<unsigned long long>(key(j));
+      if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 0xFF], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int remaining = s_remaining;
+      int d = 255;
+      for (; d > 0; --d) {
+        if (static_cast<int>(hist[d]) >= remaining) break;
+        remaining -= static_cast<int>(hist[d]);
+      }
+      s_remaining = remaining;
+      s_prefix = prefix | (static_cast<unsigned long long>(d) << shift);
+    }
+    mask |= 0xFFull << shift;
+    __syncthreads();
+  }
+  const unsigned long long thr = s_prefix;
+  const int ties = s_remaining;  // how many keys equal to thr to take, lowest index first
+  if (threadIdx.x == 0) s_running = 0;
+  __syncthreads();
+  for (int base = 0; base < n; base += blockDim.x) {
+    const int j = base + threadIdx.x;
+    bool c = j < n && cand(j);
+    const unsigned long long k = c ? static_cast<unsigned long long>(key(j)) : 0;
+    const int eq = (c && k == thr) ? 1 : 0;
+    int before, total;
+    Scan(scan_tmp).ExclusiveSum(eq, before, total);
+    const int running = s_running;
+    if (c && (k > thr || (eq && running + before < ties))) take(j);
+    __syncthreads();
+    if (threadIdx.x == 0) s_running = running + total;
+    __syncthreads();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernels
+// ---------------------------------------------------------------------------------------------
+
+__global__ void ResetKernel(Dev d, int seq, uint64_t key) {
+  const uint64_t elems = d.record_elems * d.layers;
+  uint8_t* base = d.Record(seq, 0);
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < elems;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    if (d.dtype_bytes == 4) {
+      reinterpret_cast<float*>(base)[i] = __int_as_float(0x7FC00000);
+    } else {
+      reinterpret_cast<uint16_t*>(base)[i] = kBf16Unset;
+    }
+  }
+  if (blockIdx.x == 0) {
+    for (int l = threadIdx.x; l < d.layers; l += blockDim.x) {
+      d.fresh[static_cast<int64_t>(seq) * d.layers + l] = 1;
+    }
+    if (threadIdx.x == 0) {
+      d.seqs[seq].key = key;
+      d.seqs[seq].steps = 0;
+      d.seqs[seq].open = 1;
+      for (int e = 0; e < d.batch->n; ++e) {
+        if (d.entries[e].seq == seq) d.entries[e].seq = -1;
+      }
+    }
+  }
+}
+
+__global__ void BeginStepKernel(Dev d, const int32_t* seq, const int32_t* ctx, const int32_t* qp,
+                                int n, int rows) {
+  __shared__ int bad;
+  if (threadIdx.x == 0) bad = 0;
+  for (int s = threadIdx.x; s < d.max_seqs; s += blockDim.x) d.seen[s] = 0;
+  __syncthreads();
+  const int64_t last = rows - 1;
+  for (int e = threadIdx.x; e < n; e += blockDim.x) {
+    const int s = seq[e];
+    if (s == -1) continue;
+    bool ok = s >= 0 && s < d.max_seqs && d.seqs[s].open;
+    if (ok) ok = atomicAdd(&d.seen[s], 1u) == 0;
+    const int64_t c = ctx[e], q = qp[e];
+    ok = ok && c >= 1 && c + last <= d.max_slots && q >= 0 && q + last < d.max_slots;
+    if (!ok) bad = 1;
+  }
+  __syncthreads();
+  if (bad) {
+    if (threadIdx.x == 0) {
+      RecordError(d.error, kArenaBadBatch);
+      d.batch->n = 0;
+      d.batch->rows = rows;
+      d.batch->selected_layer = -1;
+    }
+    return;
+  }
+  const uint32_t period = d.policy->probe_period;
+  for (int e = threadIdx.x; e < n; e += blockDim.x) {
+    StepEntry& en = d.entries[e];
+    en.seq = seq[e];
+    if (en.seq < 0) continue;
+    SeqRecord& r = d.seqs[en.seq];
+    en.ctx_len = ctx[e];
+    en.q_pos = qp[e];
+    en.step = r.steps;
+    r.steps = r.steps + 1;
+    en.probe = period > 0 && en.step % period == 0 ? 1u : 0u;
+  }
+  if (threadIdx.x == 0) {
+    d.batch->n = n;
+    d.batch->rows = rows;
+    d.batch->selected_layer = -1;
+  }
+}
+
+// Block scores of one (entry, row) over a chunk of blocks; one warp per block at a time. Row 0
+// CTAs also clear the chunk's union mask.
+__global__ void ScoresKernel(Dev d, int layer) {
+  const int e = blockIdx.z, r = blockIdx.y;
+  if (e >= d.batch->n || r >= d.batch->rows) return;
+  const StepEntry en = d.entries[e];
+  const int j0 = blockIdx.x * kBlocksPerScoreCta;
+  if (r == 0) {
+    uint8_t* mask = d.mask + static_cast<int64_t>(e) * d.max_blocks;
+    for (int j = j0 + threadIdx.x; j < min(j0 + kBlocksPerScoreCta, d.max_blocks);
+         j += blockDim.x) {
+      mask[j] = 0;
+    }
+  }
+  if (en.seq < 0) return;
+  const bool fresh = d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] != 0;
+  const bool dense = fresh || en.probe;
+  if (dense && (fresh || r != 0)) return;  // dense steps need row 0's scores on probes only
+  const int n = en.ctx_len + r, q = en.q_pos + r, b = d.block;
+  const int nb = static_cast<int>(CeilDiv(n, b));
+  const uint8_t* rec = d.Record(en.seq, layer);
+  const uint8_t* dst = rec + static_cast<int64_t>(d.max_slots) * d.dtype_bytes;
+  float* out = d.Scores(e, r);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int j = j0 + warp; j < min(j0 + kBlocksPerScoreCta, nb); j += kScoreThreads / 32) {
+    const int lo = j * b, hi = min(lo + b, n);
+    float best = -INFINITY;
+    for (int i = lo + lane; i < hi; i += 32) {
+      const int off = i <= q ? q - i : 0;
+      const float p = Prediction(LoadState(rec, d.dtype_bytes, i), LoadState(dst, d.dtype_bytes, off));
+      best = p > best ? p : best;
+    }
+    for (int o = 16; o > 0; o /= 2) {
+      const float other = __shfl_xor_sync(0xFFFFFFFFu, best, o);
+      best = other > best ? other : best;
+    }
+    if (lane == 0) out[j] = best;
+  }
+}
+
+// One (entry, row) selection: query block, top by score, exploration by draw.
+__global__ void __launch_bounds__(kSelectThreads) SelectRowsKernel(Dev d, int layer) {
+  const int e = blockIdx.y, r = blockIdx.x;
+  if (e >= d.batch->n || r >= d.batch->rows) return;
+  const StepEntry en = d.entries[e];
+  if (en.seq < 0) return;
+  const bool fresh = d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] != 0;
+  if (fresh || en.probe) return;  // dense: Union keeps every block
+  const int n = en.ctx_len + r, q = en.q_pos + r;
+  const int nb = static_cast<int>(CeilDiv(n, d.block));
+  uint8_t* mask = d.mask + static_cast<int64_t>(e) * d.max_blocks;
+  const int m = KeptBlocks(nb, d.topk, d.block, d.sparsity[layer]);
+  if (m >= nb) {
+    for (int j = threadIdx.x; j < nb; j += blockDim.x) mask[j] = 1;
+    return;
+  }
+  const int qb = min(q / d.block, nb - 1);
+  const int explore = ExplorationBlocks(m, d.policy->exploration);
+  const int top = m - 1 - explore;
+  const int64_t row_off = (static_cast<int64_t>(e) * d.max_rows + r) * d.max_blocks;
+  uint8_t* sel = d.sel + row_off;
+  unsigned long long* keys = d.keys + row_off;
+  const float* s = d.Scores(e, r);
+  for (int j = threadIdx.x; j < nb; j += blockDim.x) {
+    sel[j] = j == qb ? 1 : 0;
+    keys[j] = FloatKey(s[j]);
+  }
+  if (threadIdx.x == 0) mask[qb] = 1;
+  __syncthreads();
+  CtaTopT<uint32_t>(
+      nb, top, [&](int j) { return static_cast<uint32_t>(keys[j]); },
+      [&](int j) { return sel[j] == 0; },
+      [&](int j) {
+        sel[j] = 2;  // chosen this pass; still a candidate for the tie scan's reads
+        mask[j] = 1;
+      });
+  __syncthreads();
+  if (explore <= 0) return;
+  const uint64_t key = ExplorationKey(d.seed, d.seqs[en.seq].key);
+  for (int j = threadIdx.x; j < nb; j += blockDim.x) {
+    if (sel[j] == 0) {
+      keys[j] = ~ExplorationDraw(key, en.step, static_cast<uint32_t>(layer),
+                                 static_cast<uint32_t>(r), static_cast<uint32_t>(j));
+    }
+  }
+  __syncthreads();
+  CtaTopT<unsigned long long>(
+      nb, explore, [&](int j) { return keys[j]; }, [&](int j) { return sel[j] == 0; },
+      [&](int j) { mask[j] = 1; });
+}
+
+// Union of the rows, ascending; compacted table and lengths; statistics.
+__global__ void __launch_bounds__(kSelectThreads)
+    UnionKernel(Dev d, int layer, const int32_t* table, int64_t table_stride) {
+  using Scan = cub::BlockScan<int, kSelectThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ int s_count;
+  const int e = blockIdx.x;
+  if (e >= d.batch->n) return;
+  const int rows = d.batch->rows;
+  const StepEntry en = d.entries[e];
+  if (blockIdx.x == 0 && threadIdx.x == 0) d.batch->selected_layer = layer;
+  int32_t* clen = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
+  if (en.seq < 0) {
+    if (threadIdx.x == 0) d.union_count[e] = 0;
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) clen[r] = 0;
+    return;
+  }
+  const bool fresh = d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] != 0;
+  const bool dense = fresh || en.probe;
+  const int b = d.block;
+  const int widest = static_cast<int>(CeilDiv(en.ctx_len + rows - 1, b));
+  uint8_t* mask = d.mask + static_cast<int64_t>(e) * d.max_blocks;
+  int32_t* ids = d.union_ids + static_cast<int64_t>(e) * d.max_blocks;
+  int32_t* phys = d.phys + static_cast<int64_t>(e) * d.max_blocks;
+  if (threadIdx.x == 0) s_count = 0;
+  __syncthreads();
+  for (int base = 0; base < widest; base += blockDim.x) {
+    const int j = base + threadIdx.x;
+    const int on = j < widest && (dense || mask[j]) ? 1 : 0;
+    if (dense && j < widest) mask[j] = 1;
+    int before, total;
+    Scan(scan_tmp).ExclusiveSum(on, before, total);
+    const int at = s_count + before;
+    if (on) {
+      ids[at] = j;
+      if (table) phys[at] = table[e * table_stride + j];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) s_count += total;
+    __syncthreads();
+  }
+  const int count = s_count;
+  if (threadIdx.x == 0) d.union_count[e] = count;
+  // Row r's compacted length: union blocks below B_r, the last one possibly partial.
+  for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+    const int n = en.ctx_len + r;
+    const int nb = static_cast<int>(CeilDiv(n, b));
+    int below = 0;  // union blocks with id < nb: ids are ascending, so binary search
+    int lo = 0, hi = count;
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (ids[mid] < nb) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    below = lo;
+    int len = below * b;
+    if (below > 0 && ids[below - 1] == nb - 1) len -= nb * b - n;
+    clen[r] = len;
+  }
+  if (threadIdx.x == 0) {
+    LayerStats* st = d.stats + layer;
+    atomicAdd(reinterpret_cast<unsigned long long*>(&st->steps), 1ull);
+    atomicAdd(reinterpret_cast<unsigned long long*>(&st->dense_steps), dense ? 1ull : 0ull);
+    atomicAdd(reinterpret_cast<unsigned long long*>(&st->blocks_kept),
+              static_cast<unsigned long long>(count));
+    atomicAdd(reinterpret_cast<unsigned long long*>(&st->blocks_total),
+              static_cast<unsigned long long>(widest));
+    if (!dense) {
+      atomicAdd(reinterpret_cast<unsigned long long*>(&st->sparse_blocks_kept),
+                static_cast<unsigned long long>(count));
+      atomicAdd(reinterpret_cast<unsigned long long*>(&st->sparse_blocks_total),
+                static_cast<unsigned long long>(widest));
+    }
+  }
+}
+
+__global__ void RemapKernel(Dev d, int32_t* idx, int count) {
+  const int rows = d.batch->rows, n = d.batch->n;
+  const int64_t total = static_cast<int64_t>(n) * rows * count;
+  const bool selected = d.batch->selected_layer >= 0;
+  if (!selected && blockIdx.x == 0 && threadIdx.x == 0) RecordError(d.error, kArenaNoSelect);
+  for (int64_t x = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; x < total;
+       x += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int e = static_cast<int>(x / (static_cast<int64_t>(rows) * count));
+    const int r = static_cast<int>((x / count) % rows);
+    const int len = (!selected || d.entries[e].seq < 0)
+                        ? 0
+                        : d.compact_len[static_cast<int64_t>(e) * d.max_rows + r];
+    const int c = idx[x];
+    idx[x] = (c < 0 || c >= len)
+                 ? -1
+                 : d.union_ids[static_cast<int64_t>(e) * d.max_blocks + c / d.block] * d.block +
+                       c % d.block;
+  }
+}
+
+// Validates accepted and the logits stride per entry; on probe steps scores row 0's dense top-K
+// against the miss curve.
+__global__ void __launch_bounds__(kSelectThreads)
+    ProbeKernel(Dev d, int layer, const float* logits, int64_t stride, const int32_t* accepted) {
+  const int e = blockIdx.x;
+  if (e >= d.batch->n) return;
+  const StepEntry en = d.entries[e];
+  if (en.seq < 0) return;
+  const int rows = d.batch->rows;
+  const int32_t* clen = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
+  if (threadIdx.x == 0) {
+    if (accepted && (accepted[e] < 0 || accepted[e] > rows)) RecordError(d.error, kArenaBadAccepted);
+    for (int r = 0; r < rows; ++r) {
+      if (clen[r] > stride) RecordError(d.error, kArenaBadStride);
+    }
+  }
+  const bool fresh = d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] != 0;
+  if (!en.probe || fresh) return;
+  for (int r = 0; r < rows; ++r) {
+    if (clen[r] > stride) return;
+  }
+  __shared__ int s_finite;
+  __shared__ unsigned long long s_missed[kCurvePoints + 1];
+  const int b = d.block, n = en.ctx_len;
+  const int nb = static_cast<int>(CeilDiv(n, b));
+  const float* z = logits + static_cast<int64_t>(e) * rows * stride;
+  int32_t* hits = d.hits + static_cast<int64_t>(e) * d.max_blocks;
+  if (threadIdx.x == 0) s_finite = 0;
+  for (int j = threadIdx.x; j < nb; j += blockDim.x) hits[j] = 0;
+  __syncthreads();
+  int local = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) local += isfinite(z[i]) ? 1 : 0;
+  atomicAdd(&s_finite, local);
+  __syncthreads();
+  const int k = min(d.topk, s_finite);
+  if (k == 0) return;
+  // Dense top-K of row 0 (ties to the lower slot), counted per block.
+  CtaTopT<uint32_t>(
+      n, k, [&](int i) { return FloatKey(z[i]); }, [&](int i) { return isfinite(z[i]) != 0; },
+      [&](int i) { atomicAdd(&hits[i / b], 1); });
+  __syncthreads();
+  // Rank blocks as the selector does: query block first, then by predicted score.
+  const int qb = min(en.q_pos / b, nb - 1);
+  const float* s = d.Scores(e, 0);
+  __shared__ int s_covered;
+  for (int p = 0; p <= kCurvePoints; ++p) {
+    const double rho = p < kCurvePoints ? 1.0 - CurveKeepFraction(p) : d.sparsity[layer];
+    const int m = KeptBlocks(nb, d.topk, b, rho);
+    if (threadIdx.x == 0) s_covered = hits[qb];
+    __syncthreads();
+    CtaTopT<uint32_t>(
+        nb, m - 1, [&](int j) { return FloatKey(s[j]); }, [&](int j) { return j != qb; },
+        [&](int j) { atomicAdd(&s_covered, hits[j]); });
+    __syncthreads();
+    if (threadIdx.x == 0) s_missed[p] = static_cast<unsigned long long>(k - s_covered);
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    unsigned long long* curve = d.curves + static_cast<int64_t>(layer) * kCurvePoints;
+    for (int p = 0; p < kCurvePoints; ++p) atomicAdd(&curve[p], s_missed[p]);
+    LayerStats* st = d.stats + layer;
+    atomicAdd(reinterpret_cast<unsigned long long*>(&st->probe_steps), 1ull);
+    atomicAdd(reinterpret_cast<unsigned long long*>(&st->probe_topk),
+              static_cast<unsigned long long>(k));
+    atomicAdd(reinterpret_cast<unsigned long long*>(&st->probe_missed), s_missed[kCurvePoints]);
+  }
+}
+
+// EMA update of row r for every entry: one thread per (union block, slot).
+__global__ void EmaKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
+                          const int32_t* accepted) {
+  __shared__ unsigned long long s_obs, s_bad;
+  if (threadIdx.x == 0) {
+    s_obs = 0;
+    s_bad = 0;
+  }
+  __syncthreads();
+  const int e = blockIdx.y;
+  const int rows = d.batch->rows;
+  bool active = e < d.batch->n && r < rows;
+  StepEntry en{};
+  if (active) {
+    en = d.entries[e];
+    active = en.seq >= 0;
+  }
+  if (active) {
+    const int acc = accepted ? accepted[e] : rows;
+    const int32_t* clen = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
+    bool stride_ok = true;
+    for (int rr = 0; rr < rows; ++rr) stride_ok = stride_ok && clen[rr] <= stride;
+    active = acc >= 0 && acc <= rows && r < acc && stride_ok;
+  }
+  if (active) {
+    const int b = d.block;
+    const int64_t x = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int k = static_cast<int>(x / b), c = static_cast<int>(x % b);
+    const int n = en.ctx_len + r, q = en.q_pos + r;
+    if (k < d.union_count[e]) {
+      const int i = d.union_ids[static_cast<int64_t>(e) * d.max_blocks + k] * b + c;
+      if (i < n) {
+        const float zi = logits[(static_cast<int64_t>(e) * rows + r) * stride + x];
+        if (!isfinite(zi)) {
+          atomicAdd(&s_bad, 1ull);
+        } else {
+          atomicAdd(&s_obs, 1ull);
+          uint8_t* v = d.Record(en.seq, layer);
+          uint8_t* dd = v + static_cast<int64_t>(d.max_slots) * d.dtype_bytes;
+          const float alpha = d.policy->alpha, beta = d.policy->beta;
+          StoreState(v, d.dtype_bytes, i, EmaUpdate(LoadState(v, d.dtype_bytes, i), zi, alpha, beta));
+          if (i <= q) {
+            StoreState(dd, d.dtype_bytes, q - i,
+                       EmaUpdate(LoadState(dd, d.dtype_bytes, q - i), zi, alpha, beta));
+          }
+        }
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && (s_obs | s_bad)) {
+    LayerStats* st = d.stats + layer;
+    atomicAdd(reinterpret_cast<unsigned long long*>(&st->observed), s_obs);
+    atomicAdd(reinterpret_cast<unsigned long long*>(&st->bad_scores), s_bad);
+  }
+}
+
+__global__ void FinishObserveKernel(Dev d, int layer, int64_t stride, const int32_t* accepted) {
+  const int rows = d.batch->rows;
+  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < d.batch->n;
+       e += gridDim.x * blockDim.x) {
+    const StepEntry en = d.entries[e];
+    if (en.seq < 0) continue;
+    const int acc = accepted ? accepted[e] : rows;
+    bool stride_ok = true;
+    for (int r = 0; r < rows; ++r) {
+      stride_ok = stride_ok && d.compact_len[static_cast<int64_t>(e) * d.max_rows + r] <= stride;
+    }
+    if (acc >= 1 && acc <= rows && stride_ok) {
+      d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] = 0;
+    }
+  }
+}
+
+__global__ void FillUnsetKernel(uint8_t* state, uint64_t elems, int bytes) {
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < elems;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    if (bytes == 4) {
+      reinterpret_cast<float*>(state)[i] = __int_as_float(0x7FC00000);
+    } else {
+      reinterpret_cast<uint16_t*>(state)[i] = kBf16Unset;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The data plane
+// ---------------------------------------------------------------------------------------------
+
+class CudaDataPlane final : public DataPlane {
+ public:
+  CudaDataPlane(const ArenaView& a, const ArenaHeader& h) : a_(a), header_(h) {}
+
+  ~CudaDataPlane() override {
+    for (void* p : owned_) cudaFree(p);
+  }
+
+  absl::Status Init() {
+    const Geometry& g = a_.geometry;
+    const int64_t S = g.max_seqs, R = g.max_rows, MB = a_.max_blocks;
+    d_.policy = a_.policy;
+    d_.sparsity = a_.sparsity;
+    d_.stats = a_.stats;
+    d_.curves = reinterpret_cast<unsigned long long*>(a_.curves);
+    d_.seqs = a_.seqs;
+    d_.fresh = a_.fresh;
+    d_.state = a_.state;
+    d_.batch = a_.batch;
+    d_.entries = a_.entries;
+    d_.union_count = a_.union_count;
+    d_.union_ids = a_.union_ids;
+    d_.phys = a_.phys;
+    d_.compact_len = a_.compact_len;
+    d_.scratch0 = a_.scratch;
+    d_.mask = a_.mask;
+    d_.error = a_.error;
+    d_.layers = static_cast<int32_t>(g.layers);
+    d_.max_seqs = static_cast<int32_t>(g.max_seqs);
+    d_.max_slots = static_cast<int32_t>(g.max_slots);
+    d_.block = static_cast<int32_t>(g.block_size);
+    d_.topk = static_cast<int32_t>(g.topk);
+    d_.max_rows = static_cast<int32_t>(g.max_rows);
+    d_.max_blocks = static_cast<int32_t>(MB);
+    d_.dtype_bytes = static_cast<int32_t>(StateBytes(g.dtype));
+    d_.seed = header_.seed;
+    d_.record_elems = 2ull * g.max_slots;
+    void* p = nullptr;
+    auto alloc = [&](size_t bytes, void** out) -> absl::Status {
+      if (bytes == 0) bytes = 256;
+      if (absl::Status s = CudaStatus(cudaMalloc(out, bytes), "cudaMalloc scratch"); !s.ok()) {
+        return s;
+      }
+      owned_.push_back(*out);
+      return absl::OkStatus();
+    };
+    if (auto s = alloc(S * (R - 1) * MB * sizeof(float), &p); !s.ok()) return s;
+    d_.scores_rest = static_cast<float*>(p);
+    if (auto s = alloc(S * R * MB, &p); !s.ok()) return s;
+    d_.sel = static_cast<uint8_t*>(p);
+    if (auto s = alloc(S * R * MB * sizeof(unsigned long long), &p); !s.ok()) return s;
+    d_.keys = static_cast<unsigned long long*>(p);
+    if (auto s = alloc(S * MB * sizeof(int32_t), &p); !s.ok()) return s;
+    d_.hits = static_cast<int32_t*>(p);
+    if (auto s = alloc(S * sizeof(uint32_t), &p); !s.ok()) return s;
+    d_.seen = static_cast<uint32_t*>(p);
+    return absl::OkStatus();
+  }
+
+  const ArenaView& arena() const override { return a_; }
+
+  absl::Status ResetSequence(int32_t seq, uint64_t key, cudaStream_t stream) override {
+    if (seq < 0 || static_cast<uint32_t>(seq) >= a_.geometry.max_seqs) {
+      return absl::OutOfRangeError(
+          absl::StrCat("sequence ", seq, " is out of range [0, ", a_.geometry.max_seqs, ")"));
+    }
+    ResetKernel<<<256, 256, 0, stream>>>(d_, seq, key);
+    return CudaStatus(cudaGetLastError(), "ResetSequence launch");
+  }
+
+  absl::Status BeginStep(const StepBatch& batch, cudaStream_t stream) override {
+    const Geometry& g = a_.geometry;
+    if (batch.n < 0 || static_cast<uint32_t>(batch.n) > g.max_seqs) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("batch of ", batch.n, " entries is out of range [0, ", g.max_seqs, "]"));
+    }
+    if (batch.rows < 1 || static_cast<uint32_t>(batch.rows) > g.max_rows) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rows ", batch.rows, " is out of range [1, ", g.max_rows, "]"));
+    }
+    if (batch.n > 0 && (!batch.seq || !batch.ctx_len || !batch.q_pos)) {
+      return absl::InvalidArgumentError("batch arrays seq, ctx_len and q_pos are required");
+    }
+    BeginStepKernel<<<1, 1024, 0, stream>>>(d_, batch.seq, batch.ctx_len, batch.q_pos, batch.n,
+                                            batch.rows);
+    n_ = batch.n;
+    rows_ = batch.rows;
+    selected_layer_ = -1;
+    return CudaStatus(cudaGetLastError(), "BeginStep launch");
+  }
+
+  absl::Status Select(int32_t layer, const int32_t* block_table, int64_t table_stride,
+                      cudaStream_t stream) override {
+    if (absl::Status s = CheckLayer(layer); !s.ok()) return s;
+    if (block_table && table_stride < a_.max_blocks) {
+      return absl::InvalidArgumentError(absl::StrCat("block table stride ", table_stride,
+                                                     " is below the session's max blocks ",
+                                                     a_.max_blocks));
+    }
+    if (n_ > 0) {
+      const dim3 sgrid(static_cast<unsigned>(CeilDiv(a_.max_blocks, kBlocksPerScoreCta)),
+                       static_cast<unsigned>(rows_), static_cast<unsigned>(n_));
+      ScoresKernel<<<sgrid, kScoreThreads, 0, stream>>>(d_, layer);
+      SelectRowsKernel<<<dim3(rows_, n_), kSelectThreads, 0, stream>>>(d_, layer);
+      UnionKernel<<<n_, kSelectThreads, 0, stream>>>(d_, layer, block_table, table_stride);
+    }
+    selected_layer_ = layer;
+    return CudaStatus(cudaGetLastError(), "Select launch");
+  }
+
+  absl::Status Remap(int32_t* idx, int32_t count, cudaStream_t stream) override {
+    if (selected_layer_ < 0) {
+      return absl::FailedPreconditionError("Remap needs a Select of the current step first");
+    }
+    if (count < 0 || (count > 0 && idx == nullptr)) {
+      return absl::InvalidArgumentError(absl::StrCat("bad top-K buffer (count ", count, ")"));
+    }
+    const int64_t total = static_cast<int64_t>(n_) * rows_ * count;
+    if (total == 0) return absl::OkStatus();
+    const int grid = static_cast<int>(std::min<int64_t>(CeilDiv(total, 256), 4096));
+    RemapKernel<<<grid, 256, 0, stream>>>(d_, idx, count);
+    return CudaStatus(cudaGetLastError(), "Remap launch");
+  }
+
+  absl::Status Observe(int32_t layer, const float* logits, int64_t logits_stride,
+                       const int32_t* accepted, cudaStream_t stream) override {
+    if (absl::Status s = CheckLayer(layer); !s.ok()) return s;
+    if (selected_layer_ != layer) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("Observe of layer ", layer, " without its Select in this step (last: ",
+                       selected_layer_, ")"));
+    }
+    if (n_ == 0) return absl::OkStatus();
+    if (logits == nullptr || logits_stride < 0) {
+      return absl::InvalidArgumentError("logits are required");
+    }
+    ProbeKernel<<<n_, kSelectThreads, 0, stream>>>(d_, layer, logits, logits_stride, accepted);
+    const unsigned chunks =
+        static_cast<unsigned>(CeilDiv(static_cast<int64_t>(a_.max_blocks) * d_.block, kEmaThreads));
+    for (int r = 0; r < rows_; ++r) {
+      EmaKernel<<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(d_, layer, r, logits,
+                                                              logits_stride, accepted);
+    }
+    FinishObserveKernel<<<static_cast<unsigned>(CeilDiv(n_, 256)), 256, 0, stream>>>(
+        d_, layer, logits_stride, accepted);
+    return CudaStatus(cudaGetLastError(), "Observe launch");
+  }
+
+ private:
+  absl::Status CheckLayer(int32_t layer) const {
+    if (layer < 0 || static_cast<uint32_t>(layer) >= a_.geometry.layers) {
+      return absl::OutOfRangeError(
+          absl::StrCat("layer ", layer, " is out of range [0, ", a_.geometry.layers, ")"));
+    }
+    return absl::OkStatus();
+  }
+
+  ArenaView a_;
+  ArenaHeader header_;
+  Dev d_{};
+  std::vector<void*> owned_;
+  // Host mirror of the call sequence (BeginStep/Select), so call-order errors need no sync.
+  int32_t n_ = 0, rows_ = 1, selected_layer_ = -1;
+};
+
+}  // namespace
+
+bool CudaAvailable() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+absl::StatusOr<ArenaView> InitDeviceArena(void* device_base, uint64_t bytes, const Geometry& g,
+                                          uint64_t seed, const Policy& policy,
+                                          cudaStream_t stream) {
+  if (absl::Status s = ValidatePolicy(policy); !s.ok()) return s;
+  absl::StatusOr<ArenaHeader> h = MakeArenaHeader(g, seed);
+  if (!h.ok()) return h.status();
+  if (bytes < h->total_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("device arena of ", bytes,
+                                                   " bytes is too small: the geometry needs ",
+                                                   h->total_bytes));
+  }
+  absl::StatusOr<ArenaView> v = ViewArenaWithHeader(device_base, bytes, *h);
+  if (!v.ok()) return v.status();
+  // Small sections are built in host memory and copied; the state is filled on the device.
+  ArenaPolicy ap{};
+  FillArenaPolicy(policy, &ap);
+  ap.epoch = 1;
+  std::vector<double> sparsity(g.layers, policy.target_sparsity);
+  std::vector<uint8_t> fresh(static_cast<size_t>(g.max_seqs) * g.layers, 1);
+  BatchHeader bh{0, 1, -1, 0};
+  // The copies read host memory that lives only until return: synchronise before returning.
+  cudaError_t e = cudaMemsetAsync(device_base, 0, h->total_bytes, stream);
+  if (e == cudaSuccess) e = cudaMemcpyAsync(device_base, &*h, sizeof(ArenaHeader),
+                                            cudaMemcpyHostToDevice, stream);
+  if (e == cudaSuccess) e = cudaMemcpyAsync(v->policy, &ap, sizeof(ap), cudaMemcpyHostToDevice,
+                                            stream);
+  if (e == cudaSuccess) e = cudaMemcpyAsync(v->sparsity, sparsity.data(),
+                                            sparsity.size() * sizeof(double),
+                                            cudaMemcpyHostToDevice, stream);
+  if (e == cudaSuccess) e = cudaMemcpyAsync(v->fresh, fresh.data(), fresh.size(),
+                                            cudaMemcpyHostToDevice, stream);
+  if (e == cudaSuccess) e = cudaMemcpyAsync(v->batch, &bh, sizeof(bh), cudaMemcpyHostToDevice,
+                                            stream);
+  if (e == cudaSuccess) {
+    FillUnsetKernel<<<1024, 256, 0, stream>>>(v->state,
+                                              2ull * g.max_seqs * g.layers * g.max_slots,
+                                              static_cast<int>(StateBytes(g.dtype)));
+    e = cudaGetLastError();
+  }
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  if (absl::Status s = CudaStatus(e, "InitDeviceArena"); !s.ok()) return s;
+  return v;
+}
+
+absl::Status WriteDevicePolicy(const ArenaView& view, const Policy& policy, cudaStream_t stream) {
+  if (absl::Status s = ValidatePolicy(policy); !s.ok()) return s;
+  ArenaPolicy ap{};
+  cudaError_t e = cudaMemcpyAsync(&ap, view.policy, sizeof(ap), cudaMemcpyDeviceToHost, stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  if (absl::Status s = CudaStatus(e, "read policy"); !s.ok()) return s;
+  const uint64_t epoch = ap.epoch + 1;
+  FillArenaPolicy(policy, &ap);
+  ap.epoch = epoch;
+  std::vector<double> sparsity(view.geometry.layers, policy.target_sparsity);
+  if (policy.budget_mode == BudgetMode::kUniform) {
+    e = cudaMemcpyAsync(view.sparsity, sparsity.data(), sparsity.size() * sizeof(double),
+                        cudaMemcpyHostToDevice, stream);
+  }
+  if (e == cudaSuccess) e = cudaMemcpyAsync(view.policy, &ap, sizeof(ap), cudaMemcpyHostToDevice,
+                                            stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  return CudaStatus(e, "write policy");
+}
+
+absl::StatusOr<std::unique_ptr<DataPlane>> MakeCudaDataPlane(const ArenaView& view) {
+  ArenaHeader h;
+  if (absl::Status s = CudaStatus(
+          cudaMemcpy(&h, view.header, sizeof(h), cudaMemcpyDeviceToHost), "read arena header");
+      !s.ok()) {
+    return s;
+  }
+  absl::StatusOr<ArenaView> checked = ViewArenaWithHeader(view.header, h.total_bytes, h);
+  if (!checked.ok()) return checked.status();
+  auto dp = std::make_unique<CudaDataPlane>(*checked, h);
+  if (absl::Status s = dp->Init(); !s.ok()) return s;
+  return std::unique_ptr<DataPlane>(std::move(dp));
+}
+
+absl::StatusOr<uint32_t> ReadDeviceError(const ArenaView& view) {
+  uint32_t err = 0;
+  if (absl::Status s = CudaStatus(cudaMemcpy(&err, view.error, sizeof(err),
+                                             cudaMemcpyDeviceToHost),
+                                  "read arena error");
+      !s.ok()) {
+    return s;
+  }
+  return err;
+}
+
+}  // namespace spin

@@ -1,0 +1,377 @@
+// The CUDA backend against the CPU reference on the same inputs: every selection, every
+// compacted table and length, every remapped index, and at the end every byte of state,
+// statistics and miss curves must be identical (fp32 and bf16). Skips without a device.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine_sim.h"
+#include "gtest/gtest.h"
+#include "spin/cuda_data_plane.h"
+#include "test_arena.h"
+
+namespace spin::testing {
+namespace {
+
+#define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x << ": " << cudaGetErrorString(x)
+
+class CudaTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+// A device buffer that frees itself.
+struct DevBuf {
+  void* p = nullptr;
+  explicit DevBuf(size_t bytes) { EXPECT_EQ(cudaMalloc(&p, bytes ? bytes : 16), cudaSuccess); }
+  ~DevBuf() { cudaFree(p); }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(p);
+  }
+};
+
+template <typename T>
+std::vector<T> ToHost(const T* dev, size_t n) {
+  std::vector<T> out(n);
+  EXPECT_EQ(cudaMemcpy(out.data(), dev, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+  return out;
+}
+
+// Deterministic structured scores: persistent per-slot weight, a recency band, per-step noise,
+// and a sprinkle of NaN/inf.
+float Score(int seq, int layer, int step, int row, int slot, int q) {
+  uint32_t h = static_cast<uint32_t>(seq * 7919 + layer * 104729 + slot * 2654435761u);
+  h ^= h >> 13;
+  h *= 0x5bd1e995u;
+  h ^= h >> 15;
+  uint32_t n = h ^ static_cast<uint32_t>(step * 0x9E3779B9u + row * 0x85EBCA6Bu);
+  n *= 0xC2B2AE35u;
+  n ^= n >> 16;
+  if ((n & 0x3FF) == 7) return NAN;
+  if ((n & 0x3FF) == 8) return INFINITY;
+  const float base = static_cast<float>(h % 1000) / 250.0f + ((h >> 10) % 50 == 0 ? 6.0f : 0.0f);
+  const float band = (q - slot >= 0 && q - slot < 40) ? 3.0f : 0.0f;
+  return base + band + static_cast<float>(n % 997) / 997.0f;
+}
+
+// Runs the same random multi-sequence decode through both backends and compares everything.
+class Twin {
+ public:
+  Twin(const Geometry& g, const Policy& p, uint64_t seed) : cpu_(g, p, seed), g_(g) {
+    bytes_ = ArenaBytes(g);
+    dev_ = std::make_unique<DevBuf>(bytes_);
+    auto v = InitDeviceArena(dev_->p, bytes_, g, seed, p);
+    EXPECT_TRUE(v.ok()) << v.status();
+    dview_ = *v;
+    auto dp = MakeCudaDataPlane(dview_);
+    EXPECT_TRUE(dp.ok()) << dp.status();
+    gpu_ = std::move(*dp);
+    const size_t S = g.max_seqs, R = g.max_rows, MB = cpu_.view().max_blocks;
+    stride_ = static_cast<int64_t>(MB) * g.block_size;
+    d_seq_ = std::make_unique<DevBuf>(S * 4);
+    d_ctx_ = std::make_unique<DevBuf>(S * 4);
+    d_q_ = std::make_unique<DevBuf>(S * 4);
+    d_acc_ = std::make_unique<DevBuf>(S * 4);
+    d_table_ = std::make_unique<DevBuf>(S * MB * 4);
+    d_logits_ = std::make_unique<DevBuf>(S * R * stride_ * 4);
+    d_idx_ = std::make_unique<DevBuf>(S * R * kTopK * 4);
+    table_.resize(S * MB);
+    for (size_t i = 0; i < table_.size(); ++i) table_[i] = static_cast<int32_t>((i * 37) % 100003);
+    EXPECT_EQ(cudaMemcpy(d_table_->p, table_.data(), table_.size() * 4, cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+
+  void Reset(int seq, uint64_t key) {
+    ASSERT_TRUE(cpu_.dp().ResetSequence(seq, key).ok());
+    ASSERT_TRUE(gpu_->ResetSequence(seq, key).ok());
+  }
+
+  // One decode step for the given entries (seq -1 = padding).
+  void Step(const std::vector<int32_t>& seq, const std::vector<int32_t>& ctx,
+            const std::vector<int32_t>& q, int rows, const std::vector<int32_t>& acc, int step) {
+    const int n = static_cast<int>(seq.size());
+    CUDA_OK(cudaMemcpy(d_seq_->p, seq.data(), n * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_ctx_->p, ctx.data(), n * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_q_->p, q.data(), n * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_acc_->p, acc.data(), n * 4, cudaMemcpyHostToDevice));
+    ASSERT_TRUE(cpu_.dp().BeginStep(StepBatch{seq.data(), ctx.data(), q.data(), n, rows}).ok());
+    ASSERT_TRUE(gpu_->BeginStep(StepBatch{d_seq_->as<int32_t>(), d_ctx_->as<int32_t>(),
+                                          d_q_->as<int32_t>(), n, rows})
+                    .ok());
+    const ArenaView& c = cpu_.view();
+    const int MB = static_cast<int>(c.max_blocks), R = static_cast<int>(g_.max_rows);
+    const int b = static_cast<int>(g_.block_size);
+    for (int l = 0; l < static_cast<int>(g_.layers); ++l) {
+      ASSERT_TRUE(cpu_.dp().Select(l, table_.data(), MB).ok());
+      ASSERT_TRUE(gpu_->Select(l, d_table_->as<int32_t>(), MB).ok());
+      const auto count = ToHost(dview_.union_count, n);
+      const auto ids = ToHost(dview_.union_ids, static_cast<size_t>(n) * MB);
+      const auto phys = ToHost(dview_.phys, static_cast<size_t>(n) * MB);
+      const auto clen = ToHost(dview_.compact_len, static_cast<size_t>(n) * R);
+      for (int e = 0; e < n; ++e) {
+        ASSERT_EQ(count[e], c.union_count[e]) << "step " << step << " layer " << l << " e " << e;
+        for (int k = 0; k < count[e]; ++k) {
+          ASSERT_EQ(ids[e * MB + k], c.union_ids[e * MB + k])
+              << "step " << step << " layer " << l << " entry " << e << " k " << k;
+          ASSERT_EQ(phys[e * MB + k], c.phys[e * MB + k]);
+        }
+        for (int r = 0; r < rows; ++r) ASSERT_EQ(clen[e * R + r], c.compact_len[e * R + r]);
+      }
+      // Logits of the compacted layout, built from the (common) union.
+      std::vector<float> logits(static_cast<size_t>(n) * rows * stride_, -INFINITY);
+      for (int e = 0; e < n; ++e) {
+        if (seq[e] < 0) continue;
+        for (int r = 0; r < rows; ++r) {
+          for (int k = 0; k < c.union_count[e]; ++k) {
+            for (int o = 0; o < b; ++o) {
+              const int i = c.union_ids[e * MB + k] * b + o;
+              if (i >= ctx[e] + r) break;
+              logits[(static_cast<size_t>(e) * rows + r) * stride_ + k * b + o] =
+                  Score(seq[e], l, step, r, i, q[e] + r);
+            }
+          }
+        }
+      }
+      CUDA_OK(cudaMemcpy(d_logits_->p, logits.data(), logits.size() * 4, cudaMemcpyHostToDevice));
+      // Remap of random compacted indices, some out of range.
+      std::vector<int32_t> idx(static_cast<size_t>(n) * rows * kTopK);
+      for (size_t x = 0; x < idx.size(); ++x) {
+        idx[x] = static_cast<int32_t>(rng_() % (stride_ + 10)) - 5;
+      }
+      CUDA_OK(cudaMemcpy(d_idx_->p, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
+      ASSERT_TRUE(cpu_.dp().Remap(idx.data(), kTopK).ok());
+      ASSERT_TRUE(gpu_->Remap(d_idx_->as<int32_t>(), kTopK).ok());
+      ASSERT_EQ(ToHost(d_idx_->as<int32_t>(), idx.size()), idx) << "remap, step " << step;
+      ASSERT_TRUE(cpu_.dp().Observe(l, logits.data(), stride_, acc.data()).ok());
+      ASSERT_TRUE(
+          gpu_->Observe(l, d_logits_->as<float>(), stride_, d_acc_->as<int32_t>()).ok());
+    }
+    CUDA_OK(cudaDeviceSynchronize());
+  }
+
+  // Every byte except the scratch and mask sections (whose unused tails may differ) agrees.
+  void ExpectSameArena(const std::string& what) {
+    const auto dev = ToHost(static_cast<const uint8_t*>(dev_->p), bytes_);
+    const ArenaHeader& h = *cpu_.view().header;
+    const uint8_t* host = cpu_.base();
+    auto same = [&](uint64_t lo, uint64_t hi, const char* name) {
+      for (uint64_t i = lo; i < hi; ++i) {
+        if (dev[i] != host[i]) {
+          ADD_FAILURE() << what << ": arena differs at byte " << i << " in " << name;
+          return;
+        }
+      }
+    };
+    same(0, h.off_state, "header/policy/budgets/stats/curves/seqs/fresh");
+    same(h.off_state, h.off_batch, "state");
+    same(h.off_batch, h.off_scratch, "batch/outputs");
+    same(h.off_error, h.total_bytes, "error");
+  }
+
+  const ArenaView& dview() const { return dview_; }
+  DataPlane& gpu() { return *gpu_; }
+  TestArena& cpu() { return cpu_; }
+
+  static constexpr int kTopK = 32;
+
+ private:
+  TestArena cpu_;
+  Geometry g_;
+  uint64_t bytes_ = 0;
+  std::unique_ptr<DevBuf> dev_, d_seq_, d_ctx_, d_q_, d_acc_, d_table_, d_logits_, d_idx_;
+  ArenaView dview_;
+  std::unique_ptr<DataPlane> gpu_;
+  std::vector<int32_t> table_;
+  int64_t stride_ = 0;
+  std::mt19937 rng_{3};
+};
+
+struct Scenario {
+  StateDtype dtype;
+  int rows;
+  double rho, gamma;
+  uint32_t period;
+};
+
+void RunScenario(const Scenario& sc) {
+  Geometry g;
+  g.layers = 3;
+  g.max_seqs = 6;
+  g.max_slots = 64 * 40 + 17;  // partial last block
+  g.block_size = 64;
+  g.topk = 256;
+  g.max_rows = static_cast<uint32_t>(sc.rows);
+  g.dtype = sc.dtype;
+  Policy p;
+  p.target_sparsity = sc.rho;
+  p.exploration = sc.gamma;
+  p.alpha = 0.3f;
+  p.probe_period = sc.period;
+  Twin t(g, p, 99);
+  std::mt19937 rng(sc.rows * 10 + static_cast<int>(sc.dtype));
+  const int kSteps = 24;
+  // Sequence s starts with context start[s]; sequence 0 ends exactly at max_slots.
+  std::vector<int> ctx = {static_cast<int>(g.max_slots) - kSteps * sc.rows + 1, 100,
+                          900, 1500, 64 * 20, 63};
+  for (int s = 0; s < 6; ++s) t.Reset(s, 1000 + s);
+  for (int step = 0; step < kSteps; ++step) {
+    if (step == 12) t.Reset(3, 555);  // a sequence slot reused mid-run
+    std::vector<int32_t> seq = {0, 2, -1, 1, 3, 4}, c, q, acc;
+    if (step % 5 == 4) seq[5] = 5;
+    for (int32_t s : seq) {
+      const int cc = s < 0 ? 0 : ctx[s];
+      c.push_back(cc);
+      q.push_back(s < 0 ? 0 : (s == 4 && cc > 2 ? cc - 2 : cc - 1));  // seq 4: query trails
+      acc.push_back(sc.rows == 1 ? 1 : static_cast<int32_t>(rng() % (sc.rows + 1)));
+    }
+    t.Step(seq, c, q, sc.rows, acc, step);
+    for (size_t e = 0; e < seq.size(); ++e) {
+      if (seq[e] >= 0) ctx[seq[e]] += std::max(1, acc[e]);
+    }
+  }
+  t.ExpectSameArena("end of run");
+}
+
+TEST_F(CudaTest, ParityFp32SingleRow) { RunScenario({StateDtype::kFp32, 1, 0.5, 0.1, 3}); }
+TEST_F(CudaTest, ParityFp32Mtp) { RunScenario({StateDtype::kFp32, 3, 0.6, 0.2, 4}); }
+TEST_F(CudaTest, ParityBf16SingleRow) { RunScenario({StateDtype::kBf16, 1, 0.4, 0.05, 5}); }
+TEST_F(CudaTest, ParityBf16Mtp) { RunScenario({StateDtype::kBf16, 2, 0.7, 0.25, 2}); }
+TEST_F(CudaTest, ParityNoExplorationNoProbes) {
+  RunScenario({StateDtype::kFp32, 1, 0.3, 0.0, 0});
+}
+
+TEST_F(CudaTest, BadBatchRecordsAnErrorAndRunsNoEntry) {
+  Geometry g;
+  g.layers = 1;
+  g.max_seqs = 2;
+  g.max_slots = 512;
+  g.topk = 64;
+  Twin t(g, Policy{}, 1);
+  t.Reset(0, 1);
+  DevBuf s(8), c(8), q(8);
+  const int32_t seq[2] = {0, 1}, ctx[2] = {100, 100}, qp[2] = {99, 99};  // sequence 1 not open
+  CUDA_OK(cudaMemcpy(s.p, seq, 8, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(c.p, ctx, 8, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(q.p, qp, 8, cudaMemcpyHostToDevice));
+  ASSERT_TRUE(
+      t.gpu().BeginStep(StepBatch{s.as<int32_t>(), c.as<int32_t>(), q.as<int32_t>(), 2, 1}).ok());
+  auto err = ReadDeviceError(t.dview());
+  ASSERT_TRUE(err.ok());
+  EXPECT_EQ(*err, kArenaBadBatch);
+  const auto n = ToHost(&t.dview().batch->n, 1);
+  EXPECT_EQ(n[0], 0);
+  const auto steps = ToHost(&t.dview().seqs[0].steps, 1);
+  EXPECT_EQ(steps[0], 0u);  // nothing advanced
+  // Host-checked errors return a status and launch nothing.
+  EXPECT_EQ(t.gpu().Select(1).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(t.gpu().Observe(0, nullptr, 0).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(t.gpu().ResetSequence(2, 0).code(), absl::StatusCode::kOutOfRange);
+}
+
+// A whole decode step (BeginStep, then Select / engine indexer / Observe per layer) captured
+// once in a CUDA graph and replayed for many steps, against the CPU reference run eagerly.
+TEST_F(CudaTest, GraphReplayMatchesEagerReference) {
+  Geometry g;
+  g.layers = 4;
+  g.max_seqs = 4;
+  g.max_slots = 64 * 32;
+  g.topk = 128;
+  g.max_rows = 2;
+  Policy p;
+  p.target_sparsity = 0.5;
+  p.exploration = 0.1;
+  p.probe_period = 5;
+  Twin t(g, p, 5);
+  for (int s = 0; s < 4; ++s) t.Reset(s, 77 + s);
+  const int n = 4, rows = 2, L = 4;
+  const int64_t N = g.max_slots, MB = t.cpu().view().max_blocks, stride = MB * 64;
+  DevBuf d_seq(n * 4), d_ctx(n * 4), d_q(n * 4), d_acc(n * 4);
+  DevBuf d_dense(static_cast<size_t>(n) * L * rows * N * 4);
+  DevBuf d_logits(static_cast<size_t>(n) * rows * stride * 4);
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const StepBatch dbatch{d_seq.as<int32_t>(), d_ctx.as<int32_t>(), d_q.as<int32_t>(), n, rows};
+  ASSERT_TRUE(t.gpu().BeginStep(dbatch, stream).ok());
+  for (int l = 0; l < L; ++l) {
+    ASSERT_TRUE(t.gpu().Select(l, nullptr, 0, stream).ok());
+    CUDA_OK(LaunchGatherLogits(t.dview(), l, d_dense.as<float>(), N, d_logits.as<float>(), stride,
+                               stream));
+    ASSERT_TRUE(t.gpu().Observe(l, d_logits.as<float>(), stride, d_acc.as<int32_t>(), stream).ok());
+  }
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+
+  std::vector<int32_t> seq = {2, 0, 3, 1}, ctx = {300, 700, 1200, 64 * 32 - 2 * 40 - 2};
+  std::mt19937 rng(8);
+  std::vector<float> dense(static_cast<size_t>(n) * L * rows * N);
+  const int kSteps = 40;
+  for (int step = 0; step < kSteps; ++step) {
+    std::vector<int32_t> q(n), acc(n);
+    for (int e = 0; e < n; ++e) {
+      q[e] = ctx[e] - 1;
+      acc[e] = static_cast<int32_t>(rng() % (rows + 1));
+      for (int l = 0; l < L; ++l) {
+        for (int r = 0; r < rows; ++r) {
+          float* z = dense.data() + ((static_cast<size_t>(e) * L + l) * rows + r) * N;
+          for (int i = 0; i < ctx[e] + r; ++i) z[i] = Score(seq[e], l, step, r, i, q[e] + r);
+        }
+      }
+    }
+    CUDA_OK(cudaMemcpy(d_seq.p, seq.data(), n * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_ctx.p, ctx.data(), n * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_q.p, q.data(), n * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_acc.p, acc.data(), n * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_dense.p, dense.data(), dense.size() * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    // The reference, eagerly on the CPU with the same inputs.
+    DataPlane& c = t.cpu().dp();
+    ASSERT_TRUE(c.BeginStep(StepBatch{seq.data(), ctx.data(), q.data(), n, rows}).ok());
+    const ArenaView& cv = t.cpu().view();
+    for (int l = 0; l < L; ++l) {
+      ASSERT_TRUE(c.Select(l).ok());
+      std::vector<float> logits(static_cast<size_t>(n) * rows * stride, -INFINITY);
+      for (int e = 0; e < n; ++e) {
+        for (int r = 0; r < rows; ++r) {
+          const float* z = dense.data() + ((static_cast<size_t>(e) * L + l) * rows + r) * N;
+          for (int k = 0; k < cv.union_count[e]; ++k) {
+            for (int o = 0; o < 64; ++o) {
+              const int i = cv.union_ids[e * MB + k] * 64 + o;
+              if (i < ctx[e] + r) logits[(static_cast<size_t>(e) * rows + r) * stride + k * 64 + o] = z[i];
+            }
+          }
+        }
+      }
+      ASSERT_TRUE(c.Observe(l, logits.data(), stride, acc.data()).ok());
+    }
+    // The last layer's outputs after the replay equal the reference's.
+    const auto count = ToHost(t.dview().union_count, n);
+    const auto ids = ToHost(t.dview().union_ids, static_cast<size_t>(n) * MB);
+    for (int e = 0; e < n; ++e) {
+      ASSERT_EQ(count[e], cv.union_count[e]) << "step " << step;
+      for (int k = 0; k < count[e]; ++k) ASSERT_EQ(ids[e * MB + k], cv.union_ids[e * MB + k]);
+    }
+    for (int e = 0; e < n; ++e) ctx[e] += std::max(1, acc[e]);
+  }
+  t.ExpectSameArena("after graph replays");
+  auto err = ReadDeviceError(t.dview());
+  ASSERT_TRUE(err.ok());
+  EXPECT_EQ(*err, 0u);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+}  // namespace
+}  // namespace spin::testing
