@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <memory>
 
@@ -11,6 +12,9 @@
 #include "absl/strings/str_format.h"
 #include "nlohmann/json.hpp"
 #include "spin/numerics.h"
+#if SPIN_HAVE_CUDA
+#include "spin/cuda_data_plane.h"
+#endif
 
 namespace spin {
 namespace {
@@ -53,6 +57,55 @@ struct FreeDeleter {
   void operator()(void* p) const { std::free(p); }
 };
 
+// Buffers and copies in the data plane's memory: host memory for the CPU backend, device memory
+// for the CUDA backend (replay is a tool: synchronous copies are fine here).
+class PlaneMemory {
+ public:
+  explicit PlaneMemory(bool device) : device_(device) {}
+  ~PlaneMemory() {
+    for (void* p : owned_) {
+#if SPIN_HAVE_CUDA
+      if (device_) {
+        DeviceFree(p);
+        continue;
+      }
+#endif
+      std::free(p);
+    }
+  }
+  absl::StatusOr<void*> Alloc(size_t bytes) {
+#if SPIN_HAVE_CUDA
+    if (device_) {
+      absl::StatusOr<void*> p = DeviceAlloc(bytes);
+      if (p.ok()) owned_.push_back(*p);
+      return p;
+    }
+#endif
+    void* p = std::malloc(bytes ? bytes : 1);
+    if (!p) return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes"));
+    owned_.push_back(p);
+    return p;
+  }
+  absl::Status Put(void* dst, const void* src, size_t bytes) {
+#if SPIN_HAVE_CUDA
+    if (device_) return CopyToDevice(dst, src, bytes);
+#endif
+    std::memcpy(dst, src, bytes);
+    return absl::OkStatus();
+  }
+  absl::Status Get(void* dst, const void* src, size_t bytes) {
+#if SPIN_HAVE_CUDA
+    if (device_) return CopyToHost(dst, src, bytes);
+#endif
+    std::memcpy(dst, src, bytes);
+    return absl::OkStatus();
+  }
+
+ private:
+  bool device_;
+  std::vector<void*> owned_;
+};
+
 }  // namespace
 
 Geometry TraceGeometry(const TraceMeta& meta, int64_t n_max, StateDtype dtype) {
@@ -91,51 +144,74 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
 
   const int32_t b = meta.block_size, rows = meta.rows, k = meta.topk;
   const int32_t max_blocks = static_cast<int32_t>(a.max_blocks);
+  const int64_t stride = static_cast<int64_t>(max_blocks) * b;
+  PlaneMemory mem(dp.on_device());
+  // The engine's per-step buffers, in the data plane's memory (fixed addresses).
+  absl::StatusOr<void*> p_batch = mem.Alloc(4 * sizeof(int32_t));
+  absl::StatusOr<void*> p_logits = mem.Alloc(stride * rows * sizeof(float));
+  absl::StatusOr<void*> p_topk = mem.Alloc(static_cast<size_t>(rows) * k * sizeof(int32_t));
+  for (const auto* p : {&p_batch, &p_logits, &p_topk}) {
+    if (!p->ok()) return p->status();
+  }
+  int32_t* d_batch = static_cast<int32_t*>(*p_batch);  // seq, ctx, q, accepted
+  float* d_logits = static_cast<float*>(*p_logits);
+  int32_t* d_topk = static_cast<int32_t*>(*p_topk);
+
   std::vector<std::vector<double>> miss(meta.layers);
   std::vector<float> logits;
-  std::vector<int32_t> dense_topk, sparse_topk;
-  std::vector<uint8_t> selected(max_blocks);
+  std::vector<int32_t> dense_topk, sparse_topk, ids(max_blocks), clen(rows);
   // Stats counters are monotone: remember where they started so a shared arena works too.
-  std::vector<LayerStats> start(a.stats, a.stats + meta.layers);
+  std::vector<LayerStats> start(meta.layers), now(meta.layers);
+  if (absl::Status s = mem.Get(start.data(), a.stats, meta.layers * sizeof(LayerStats)); !s.ok()) {
+    return s;
+  }
+  LayerStats before, after;
+  auto fail = [](int t, int l, const absl::Status& s) {
+    return absl::Status(s.code(), absl::StrCat("step ", t, " layer ", l, ": ", s.message()));
+  };
 
   for (int t = 0; t < meta.steps; ++t) {
-    const int32_t seq = 0, ctx = meta.ctx_len[t], q = meta.q_pos[t];
-    const int32_t accepted = meta.accepted.empty() ? rows : meta.accepted[t];
-    StepBatch batch{&seq, &ctx, &q, 1, rows};
-    if (absl::Status s = dp.BeginStep(batch); !s.ok()) {
-      return absl::InternalError(absl::StrCat("step ", t, ": ", s.message()));
-    }
+    const int32_t ctx = meta.ctx_len[t];
+    const int32_t host_batch[4] = {0, ctx, meta.q_pos[t],
+                                   meta.accepted.empty() ? rows : meta.accepted[t]};
+    if (absl::Status s = mem.Put(d_batch, host_batch, sizeof(host_batch)); !s.ok()) return s;
+    const StepBatch batch{d_batch, d_batch + 1, d_batch + 2, 1, rows};
+    if (absl::Status s = dp.BeginStep(batch); !s.ok()) return fail(t, -1, s);
     for (int l = 0; l < meta.layers; ++l) {
-      const uint64_t dense_before = a.stats[l].dense_steps;
-      if (absl::Status s = dp.Select(l); !s.ok()) {
-        return absl::InternalError(absl::StrCat("step ", t, " layer ", l, ": ", s.message()));
-      }
-      const bool dense = a.stats[l].dense_steps != dense_before;
-      const int32_t count = a.union_count[0];
-      const int32_t* ids = a.union_ids;
+      absl::Status s = mem.Get(&before, a.stats + l, sizeof(before));
+      if (s.ok()) s = dp.Select(l);
+      if (s.ok()) s = mem.Get(&after, a.stats + l, sizeof(after));
+      int32_t count = 0;
+      if (s.ok()) s = mem.Get(&count, a.union_count, sizeof(count));
+      if (s.ok()) s = mem.Get(ids.data(), a.union_ids, count * sizeof(int32_t));
+      if (s.ok()) s = mem.Get(clen.data(), a.compact_len, rows * sizeof(int32_t));
+      if (!s.ok()) return fail(t, l, s);
+      const bool dense = after.dense_steps != before.dense_steps;
       // The engine's indexer over the compacted table: row r sees the union's slots below
       // its own context; the rest of the row is padding.
-      const int64_t stride = static_cast<int64_t>(std::max(count, 1)) * b;
       logits.assign(stride * rows, -INFINITY);
       for (int32_t r = 0; r < rows; ++r) {
         const float* z = trace.scores(t, l, r);
         const int32_t n = ctx + r;
         for (int32_t c = 0; c < count; ++c) {
           const int32_t lo = ids[c] * b, hi = std::min(lo + b, n);
-          if (lo < hi)
+          if (lo < hi) {
             std::copy(z + lo, z + hi, logits.begin() + r * stride + static_cast<int64_t>(c) * b);
+          }
         }
       }
       // The engine's own top-K over the compacted logits, remapped to logical slots.
       sparse_topk.assign(static_cast<size_t>(rows) * k, -1);
       for (int32_t r = 0; r < rows; ++r) {
-        TopK(logits.data() + r * stride, a.compact_len[r], k, &dense_topk);
+        TopK(logits.data() + r * stride, clen[r], k, &dense_topk);
         std::copy(dense_topk.begin(), dense_topk.end(), sparse_topk.begin() + r * k);
       }
-      if (absl::Status s = dp.Remap(sparse_topk.data(), k); !s.ok()) return s;
-      if (absl::Status s = dp.Observe(l, logits.data(), stride, &accepted); !s.ok()) {
-        return absl::InternalError(absl::StrCat("step ", t, " layer ", l, ": ", s.message()));
-      }
+      s = mem.Put(d_topk, sparse_topk.data(), sparse_topk.size() * sizeof(int32_t));
+      if (s.ok()) s = dp.Remap(d_topk, k);
+      if (s.ok()) s = mem.Get(sparse_topk.data(), d_topk, sparse_topk.size() * sizeof(int32_t));
+      if (s.ok()) s = mem.Put(d_logits, logits.data(), logits.size() * sizeof(float));
+      if (s.ok()) s = dp.Observe(l, d_logits, stride, d_batch + 3);
+      if (!s.ok()) return fail(t, l, s);
       // Miss of row 0: dense top-K slots that the sparse top-K lost, i.e. that lie in skipped
       // blocks (a dense top-K slot in a selected block is in the sparse top-K too).
       TopK(trace.scores(t, l, 0), ctx, k, &dense_topk);
@@ -162,6 +238,9 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
           absl::StrCat("writing the dump file ", options.dump_path, " failed (disk full?)"));
     }
   }
+  if (absl::Status s = mem.Get(now.data(), a.stats, meta.layers * sizeof(LayerStats)); !s.ok()) {
+    return s;
+  }
 
   ReplaySummary out;
   out.steps = meta.steps;
@@ -169,7 +248,7 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
   std::vector<double> all;
   uint64_t kept = 0, total = 0, skept = 0, stotal = 0;
   for (int l = 0; l < meta.layers; ++l) {
-    const LayerStats& s = a.stats[l];
+    const LayerStats& s = now[l];
     const LayerStats& s0 = start[l];
     LayerSummary ls;
     ls.layer = l;
@@ -202,6 +281,27 @@ absl::StatusOr<ReplaySummary> Replay(const Trace& trace, const ReplayOptions& op
   const Geometry g = TraceGeometry(trace.meta(), trace.n_max(), options.dtype);
   if (absl::Status s = ValidateGeometry(g); !s.ok()) return s;
   const uint64_t bytes = ArenaBytes(g);
+  if (options.backend == ReplayBackend::kCuda) {
+#if SPIN_HAVE_CUDA
+    if (!CudaAvailable()) {
+      return absl::FailedPreconditionError("--backend cuda: no CUDA device is available");
+    }
+    absl::StatusOr<void*> dmem = DeviceAlloc(bytes);
+    if (!dmem.ok()) return dmem.status();
+    std::unique_ptr<void, void (*)(void*)> owner(*dmem, DeviceFree);
+    absl::StatusOr<ArenaView> dview =
+        InitDeviceArena(*dmem, bytes, g, options.seed, options.policy);
+    if (!dview.ok()) return dview.status();
+    absl::StatusOr<std::unique_ptr<DataPlane>> ddp = MakeCudaDataPlane(*dview);
+    if (!ddp.ok()) return ddp.status();
+    absl::StatusOr<ReplaySummary> out = ReplayOn(**ddp, trace, options);
+    ddp->reset();
+    return out;
+#else
+    return absl::FailedPreconditionError(
+        "--backend cuda: this build has no CUDA backend (rebuild with the CUDA toolkit)");
+#endif
+  }
   std::unique_ptr<void, FreeDeleter> mem(std::aligned_alloc(kArenaAlign, bytes));
   if (!mem) {
     return absl::ResourceExhaustedError(

@@ -18,8 +18,12 @@
 
 namespace spin {
 
+/// Which data plane runs the replay.
+enum class ReplayBackend { kCpu, kCuda };
+
 /// What to replay with.
 struct ReplayOptions {
+  ReplayBackend backend = ReplayBackend::kCpu;
   Policy policy;              ///< sparsity, exploration, alpha, probe period, budgets
   uint64_t seed = 1;          ///< session seed of the exploration draws
   uint64_t sequence_key = 0;  ///< the trace's sequence key

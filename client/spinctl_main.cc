@@ -109,7 +109,7 @@ int main(int argc, char** argv) {
 
   // replay
   ReplayOptions ro;
-  std::string trace_dir, budget = "uniform", state = "fp32";
+  std::string trace_dir, budget = "uniform", state = "fp32", backend = "cpu";
   bool json = false, quiet = false;
   CLI::App* r = app.add_subcommand(
       "replay", "Replay a trace through the CPU data plane and report miss rate and sparsity");
@@ -132,6 +132,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   r->add_option("--state", state, "State dtype")
       ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
+  r->add_option("--backend", backend, "Data plane: cpu (reference) or cuda (needs a GPU)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   r->add_option("--dump", ro.dump_path,
                 "Write JSONL, one line per (step, layer): selected blocks and row-0 miss");
@@ -166,6 +169,7 @@ int main(int argc, char** argv) {
   }
   // replay
   ro.dtype = state == "bf16" ? StateDtype::kBf16 : StateDtype::kFp32;
+  ro.backend = backend == "cuda" ? ReplayBackend::kCuda : ReplayBackend::kCpu;
   ro.policy.budget_mode = BudgetMode::kUniform;
   if (absl::Status s = ValidatePolicy(ro.policy); !s.ok()) return Fail(s);
   absl::StatusOr<Trace> t = LoadTrace(trace_dir);

@@ -633,6 +633,7 @@ class CudaDataPlane final : public DataPlane {
   }
 
   const ArenaView& arena() const override { return a_; }
+  bool on_device() const override { return true; }
 
   absl::Status ResetSequence(int32_t seq, uint64_t key, cudaStream_t stream) override {
     if (seq < 0 || static_cast<uint32_t>(seq) >= a_.geometry.max_seqs) {

@@ -58,6 +58,9 @@ class DataPlane {
   /// The arena this data plane operates on.
   virtual const ArenaView& arena() const = 0;
 
+  /// True when the arena and every pointer argument live in device memory (CUDA backend).
+  virtual bool on_device() const { return false; }
+
   /// Opens or reopens sequence slot `seq` with the engine's key: state unset, fresh, step 0.
   virtual absl::Status ResetSequence(int32_t seq, uint64_t key, cudaStream_t stream = nullptr) = 0;
 
