@@ -765,7 +765,7 @@ absl::StatusOr<ArenaView> InitDeviceArena(void* device_base, uint64_t bytes, con
   ap.epoch = 1;
   std::vector<double> sparsity(g.layers, policy.target_sparsity);
   std::vector<uint8_t> fresh(static_cast<size_t>(g.max_seqs) * g.layers, 1);
-  BatchHeader bh{0, 1, -1, 0};
+  BatchHeader bh{0, 0, -1, 0};  // as InitArena leaves it
   // The copies read host memory that lives only until return: synchronise before returning.
   cudaError_t e = cudaMemsetAsync(device_base, 0, h->total_bytes, stream);
   if (e == cudaSuccess) e = cudaMemcpyAsync(device_base, &*h, sizeof(ArenaHeader),

@@ -1,0 +1,51 @@
+// A reference paged indexer with the semantics of DeepGEMM's fp8_paged_mqa_logits, used as
+// the dense baseline in benchmarks and by end-to-end tests (CUDA only).
+//
+//   logits[row][s] = sum_h w[row][h] * ReLU(q[row][h] . k[s]) * scale[s]
+//
+// over the slots s < len(row) of the row's block table. One kernel serves the dense stage
+// (full table) and the sparse stage (SPIN's compacted table and compacted lengths).
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+struct CUstream_st;
+using cudaStream_t = CUstream_st*;
+
+namespace spin {
+
+/// Heads and head dimension of the DSA indexer (DeepSeek-V3.2 / V4).
+inline constexpr int kIndexerHeads = 64;
+inline constexpr int kIndexerDim = 128;
+/// Slots per KV page and bytes per slot: 128 fp8 e4m3 key bytes + one fp32 scale.
+inline constexpr int kPageSlots = 64;
+inline constexpr int kSlotBytes = kIndexerDim + 4;
+/// Bytes of one page: 64 key rows of 128 bytes, then 64 fp32 scales.
+inline constexpr int kPageBytes = kPageSlots * kSlotBytes;
+
+/// Arguments of one launch (device pointers).
+struct PagedIndexerArgs {
+  const uint8_t* q = nullptr;        ///< [batch * next_n][64][128] fp8 e4m3
+  const float* weights = nullptr;    ///< [batch * next_n][64]
+  const uint8_t* kv = nullptr;       ///< pages of kPageBytes
+  const int32_t* table = nullptr;    ///< [batch][table_stride] physical page of each position
+  int64_t table_stride = 0;
+  const int32_t* lens = nullptr;     ///< row r of sequence b has lens[b * lens_stride + r] slots
+  int64_t lens_stride = 0;
+  float* logits = nullptr;           ///< [batch * next_n][logits_stride]; slots >= len untouched
+  int64_t logits_stride = 0;
+  int32_t batch = 0;
+  int32_t next_n = 1;
+  int32_t max_pages = 0;             ///< upper bound on pages per row (fixes the grid)
+  int32_t tiles_per_iter = 2;        ///< 8-slot tiles each warp loads at once: 1, 2 or 4
+};
+
+/// Launches the indexer on `stream` (no synchronisation; graph-capturable).
+absl::Status LaunchPagedIndexer(const PagedIndexerArgs& args, cudaStream_t stream);
+
+/// Decodes one fp8 e4m3 byte (for host-side references).
+float Fp8E4m3ToFloat(uint8_t v);
+
+}  // namespace spin
