@@ -109,25 +109,47 @@ __device__ void CtaTopT(int n, int t, KeyFn key, CandFn cand, TakeFn take) {
     s_remaining = t;
   }
   unsigned long long mask = 0;
+  const int lane = threadIdx.x % 32;
   for (int shift = static_cast<int>(sizeof(Key)) * 8 - 8; shift >= 0; shift -= 8) {
     for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
     __syncthreads();
     const unsigned long long prefix = s_prefix;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) {
-      if (!cand(j)) continue;
-      const unsigned long long k = static_cast<unsigned long long>(key(j));
-      if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 0xFF], 1u);
+    // Every lane takes part in each round so equal digits can be counted once per warp: keys
+    // cluster in few buckets (the top byte of nearby floats), where one atomic per key would
+    // serialise.
+    for (int base = 0; base < n; base += blockDim.x) {
+      const int j = base + threadIdx.x;
+      int digit = 256;
+      if (j < n && cand(j)) {
+        const unsigned long long k = static_cast<unsigned long long>(key(j));
+        if ((k & mask) == prefix) digit = static_cast<int>((k >> shift) & 0xFF);
+      }
+      const unsigned peers = __match_any_sync(0xFFFFFFFFu, digit);
+      if (digit < 256 && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], __popc(peers));
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      int remaining = s_remaining;
-      int d = 255;
-      for (; d > 0; --d) {
-        if (static_cast<int>(hist[d]) >= remaining) break;
-        remaining -= static_cast<int>(hist[d]);
+    if (threadIdx.x < 32) {
+      // Lane l owns digits 8l .. 8l+7; find the digit holding the remaining-th largest key.
+      unsigned own = 0;
+      for (int i = 0; i < 8; ++i) own += hist[lane * 8 + i];
+      unsigned above = own;  // keys in digits >= 8 * lane
+      for (int o = 1; o < 32; o <<= 1) {
+        const unsigned v = __shfl_down_sync(0xFFFFFFFFu, above, o);
+        if (lane + o < 32) above += v;
       }
-      s_remaining = remaining;
-      s_prefix = prefix | (static_cast<unsigned long long>(d) << shift);
+      const int remaining = s_remaining;
+      const unsigned hit = __ballot_sync(0xFFFFFFFFu, above >= static_cast<unsigned>(remaining));
+      const int owner = hit ? 31 - __clz(hit) : 0;
+      if (lane == owner) {
+        int rem = remaining - static_cast<int>(above - own);  // minus keys in higher lanes
+        int d = lane * 8 + 7;
+        for (; d > lane * 8; --d) {
+          if (static_cast<int>(hist[d]) >= rem) break;
+          rem -= static_cast<int>(hist[d]);
+        }
+        s_remaining = rem;
+        s_prefix = prefix | (static_cast<unsigned long long>(d) << shift);
+      }
     }
     mask |= 0xFFull << shift;
     __syncthreads();
@@ -249,21 +271,24 @@ __global__ void ScoresKernel(Dev d, int layer) {
   const uint8_t* rec = d.Record(en.seq, layer);
   const uint8_t* dst = rec + static_cast<int64_t>(d.max_slots) * d.dtype_bytes;
   float* out = d.Scores(e, r);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int j = j0 + warp; j < min(j0 + kBlocksPerScoreCta, nb); j += kScoreThreads / 32) {
+  // Eight lanes per block, so each lane has b/8 independent loads of V and D in flight.
+  const int j = j0 + threadIdx.x / 8, sub = threadIdx.x % 8;
+  float best = -INFINITY;
+  if (j < nb) {
     const int lo = j * b, hi = min(lo + b, n);
-    float best = -INFINITY;
-    for (int i = lo + lane; i < hi; i += 32) {
+#pragma unroll 8
+    for (int i = lo + sub; i < hi; i += 8) {
       const int off = i <= q ? q - i : 0;
-      const float p = Prediction(LoadState(rec, d.dtype_bytes, i), LoadState(dst, d.dtype_bytes, off));
+      const float p =
+          Prediction(LoadState(rec, d.dtype_bytes, i), LoadState(dst, d.dtype_bytes, off));
       best = p > best ? p : best;
     }
-    for (int o = 16; o > 0; o /= 2) {
-      const float other = __shfl_xor_sync(0xFFFFFFFFu, best, o);
-      best = other > best ? other : best;
-    }
-    if (lane == 0) out[j] = best;
   }
+  for (int o = 4; o > 0; o /= 2) {
+    const float other = __shfl_xor_sync(0xFFFFFFFFu, best, o);
+    best = other > best ? other : best;
+  }
+  if (j < nb && sub == 0) out[j] = best;
 }
 
 // One (entry, row) selection: query block, top by score, exploration by draw.
@@ -495,6 +520,7 @@ __global__ void EmaKernel(Dev d, int layer, int r, const float* logits, int64_t 
   __syncthreads();
   const int e = blockIdx.y;
   const int rows = d.batch->rows;
+  bool finite = false, bad = false;
   bool active = e < d.batch->n && r < rows;
   StepEntry en{};
   if (active) {
@@ -517,10 +543,9 @@ __global__ void EmaKernel(Dev d, int layer, int r, const float* logits, int64_t 
       const int i = d.union_ids[static_cast<int64_t>(e) * d.max_blocks + k] * b + c;
       if (i < n) {
         const float zi = logits[(static_cast<int64_t>(e) * rows + r) * stride + x];
-        if (!isfinite(zi)) {
-          atomicAdd(&s_bad, 1ull);
-        } else {
-          atomicAdd(&s_obs, 1ull);
+        finite = isfinite(zi);
+        bad = !finite;
+        if (finite) {
           uint8_t* v = d.Record(en.seq, layer);
           uint8_t* dd = v + static_cast<int64_t>(d.max_slots) * d.dtype_bytes;
           const float alpha = d.policy->alpha, beta = d.policy->beta;
@@ -532,6 +557,13 @@ __global__ void EmaKernel(Dev d, int layer, int r, const float* logits, int64_t 
         }
       }
     }
+  }
+  // One shared atomic per warp instead of one per slot.
+  const unsigned n_obs = __popc(__ballot_sync(0xFFFFFFFFu, finite));
+  const unsigned n_bad = __popc(__ballot_sync(0xFFFFFFFFu, bad));
+  if (threadIdx.x % 32 == 0 && (n_obs | n_bad)) {
+    atomicAdd(&s_obs, static_cast<unsigned long long>(n_obs));
+    atomicAdd(&s_bad, static_cast<unsigned long long>(n_bad));
   }
   __syncthreads();
   if (threadIdx.x == 0 && (s_obs | s_bad)) {

@@ -1,12 +1,14 @@
 // Reference paged indexer: fp8 e4m3 tensor-core MMA (mma.sync m16n8k32, sm_89+).
 //
-// One CTA per (query row, chunk of pages); each warp computes 8-slot tiles: 64 heads x 8 slots
+// One CTA per (query row, chunk of pages); each warp streams its 8-slot tiles through a
+// cp.async ring of `stages` tiles and computes each: 64 heads x 8 slots
 // x 128 dims as 4 m-tiles x 4 k-steps of m16n8k32, then ReLU, the head weights, the reduction
 // over heads and the slot's scale. The head dimension is consumed in a permuted order (the
 // same permutation for q and k, so the dot products are unchanged) that lets each lane load
 // its key bytes with two 16-byte loads: a warp reads 8 whole 128-byte key rows per tile.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -17,7 +19,6 @@ namespace spin {
 namespace {
 
 constexpr int kWarps = 8;
-constexpr int kChunkPages = 32;
 
 __device__ __forceinline__ void MmaE4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                         uint32_t b1) {
@@ -32,16 +33,42 @@ __device__ __forceinline__ void MmaE4m3(float (&d)[4], const uint32_t (&a)[4], u
 #endif
 }
 
-template <int kTilesPerIter>
-__global__ void __launch_bounds__(kWarps * 32) PagedIndexerKernel(PagedIndexerArgs a) {
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
+}
+__device__ __forceinline__ void CpAsync8(void* smem, const void* gmem) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(gmem));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Per warp and stage: each lane's 32 key bytes of one 8-slot tile, and the tile's 8 scales.
+struct Stage {
+  uint4 k[32][2];
+  float scale[8];
+};
+
+// kStages tiles per warp are in flight at once: each lane copies exactly the bytes it will
+// read back (cp.async into its own slots of shared memory), so no barrier is needed and the
+// registers stay free for the q fragments.
+template <int kStages>
+__global__ void __launch_bounds__(kWarps * 32)
+    PagedIndexerKernel(PagedIndexerArgs a, int chunk_pages) {
+  extern __shared__ uint4 smem_raw[];
   const int row = blockIdx.y;
   const int seq = row / a.next_n, r = row % a.next_n;
   const int len = a.lens[seq * a.lens_stride + r];
   const int pages = (len + kPageSlots - 1) / kPageSlots;
-  const int p0 = blockIdx.x * kChunkPages;
+  const int p0 = blockIdx.x * chunk_pages;
   if (len <= 0 || p0 >= pages) return;
-  const int p1 = min(p0 + kChunkPages, pages);
+  const int p1 = min(p0 + chunk_pages, pages);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  Stage* stages = reinterpret_cast<Stage*>(smem_raw) + warp * kStages;
 
   // q fragments: m-tile mt (heads mt*16 ..), k-step s covers head dims t*32 + s*8 + [0, 8).
   const uint8_t* q = a.q + static_cast<int64_t>(row) * kIndexerHeads * kIndexerDim;
@@ -50,7 +77,8 @@ __global__ void __launch_bounds__(kWarps * 32) PagedIndexerKernel(PagedIndexerAr
   for (int mt = 0; mt < 4; ++mt) {
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
-      const uint2 lo = *reinterpret_cast<const uint2*>(q + (mt * 16 + g) * kIndexerDim + t * 32 + s * 8);
+      const uint2 lo =
+          *reinterpret_cast<const uint2*>(q + (mt * 16 + g) * kIndexerDim + t * 32 + s * 8);
       const uint2 hi =
           *reinterpret_cast<const uint2*>(q + (mt * 16 + g + 8) * kIndexerDim + t * 32 + s * 8);
       qa[mt][s][0] = lo.x;
@@ -69,58 +97,82 @@ __global__ void __launch_bounds__(kWarps * 32) PagedIndexerKernel(PagedIndexerAr
   const int32_t* table = a.table + seq * a.table_stride;
   float* out = a.logits + static_cast<int64_t>(row) * a.logits_stride;
 
-  // Tiles of 8 slots; warp w takes tiles u = first + w + 8*i, kTilesPerIter at a time so their
-  // loads are in flight together.
-  const int first = p0 * 8, last = p1 * 8;
-  for (int u0 = first + warp; u0 < last; u0 += kWarps * kTilesPerIter) {
-    uint4 kb[kTilesPerIter][2];
-    const uint8_t* page[kTilesPerIter];
-#pragma unroll
-    for (int i = 0; i < kTilesPerIter; ++i) {
-      const int u = u0 + i * kWarps;
-      page[i] = nullptr;
-      if (u < last) {
-        page[i] = a.kv + static_cast<int64_t>(table[u / 8]) * kPageBytes;
-        const uint8_t* krow = page[i] + ((u % 8) * 8 + g) * kIndexerDim + t * 32;
-        kb[i][0] = *reinterpret_cast<const uint4*>(krow);
-        kb[i][1] = *reinterpret_cast<const uint4*>(krow + 16);
+  // This warp's tiles: u = first + warp + kWarps * i.
+  const int first = p0 * 8 + warp, last = p1 * 8;
+  const int count = first < last ? (last - first + kWarps - 1) / kWarps : 0;
+  auto issue = [&](int i) {
+    if (i < count) {
+      const int u = first + i * kWarps;
+      const uint8_t* page = a.kv + static_cast<int64_t>(table[u / 8]) * kPageBytes;
+      const uint8_t* krow = page + ((u % 8) * 8 + g) * kIndexerDim + t * 32;
+      Stage& st = stages[i % kStages];
+      CpAsync16(&st.k[lane][0], krow);
+      CpAsync16(&st.k[lane][1], krow + 16);
+      if (g == 0) {
+        CpAsync8(&st.scale[t * 2],
+                 page + kPageSlots * kIndexerDim + ((u % 8) * 8 + t * 2) * sizeof(float));
       }
     }
+    CpAsyncCommit();  // an empty group past the end keeps the wait count uniform
+  };
 #pragma unroll
-    for (int i = 0; i < kTilesPerIter; ++i) {
-      const int u = u0 + i * kWarps;
-      if (u >= last) break;
-      float acc[4][4];
+  for (int i = 0; i < kStages - 1; ++i) issue(i);
+  for (int i = 0; i < count; ++i) {
+    issue(i + kStages - 1);
+    CpAsyncWait<kStages - 1>();
+    const Stage& st = stages[i % kStages];
+    const uint4 k0 = st.k[lane][0], k1 = st.k[lane][1];
+    float acc[4][4];
 #pragma unroll
-      for (int mt = 0; mt < 4; ++mt) {
-        acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
-        MmaE4m3(acc[mt], qa[mt][0], kb[i][0].x, kb[i][0].y);
-        MmaE4m3(acc[mt], qa[mt][1], kb[i][0].z, kb[i][0].w);
-        MmaE4m3(acc[mt], qa[mt][2], kb[i][1].x, kb[i][1].y);
-        MmaE4m3(acc[mt], qa[mt][3], kb[i][1].z, kb[i][1].w);
-      }
-      // acc[mt][0..1]: head mt*16+g, slots 2t, 2t+1; acc[mt][2..3]: head mt*16+g+8.
-      float s0 = 0.0f, s1 = 0.0f;
+    for (int mt = 0; mt < 4; ++mt) {
+      acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
+      MmaE4m3(acc[mt], qa[mt][0], k0.x, k0.y);
+      MmaE4m3(acc[mt], qa[mt][1], k0.z, k0.w);
+      MmaE4m3(acc[mt], qa[mt][2], k1.x, k1.y);
+      MmaE4m3(acc[mt], qa[mt][3], k1.z, k1.w);
+    }
+    // acc[mt][0..1]: head mt*16+g, slots 2t, 2t+1; acc[mt][2..3]: head mt*16+g+8.
+    float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
-      for (int mt = 0; mt < 4; ++mt) {
-        s0 += w[mt][0] * fmaxf(acc[mt][0], 0.0f) + w[mt][1] * fmaxf(acc[mt][2], 0.0f);
-        s1 += w[mt][0] * fmaxf(acc[mt][1], 0.0f) + w[mt][1] * fmaxf(acc[mt][3], 0.0f);
-      }
+    for (int mt = 0; mt < 4; ++mt) {
+      s0 += w[mt][0] * fmaxf(acc[mt][0], 0.0f) + w[mt][1] * fmaxf(acc[mt][2], 0.0f);
+      s1 += w[mt][0] * fmaxf(acc[mt][1], 0.0f) + w[mt][1] * fmaxf(acc[mt][3], 0.0f);
+    }
 #pragma unroll
-      for (int o = 4; o < 32; o <<= 1) {
-        s0 += __shfl_xor_sync(0xFFFFFFFFu, s0, o);
-        s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, o);
-      }
-      if (g == 0) {
-        const int in_page = (u % 8) * 8 + t * 2;
-        const float* scale =
-            reinterpret_cast<const float*>(page[i] + kPageSlots * kIndexerDim) + in_page;
-        const int slot = (u / 8) * kPageSlots + in_page;
-        if (slot < len) out[slot] = s0 * scale[0];
-        if (slot + 1 < len) out[slot + 1] = s1 * scale[1];
-      }
+    for (int o = 4; o < 32; o <<= 1) {
+      s0 += __shfl_xor_sync(0xFFFFFFFFu, s0, o);
+      s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, o);
+    }
+    if (g == 0) {
+      const int u = first + i * kWarps;
+      const int slot = (u / 8) * kPageSlots + (u % 8) * 8 + t * 2;
+      if (slot < len) out[slot] = s0 * st.scale[t * 2];
+      if (slot + 1 < len) out[slot + 1] = s1 * st.scale[t * 2 + 1];
     }
   }
+  CpAsyncWait<0>();
+}
+
+template <int kStages>
+absl::Status Launch(const PagedIndexerArgs& a, cudaStream_t stream) {
+  constexpr size_t kSmem = sizeof(Stage) * kStages * kWarps;
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      PagedIndexerKernel<kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (attr != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("paged indexer: ", cudaGetErrorString(attr)));
+  }
+  // Enough CTAs to fill the GPU twice over at small batches, at most 32 pages each.
+  static const int sms = [] {
+    int n = 0;
+    return cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, 0) == cudaSuccess ? n : 132;
+  }();
+  const int64_t rows = static_cast<int64_t>(a.batch) * a.next_n;
+  const int64_t want_ctas = 4LL * sms;
+  const int chunk = static_cast<int>(
+      std::clamp<int64_t>((rows * a.max_pages + want_ctas - 1) / want_ctas, 1, 32));
+  const dim3 grid((a.max_pages + chunk - 1) / chunk, static_cast<unsigned>(rows));
+  PagedIndexerKernel<kStages><<<grid, kWarps * 32, kSmem, stream>>>(a, chunk);
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -130,18 +182,22 @@ absl::Status LaunchPagedIndexer(const PagedIndexerArgs& a, cudaStream_t stream) 
   if (!a.q || !a.weights || !a.kv || !a.table || !a.lens || !a.logits) {
     return absl::InvalidArgumentError("paged indexer: every pointer argument is required");
   }
-  const dim3 grid((a.max_pages + kChunkPages - 1) / kChunkPages, a.batch * a.next_n);
-  switch (a.tiles_per_iter) {
-    case 1:
-      PagedIndexerKernel<1><<<grid, kWarps * 32, 0, stream>>>(a);
+  absl::Status s;
+  switch (a.stages) {
+    case 2:
+      s = Launch<2>(a, stream);
       break;
-    case 4:
-      PagedIndexerKernel<4><<<grid, kWarps * 32, 0, stream>>>(a);
+    case 8:
+      s = Launch<8>(a, stream);
+      break;
+    case 12:
+      s = Launch<12>(a, stream);
       break;
     default:
-      PagedIndexerKernel<2><<<grid, kWarps * 32, 0, stream>>>(a);
+      s = Launch<4>(a, stream);
       break;
   }
+  if (!s.ok()) return s;
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) {
     return absl::InternalError(absl::StrCat("paged indexer launch: ", cudaGetErrorString(e)));
