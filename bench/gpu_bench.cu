@@ -278,15 +278,22 @@ int main(int argc, char** argv) {
   using namespace spin;
   std::string out_path;
   bool quick = false;
+  int pb = 0, pn = 0;
+  double prho = 0.5;
+  char pdt[8] = "bf16";
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--out") && i + 1 < argc) {
       out_path = argv[++i];
     } else if (!std::strcmp(argv[i], "--quick")) {
       quick = true;
+    } else if (!std::strcmp(argv[i], "--point") && i + 1 < argc &&
+               std::sscanf(argv[i + 1], "%d,%d,%lf,%4s", &pb, &pn, &prho, pdt) == 4) {
+      ++i;
     } else {
       std::fprintf(stderr,
-                   "usage: gpu_bench [--out FILE] [--quick]\n"
-                   "Times the dense reference indexer, SPIN and the sparse stage on the GPU.\n");
+                   "usage: gpu_bench [--out FILE] [--quick] [--point BATCH,SLOTS,RHO,fp32|bf16]\n"
+                   "Times the dense reference indexer, SPIN and the sparse stage on the GPU.\n"
+                   "--point measures one configuration (for profilers).\n");
       return 2;
     }
   }
@@ -299,6 +306,13 @@ int main(int argc, char** argv) {
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const int reps = quick ? 5 : 15;
+  if (pb > 0) {
+    const StateDtype dt = std::strcmp(pdt, "fp32") == 0 ? StateDtype::kFp32 : StateDtype::kBf16;
+    const Result r = Measure({pb, pn, prho, dt}, 4.5e12, 8, stream, 3);
+    std::printf("point: dense %.1f us, spin %.1f us (select %.1f), sparse %.1f us per layer\n",
+                r.dense_us, r.spin_us, r.select_us, r.sparse_us);
+    return 0;
+  }
   const double bw = MeasureReadBandwidth(stream);
   std::string md;
   char line[512];

@@ -140,6 +140,7 @@ __device__ void CtaTopT(int n, int t, KeyFn key, CandFn cand, TakeFn take) {
       const int remaining = s_remaining;
       const unsigned hit = __ballot_sync(0xFFFFFFFFu, above >= static_cast<unsigned>(remaining));
       const int owner = hit ? 31 - __clz(hit) : 0;
+      __syncwarp();  // every lane has read s_remaining before the owner writes it
       if (lane == owner) {
         int rem = remaining - static_cast<int>(above - own);  // minus keys in higher lanes
         int d = lane * 8 + 7;

@@ -63,7 +63,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int row = blockIdx.y;
   const int seq = row / a.next_n, r = row % a.next_n;
   const int len = a.lens[seq * a.lens_stride + r];
-  const int pages = (len + kPageSlots - 1) / kPageSlots;
+  // Never past the row's table, whatever the length says.
+  const int pages = min((len + kPageSlots - 1) / kPageSlots, a.max_pages);
   const int p0 = blockIdx.x * chunk_pages;
   if (len <= 0 || p0 >= pages) return;
   const int p1 = min(p0 + chunk_pages, pages);

@@ -85,13 +85,13 @@ struct Problem {
 };
 
 TEST_F(IndexerTest, MatchesFloat64Reference) {
-  const int batch = 3, next_n = 2, pages_per_seq = 5, pages = batch * pages_per_seq + 4;
+  const int batch = 3, next_n = 2, pages_per_seq = 6, pages = batch * pages_per_seq + 4;
   Problem pr(pages, batch * next_n, 1);
   // A shuffled page table and per-row lengths with partial last pages.
   std::vector<int32_t> table(batch * pages_per_seq);
   std::iota(table.begin(), table.end(), 2);
   std::shuffle(table.begin(), table.end(), std::mt19937(2));
-  const std::vector<int32_t> lens = {320, 321, 100, 101, 64 * 5 - 1, 64 * 5};
+  const std::vector<int32_t> lens = {320, 321, 100, 101, 64 * 6 - 1, 64 * 6};
   const int64_t stride = pages_per_seq * kPageSlots + 7;
   std::vector<float> init(batch * next_n * stride, -12345.0f);
   PagedIndexerArgs a;
