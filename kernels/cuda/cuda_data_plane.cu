@@ -510,51 +510,56 @@ __global__ void __launch_bounds__(kSelectThreads)
   }
 }
 
-// EMA update of row r for every entry: one thread per (union block, slot).
+// EMA update of row r for every entry: one thread per (union block, slot). Thread 0 reads the
+// entry once for the CTA; CTAs past the entry's union leave at once.
 __global__ void EmaKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
                           const int32_t* accepted) {
+  __shared__ int s_active, s_count, s_n, s_q, s_seq;
   __shared__ unsigned long long s_obs, s_bad;
+  const int e = blockIdx.y;
   if (threadIdx.x == 0) {
+    int active = 0;
+    const int rows = d.batch->rows;
+    if (e < d.batch->n && r < rows) {
+      const StepEntry en = d.entries[e];
+      if (en.seq >= 0) {
+        const int acc = accepted ? accepted[e] : rows;
+        const int32_t* clen = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
+        bool stride_ok = true;
+        for (int rr = 0; rr < rows; ++rr) stride_ok = stride_ok && clen[rr] <= stride;
+        active = acc >= 0 && acc <= rows && r < acc && stride_ok;
+        s_count = d.union_count[e];
+        s_n = en.ctx_len + r;
+        s_q = en.q_pos + r;
+        s_seq = en.seq;
+      }
+    }
+    if (active && blockIdx.x * blockDim.x >= s_count * d.block) active = 0;
+    s_active = active;
     s_obs = 0;
     s_bad = 0;
   }
   __syncthreads();
-  const int e = blockIdx.y;
-  const int rows = d.batch->rows;
+  if (!s_active) return;
+  const int b = d.block;
+  const int x = blockIdx.x * blockDim.x + threadIdx.x;
+  const int k = x / b, c = x - k * b;
   bool finite = false, bad = false;
-  bool active = e < d.batch->n && r < rows;
-  StepEntry en{};
-  if (active) {
-    en = d.entries[e];
-    active = en.seq >= 0;
-  }
-  if (active) {
-    const int acc = accepted ? accepted[e] : rows;
-    const int32_t* clen = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
-    bool stride_ok = true;
-    for (int rr = 0; rr < rows; ++rr) stride_ok = stride_ok && clen[rr] <= stride;
-    active = acc >= 0 && acc <= rows && r < acc && stride_ok;
-  }
-  if (active) {
-    const int b = d.block;
-    const int64_t x = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-    const int k = static_cast<int>(x / b), c = static_cast<int>(x % b);
-    const int n = en.ctx_len + r, q = en.q_pos + r;
-    if (k < d.union_count[e]) {
-      const int i = d.union_ids[static_cast<int64_t>(e) * d.max_blocks + k] * b + c;
-      if (i < n) {
-        const float zi = logits[(static_cast<int64_t>(e) * rows + r) * stride + x];
-        finite = isfinite(zi);
-        bad = !finite;
-        if (finite) {
-          uint8_t* v = d.Record(en.seq, layer);
-          uint8_t* dd = v + static_cast<int64_t>(d.max_slots) * d.dtype_bytes;
-          const float alpha = d.policy->alpha, beta = d.policy->beta;
-          StoreState(v, d.dtype_bytes, i, EmaUpdate(LoadState(v, d.dtype_bytes, i), zi, alpha, beta));
-          if (i <= q) {
-            StoreState(dd, d.dtype_bytes, q - i,
-                       EmaUpdate(LoadState(dd, d.dtype_bytes, q - i), zi, alpha, beta));
-          }
+  if (k < s_count) {
+    const int i = d.union_ids[static_cast<int64_t>(e) * d.max_blocks + k] * b + c;
+    if (i < s_n) {
+      const float zi = logits[(static_cast<int64_t>(e) * d.batch->rows + r) * stride + x];
+      finite = isfinite(zi);
+      bad = !finite;
+      if (finite) {
+        uint8_t* v = d.Record(s_seq, layer);
+        uint8_t* dd = v + static_cast<int64_t>(d.max_slots) * d.dtype_bytes;
+        const float alpha = d.policy->alpha, beta = d.policy->beta;
+        StoreState(v, d.dtype_bytes, i, EmaUpdate(LoadState(v, d.dtype_bytes, i), zi, alpha, beta));
+        const int q = s_q;
+        if (i <= q) {
+          StoreState(dd, d.dtype_bytes, q - i,
+                     EmaUpdate(LoadState(dd, d.dtype_bytes, q - i), zi, alpha, beta));
         }
       }
     }

@@ -1,11 +1,12 @@
-// Reference paged indexer: fp8 e4m3 tensor-core MMA (mma.sync m16n8k32, sm_89+).
+// Reference paged indexer: fp8 e4m3 keys and queries on the tensor cores (mma.sync f16).
 //
 // One CTA per (query row, chunk of pages); each warp streams its 8-slot tiles through a
 // cp.async ring of `stages` tiles and computes each: 64 heads x 8 slots
-// x 128 dims as 4 m-tiles x 4 k-steps of m16n8k32, then ReLU, the head weights, the reduction
+// x 128 dims as 4 m-tiles x 8 k-steps of m16n8k16, then ReLU, the head weights, the reduction
 // over heads and the slot's scale. The head dimension is consumed in a permuted order (the
 // same permutation for q and k, so the dot products are unchanged) that lets each lane load
-// its key bytes with two 16-byte loads: a warp reads 8 whole 128-byte key rows per tile.
+// its key bytes with two 16-byte copies: a warp reads 8 whole 128-byte key rows per tile.
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -20,17 +21,24 @@ namespace {
 
 constexpr int kWarps = 8;
 
-__device__ __forceinline__ void MmaE4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                        uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+// Hopper has no fp8 mma.sync: PTX's e4m3 m16n8k32 compiles to an f16 HMMA plus a conversion of
+// both operands on every call (measured: 576 F2FP per 128 HMMA, ALU-bound at a third of the
+// read floor). So q is converted to f16 once per CTA and each key byte once per tile, and the
+// product runs as f16 m16n8k16 (fp8 -> f16 is exact; accumulation stays fp32).
+__device__ __forceinline__ void MmaF16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                       uint32_t b1) {
   asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
       "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-  __trap();  // built for an architecture without fp8 MMA
-#endif
+}
+
+// Two e4m3 bytes (low byte first) -> f16x2 (low half first).
+__device__ __forceinline__ uint32_t Fp8x2ToF16x2(uint32_t two_bytes) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_bytes), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
 }
 
 __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
@@ -71,21 +79,23 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   Stage* stages = reinterpret_cast<Stage*>(smem_raw) + warp * kStages;
 
-  // q fragments: m-tile mt (heads mt*16 ..), k-step s covers head dims t*32 + s*8 + [0, 8).
+  // q fragments as f16 for m16n8k16. The head dimension is consumed in a permuted order, the
+  // same for q and k: k-step s takes dims t*32 + s*4 + {0,1} (a0/a1, b0) and + {2,3} (a2/a3,
+  // b1), so a lane's key bytes for all 8 steps are 32 contiguous bytes of its key row.
   const uint8_t* q = a.q + static_cast<int64_t>(row) * kIndexerHeads * kIndexerDim;
-  uint32_t qa[4][4][4];
+  uint32_t qa[4][8][4];
 #pragma unroll
   for (int mt = 0; mt < 4; ++mt) {
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      const uint2 lo =
-          *reinterpret_cast<const uint2*>(q + (mt * 16 + g) * kIndexerDim + t * 32 + s * 8);
-      const uint2 hi =
-          *reinterpret_cast<const uint2*>(q + (mt * 16 + g + 8) * kIndexerDim + t * 32 + s * 8);
-      qa[mt][s][0] = lo.x;
-      qa[mt][s][2] = lo.y;
-      qa[mt][s][1] = hi.x;
-      qa[mt][s][3] = hi.y;
+    for (int s = 0; s < 8; ++s) {
+      const uint32_t lo =
+          *reinterpret_cast<const uint32_t*>(q + (mt * 16 + g) * kIndexerDim + t * 32 + s * 4);
+      const uint32_t hi =
+          *reinterpret_cast<const uint32_t*>(q + (mt * 16 + g + 8) * kIndexerDim + t * 32 + s * 4);
+      qa[mt][s][0] = Fp8x2ToF16x2(lo & 0xFFFFu);
+      qa[mt][s][2] = Fp8x2ToF16x2(lo >> 16);
+      qa[mt][s][1] = Fp8x2ToF16x2(hi & 0xFFFFu);
+      qa[mt][s][3] = Fp8x2ToF16x2(hi >> 16);
     }
   }
   float w[4][2];
@@ -123,14 +133,19 @@ __global__ void __launch_bounds__(kWarps * 32)
     CpAsyncWait<kStages - 1>();
     const Stage& st = stages[i % kStages];
     const uint4 k0 = st.k[lane][0], k1 = st.k[lane][1];
+    const uint32_t kw[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
+    uint32_t kb[8][2];
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      kb[s][0] = Fp8x2ToF16x2(kw[s] & 0xFFFFu);
+      kb[s][1] = Fp8x2ToF16x2(kw[s] >> 16);
+    }
     float acc[4][4];
 #pragma unroll
     for (int mt = 0; mt < 4; ++mt) {
       acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
-      MmaE4m3(acc[mt], qa[mt][0], k0.x, k0.y);
-      MmaE4m3(acc[mt], qa[mt][1], k0.z, k0.w);
-      MmaE4m3(acc[mt], qa[mt][2], k1.x, k1.y);
-      MmaE4m3(acc[mt], qa[mt][3], k1.z, k1.w);
+#pragma unroll
+      for (int s = 0; s < 8; ++s) MmaF16(acc[mt], qa[mt][s], kb[s][0], kb[s][1]);
     }
     // acc[mt][0..1]: head mt*16+g, slots 2t, 2t+1; acc[mt][2..3]: head mt*16+g+8.
     float s0 = 0.0f, s1 = 0.0f;
