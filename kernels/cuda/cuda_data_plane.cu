@@ -8,6 +8,7 @@
 // entry, probe steps only) -> Ema (one launch per row, in row order) -> Finish.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cub/block/block_scan.cuh>
 #include <memory>
 #include <vector>
@@ -102,11 +103,12 @@ __device__ void CtaTopT(int n, int t, KeyFn key, CandFn cand, TakeFn take) {
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ unsigned int hist[256];
   __shared__ unsigned long long s_prefix;
-  __shared__ int s_remaining, s_running;
+  __shared__ int s_remaining, s_running, s_done;
   if (t <= 0) return;
   if (threadIdx.x == 0) {
     s_prefix = 0;
     s_remaining = t;
+    s_done = 0;
   }
   unsigned long long mask = 0;
   const int lane = threadIdx.x % 32;
@@ -148,12 +150,21 @@ __device__ void CtaTopT(int n, int t, KeyFn key, CandFn cand, TakeFn take) {
           if (static_cast<int>(hist[d]) >= rem) break;
           rem -= static_cast<int>(hist[d]);
         }
-        s_remaining = rem;
-        s_prefix = prefix | (static_cast<unsigned long long>(d) << shift);
+        const unsigned long long next = prefix | (static_cast<unsigned long long>(d) << shift);
+        if (static_cast<int>(hist[d]) == rem && next != 0) {
+          // The whole bucket is taken: every key >= next, and no tie-breaking is needed.
+          s_prefix = next - 1;
+          s_remaining = 0;
+          s_done = 1;
+        } else {
+          s_remaining = rem;
+          s_prefix = next;
+        }
       }
     }
     mask |= 0xFFull << shift;
     __syncthreads();
+    if (s_done) break;
   }
   const unsigned long long thr = s_prefix;
   const int ties = s_remaining;  // how many keys equal to thr to take, lowest index first
@@ -510,8 +521,8 @@ __global__ void __launch_bounds__(kSelectThreads)
   }
 }
 
-// EMA update of row r for every entry: one thread per (union block, slot). Thread 0 reads the
-// entry once for the CTA; CTAs past the entry's union leave at once.
+// EMA update of row r for every entry. Thread 0 reads the entry once per CTA; the CTAs of an
+// entry then stride over its union's slots (one slot per thread per round).
 __global__ void EmaKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
                           const int32_t* accepted) {
   __shared__ int s_active, s_count, s_n, s_q, s_seq;
@@ -534,42 +545,39 @@ __global__ void EmaKernel(Dev d, int layer, int r, const float* logits, int64_t 
         s_seq = en.seq;
       }
     }
-    if (active && blockIdx.x * blockDim.x >= s_count * d.block) active = 0;
     s_active = active;
     s_obs = 0;
     s_bad = 0;
   }
   __syncthreads();
   if (!s_active) return;
-  const int b = d.block;
-  const int x = blockIdx.x * blockDim.x + threadIdx.x;
-  const int k = x / b, c = x - k * b;
-  bool finite = false, bad = false;
-  if (k < s_count) {
-    const int i = d.union_ids[static_cast<int64_t>(e) * d.max_blocks + k] * b + c;
-    if (i < s_n) {
-      const float zi = logits[(static_cast<int64_t>(e) * d.batch->rows + r) * stride + x];
-      finite = isfinite(zi);
-      bad = !finite;
-      if (finite) {
-        uint8_t* v = d.Record(s_seq, layer);
-        uint8_t* dd = v + static_cast<int64_t>(d.max_slots) * d.dtype_bytes;
-        const float alpha = d.policy->alpha, beta = d.policy->beta;
-        StoreState(v, d.dtype_bytes, i, EmaUpdate(LoadState(v, d.dtype_bytes, i), zi, alpha, beta));
-        const int q = s_q;
-        if (i <= q) {
-          StoreState(dd, d.dtype_bytes, q - i,
-                     EmaUpdate(LoadState(dd, d.dtype_bytes, q - i), zi, alpha, beta));
-        }
-      }
+  const int b = d.block, n = s_n, q = s_q, total = s_count * b;
+  const int32_t* ids = d.union_ids + static_cast<int64_t>(e) * d.max_blocks;
+  const float* z = logits + (static_cast<int64_t>(e) * d.batch->rows + r) * stride;
+  uint8_t* v = d.Record(s_seq, layer);
+  uint8_t* dd = v + static_cast<int64_t>(d.max_slots) * d.dtype_bytes;
+  const float alpha = d.policy->alpha, beta = d.policy->beta;
+  const int bytes = d.dtype_bytes;
+  unsigned obs = 0, bad = 0;
+  for (int x = blockIdx.x * blockDim.x + threadIdx.x; x < total; x += gridDim.x * blockDim.x) {
+    const int k = x / b;
+    const int i = ids[k] * b + (x - k * b);
+    if (i >= n) continue;
+    const float zi = z[x];
+    if (!isfinite(zi)) {
+      ++bad;
+      continue;
     }
+    ++obs;
+    StoreState(v, bytes, i, EmaUpdate(LoadState(v, bytes, i), zi, alpha, beta));
+    if (i <= q) StoreState(dd, bytes, q - i, EmaUpdate(LoadState(dd, bytes, q - i), zi, alpha, beta));
   }
   // One shared atomic per warp instead of one per slot.
-  const unsigned n_obs = __popc(__ballot_sync(0xFFFFFFFFu, finite));
-  const unsigned n_bad = __popc(__ballot_sync(0xFFFFFFFFu, bad));
-  if (threadIdx.x % 32 == 0 && (n_obs | n_bad)) {
-    atomicAdd(&s_obs, static_cast<unsigned long long>(n_obs));
-    atomicAdd(&s_bad, static_cast<unsigned long long>(n_bad));
+  obs = __reduce_add_sync(0xFFFFFFFFu, obs);
+  bad = __reduce_add_sync(0xFFFFFFFFu, bad);
+  if (threadIdx.x % 32 == 0 && (obs | bad)) {
+    atomicAdd(&s_obs, static_cast<unsigned long long>(obs));
+    atomicAdd(&s_bad, static_cast<unsigned long long>(bad));
   }
   __syncthreads();
   if (threadIdx.x == 0 && (s_obs | s_bad)) {
@@ -749,8 +757,9 @@ class CudaDataPlane final : public DataPlane {
       return absl::InvalidArgumentError("logits are required");
     }
     ProbeKernel<<<n_, kSelectThreads, 0, stream>>>(d_, layer, logits, logits_stride, accepted);
-    const unsigned chunks =
-        static_cast<unsigned>(CeilDiv(static_cast<int64_t>(a_.max_blocks) * d_.block, kEmaThreads));
+    // About 8 slots per thread when the whole context is kept.
+    const unsigned chunks = static_cast<unsigned>(std::clamp<int64_t>(
+        CeilDiv(static_cast<int64_t>(a_.max_blocks) * d_.block, kEmaThreads * 8), 1, 64));
     for (int r = 0; r < rows_; ++r) {
       EmaKernel<<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(d_, layer, r, logits,
                                                               logits_stride, accepted);
