@@ -324,7 +324,7 @@ int main(int argc, char** argv) {
   int best_tiles = 8;
   double best = 1e30;
   md += "Indexer variants (batch 64, 128K slots, dense, us per layer): ";
-  for (int tiles : {2, 4, 8, 12}) {
+  for (int tiles : {4, 8, 12}) {
     const Result r = Measure({64, 128 << 10, 0.5, StateDtype::kBf16}, bw, tiles, stream, reps);
     std::snprintf(line, sizeof(line), "%d stages %.1f; ", tiles, r.dense_us);
     md += line;

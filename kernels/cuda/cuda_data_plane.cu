@@ -59,6 +59,7 @@ struct Dev {
   // Geometry.
   int32_t layers, max_seqs, max_slots, block, topk, max_rows, max_blocks;
   int32_t dtype_bytes;
+  int32_t block_shift;  // log2(block) when it is a power of two, else -1
   uint64_t seed;
   uint64_t record_elems;  // 2 * max_slots
 
@@ -72,17 +73,10 @@ struct Dev {
   }
 };
 
-__device__ __forceinline__ float LoadState(const uint8_t* base, int bytes, int64_t i) {
-  if (bytes == 4) return reinterpret_cast<const float*>(base)[i];
-  return Bf16ToFloat(reinterpret_cast<const uint16_t*>(base)[i]);
-}
-__device__ __forceinline__ void StoreState(uint8_t* base, int bytes, int64_t i, float v) {
-  if (bytes == 4) {
-    reinterpret_cast<float*>(base)[i] = v;
-  } else {
-    reinterpret_cast<uint16_t*>(base)[i] = FloatToBf16(v);
-  }
-}
+__device__ __forceinline__ float LoadT(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float LoadT(const uint16_t* p, int64_t i) { return Bf16ToFloat(p[i]); }
+__device__ __forceinline__ void StoreT(float* p, int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void StoreT(uint16_t* p, int64_t i, float v) { p[i] = FloatToBf16(v); }
 
 // Orderable key of a float (larger float -> larger key); -0 and +0 map to one key because the
 // reference compares values, not bits.
@@ -262,6 +256,7 @@ __global__ void BeginStepKernel(Dev d, const int32_t* seq, const int32_t* ctx, c
 
 // Block scores of one (entry, row) over a chunk of blocks; one warp per block at a time. Row 0
 // CTAs also clear the chunk's union mask.
+template <typename T>
 __global__ void ScoresKernel(Dev d, int layer) {
   const int e = blockIdx.z, r = blockIdx.y;
   if (e >= d.batch->n || r >= d.batch->rows) return;
@@ -280,8 +275,8 @@ __global__ void ScoresKernel(Dev d, int layer) {
   if (dense && (fresh || r != 0)) return;  // dense steps need row 0's scores on probes only
   const int n = en.ctx_len + r, q = en.q_pos + r, b = d.block;
   const int nb = static_cast<int>(CeilDiv(n, b));
-  const uint8_t* rec = d.Record(en.seq, layer);
-  const uint8_t* dst = rec + static_cast<int64_t>(d.max_slots) * d.dtype_bytes;
+  const T* rec = reinterpret_cast<const T*>(d.Record(en.seq, layer));
+  const T* dst = rec + d.max_slots;
   float* out = d.Scores(e, r);
   // Eight lanes per block, so each lane has b/8 independent loads of V and D in flight.
   const int j = j0 + threadIdx.x / 8, sub = threadIdx.x % 8;
@@ -291,8 +286,7 @@ __global__ void ScoresKernel(Dev d, int layer) {
 #pragma unroll 8
     for (int i = lo + sub; i < hi; i += 8) {
       const int off = i <= q ? q - i : 0;
-      const float p =
-          Prediction(LoadState(rec, d.dtype_bytes, i), LoadState(dst, d.dtype_bytes, off));
+      const float p = Prediction(LoadT(rec, i), LoadT(dst, off));
       best = p > best ? p : best;
     }
   }
@@ -523,6 +517,7 @@ __global__ void __launch_bounds__(kSelectThreads)
 
 // EMA update of row r for every entry. Thread 0 reads the entry once per CTA; the CTAs of an
 // entry then stride over its union's slots (one slot per thread per round).
+template <typename T>
 __global__ void EmaKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
                           const int32_t* accepted) {
   __shared__ int s_active, s_count, s_n, s_q, s_seq;
@@ -554,13 +549,13 @@ __global__ void EmaKernel(Dev d, int layer, int r, const float* logits, int64_t 
   const int b = d.block, n = s_n, q = s_q, total = s_count * b;
   const int32_t* ids = d.union_ids + static_cast<int64_t>(e) * d.max_blocks;
   const float* z = logits + (static_cast<int64_t>(e) * d.batch->rows + r) * stride;
-  uint8_t* v = d.Record(s_seq, layer);
-  uint8_t* dd = v + static_cast<int64_t>(d.max_slots) * d.dtype_bytes;
+  T* v = reinterpret_cast<T*>(d.Record(s_seq, layer));
+  T* dd = v + d.max_slots;
   const float alpha = d.policy->alpha, beta = d.policy->beta;
-  const int bytes = d.dtype_bytes;
+  const int shift = d.block_shift;
   unsigned obs = 0, bad = 0;
   for (int x = blockIdx.x * blockDim.x + threadIdx.x; x < total; x += gridDim.x * blockDim.x) {
-    const int k = x / b;
+    const int k = shift >= 0 ? x >> shift : x / b;
     const int i = ids[k] * b + (x - k * b);
     if (i >= n) continue;
     const float zi = z[x];
@@ -569,8 +564,8 @@ __global__ void EmaKernel(Dev d, int layer, int r, const float* logits, int64_t 
       continue;
     }
     ++obs;
-    StoreState(v, bytes, i, EmaUpdate(LoadState(v, bytes, i), zi, alpha, beta));
-    if (i <= q) StoreState(dd, bytes, q - i, EmaUpdate(LoadState(dd, bytes, q - i), zi, alpha, beta));
+    StoreT(v, i, EmaUpdate(LoadT(v, i), zi, alpha, beta));
+    if (i <= q) StoreT(dd, q - i, EmaUpdate(LoadT(dd, q - i), zi, alpha, beta));
   }
   // One shared atomic per warp instead of one per slot.
   obs = __reduce_add_sync(0xFFFFFFFFu, obs);
@@ -654,6 +649,10 @@ class CudaDataPlane final : public DataPlane {
     d_.max_rows = static_cast<int32_t>(g.max_rows);
     d_.max_blocks = static_cast<int32_t>(MB);
     d_.dtype_bytes = static_cast<int32_t>(StateBytes(g.dtype));
+    d_.block_shift = -1;
+    for (int sh = 0; sh < 31; ++sh) {
+      if ((1u << sh) == g.block_size) d_.block_shift = sh;
+    }
     d_.seed = header_.seed;
     d_.record_elems = 2ull * g.max_slots;
     void* p = nullptr;
@@ -722,7 +721,11 @@ class CudaDataPlane final : public DataPlane {
     if (n_ > 0) {
       const dim3 sgrid(static_cast<unsigned>(CeilDiv(a_.max_blocks, kBlocksPerScoreCta)),
                        static_cast<unsigned>(rows_), static_cast<unsigned>(n_));
-      ScoresKernel<<<sgrid, kScoreThreads, 0, stream>>>(d_, layer);
+      if (d_.dtype_bytes == 4) {
+        ScoresKernel<float><<<sgrid, kScoreThreads, 0, stream>>>(d_, layer);
+      } else {
+        ScoresKernel<uint16_t><<<sgrid, kScoreThreads, 0, stream>>>(d_, layer);
+      }
       SelectRowsKernel<<<dim3(rows_, n_), kSelectThreads, 0, stream>>>(d_, layer);
       UnionKernel<<<n_, kSelectThreads, 0, stream>>>(d_, layer, block_table, table_stride);
     }
@@ -761,8 +764,13 @@ class CudaDataPlane final : public DataPlane {
     const unsigned chunks = static_cast<unsigned>(std::clamp<int64_t>(
         CeilDiv(static_cast<int64_t>(a_.max_blocks) * d_.block, kEmaThreads * 8), 1, 64));
     for (int r = 0; r < rows_; ++r) {
-      EmaKernel<<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(d_, layer, r, logits,
-                                                              logits_stride, accepted);
+      if (d_.dtype_bytes == 4) {
+        EmaKernel<float><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(d_, layer, r, logits,
+                                                                       logits_stride, accepted);
+      } else {
+        EmaKernel<uint16_t><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(
+            d_, layer, r, logits, logits_stride, accepted);
+      }
     }
     FinishObserveKernel<<<static_cast<unsigned>(CeilDiv(n_, 256)), 256, 0, stream>>>(
         d_, layer, logits_stride, accepted);

@@ -39,7 +39,7 @@ struct PagedIndexerArgs {
   int32_t batch = 0;
   int32_t next_n = 1;
   int32_t max_pages = 0;             ///< upper bound on pages per row (fixes the grid)
-  int32_t stages = 8;                ///< 8-slot tiles each warp keeps in flight: 2, 4, 8 or 12
+  int32_t stages = 8;                ///< 8-slot tiles each warp keeps in flight: 4, 8 or 12
 };
 
 /// Launches the indexer on `stream` (no synchronisation; graph-capturable).
