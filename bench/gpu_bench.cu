@@ -24,22 +24,22 @@
 namespace spin {
 namespace {
 
-#define CHECK_CUDA(x)                                                                      \
-  do {                                                                                     \
-    cudaError_t e_ = (x);                                                                  \
-    if (e_ != cudaSuccess) {                                                               \
+#define CHECK_CUDA(x)                                                                         \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                        \
-    }                                                                                      \
+      std::exit(1);                                                                           \
+    }                                                                                         \
   } while (0)
-#define CHECK_OK(x)                                                                        \
-  do {                                                                                     \
-    absl::Status s_ = (x);                                                                 \
-    if (!s_.ok()) {                                                                        \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,                        \
-                   std::string(s_.message()).c_str());                                     \
-      std::exit(1);                                                                        \
-    }                                                                                      \
+#define CHECK_OK(x)                                                  \
+  do {                                                               \
+    absl::Status s_ = (x);                                           \
+    if (!s_.ok()) {                                                  \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, \
+                   std::string(s_.message()).c_str());               \
+      std::exit(1);                                                  \
+    }                                                                \
   } while (0)
 
 __global__ void ReadStream(const uint4* p, size_t n, uint32_t* sink) {
@@ -60,14 +60,16 @@ __global__ void FillRandom(uint8_t* p, size_t n, uint32_t seed, int fp8) {
     h *= 0x2C1B3C6Du;
     h ^= h >> 12;
     // fp8: a finite e4m3 value with a moderate exponent; otherwise raw bytes.
-    p[i] = fp8 ? static_cast<uint8_t>((h & 0x87u) | ((3u + (h >> 8) % 7u) << 3)) : static_cast<uint8_t>(h);
+    p[i] = fp8 ? static_cast<uint8_t>((h & 0x87u) | ((3u + (h >> 8) % 7u) << 3))
+               : static_cast<uint8_t>(h);
   }
 }
 
 __global__ void FillScales(uint8_t* kv, size_t pages) {
-  for (size_t x = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; x < pages * kPageSlots;
-       x += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    float* s = reinterpret_cast<float*>(kv + (x / kPageSlots) * kPageBytes + kPageSlots * kIndexerDim);
+  for (size_t x = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+       x < pages * kPageSlots; x += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    float* s =
+        reinterpret_cast<float*>(kv + (x / kPageSlots) * kPageBytes + kPageSlots * kIndexerDim);
     s[x % kPageSlots] = 0.5f + static_cast<float>((x * 7919) % 1000) / 1000.0f;
   }
 }
@@ -136,7 +138,8 @@ Result Measure(const Point& pt, double read_bw, int tiles, cudaStream_t stream, 
   float* w = nullptr;
   CHECK_CUDA(cudaMalloc(&q, static_cast<size_t>(B) * kIndexerHeads * kIndexerDim));
   CHECK_CUDA(cudaMalloc(&w, static_cast<size_t>(B) * kIndexerHeads * 4));
-  FillRandom<<<256, 256, 0, stream>>>(q, static_cast<size_t>(B) * kIndexerHeads * kIndexerDim, 5, 1);
+  FillRandom<<<256, 256, 0, stream>>>(q, static_cast<size_t>(B) * kIndexerHeads * kIndexerDim, 5,
+                                      1);
   std::vector<float> hw(static_cast<size_t>(B) * kIndexerHeads);
   for (size_t i = 0; i < hw.size(); ++i) hw[i] = (static_cast<float>(i % 17) - 8.0f) / 64.0f;
   CHECK_CUDA(cudaMemcpy(w, hw.data(), hw.size() * 4, cudaMemcpyHostToDevice));
@@ -261,9 +264,8 @@ double MeasureReadBandwidth(cudaStream_t stream) {
   FillRandom<<<4096, 256, 0, stream>>>(reinterpret_cast<uint8_t*>(buf), bytes, 3, 0);
   int sms = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  cudaGraphExec_t exec = Capture(stream, [&] {
-    ReadStream<<<sms * 8, 512, 0, stream>>>(buf, bytes / 16, sink);
-  });
+  cudaGraphExec_t exec =
+      Capture(stream, [&] { ReadStream<<<sms * 8, 512, 0, stream>>>(buf, bytes / 16, sink); });
   const float ms = MedianGraphMs(exec, stream, 20);
   cudaGraphExecDestroy(exec);
   CHECK_CUDA(cudaFree(buf));
@@ -337,7 +339,8 @@ int main(int argc, char** argv) {
   md += line;
   std::fprintf(stderr, "%s", md.c_str());
   md +=
-      "| batch | slots | sparsity | state | layers rotated | floor us | dense us | dense/floor BW | "
+      "| batch | slots | sparsity | state | layers rotated | floor us | dense us | dense/floor BW "
+      "| "
       "SPIN us (select + observe) | SPIN/dense | sparse stage us | sparse/dense | kept |\n"
       "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   std::vector<int> batches = {1, 16, 64, 128}, slots = {32 << 10, 128 << 10, 256 << 10};
@@ -355,8 +358,8 @@ int main(int argc, char** argv) {
                         "%.3f | %.1f | %.3f | %.3f |\n",
                         b, n >> 10, rho, dt == StateDtype::kFp32 ? "fp32" : "bf16", r.layers,
                         r.floor_us, r.dense_us, r.floor_us / r.dense_us, r.spin_us, r.select_us,
-                        r.spin_us - r.select_us,
-                        r.spin_us / r.dense_us, r.sparse_us, r.sparse_us / r.dense_us, r.kept);
+                        r.spin_us - r.select_us, r.spin_us / r.dense_us, r.sparse_us,
+                        r.sparse_us / r.dense_us, r.kept);
           md += line;
           std::fprintf(stderr, "%s", line);
         }

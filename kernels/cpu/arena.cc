@@ -245,9 +245,8 @@ absl::StatusOr<ArenaView> ViewArenaWithHeader(void* base, uint64_t bytes,
     return absl::InvalidArgumentError("arena header offsets do not match its geometry");
   }
   if (bytes < h->total_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("arena mapping of ", bytes,
-                                                   " bytes is smaller than its layout's ",
-                                                   h->total_bytes));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "arena mapping of ", bytes, " bytes is smaller than its layout's ", h->total_bytes));
   }
   return MakeView(base, *h, g);
 }

@@ -108,12 +108,12 @@ class CpuDataPlane final : public DataPlane {
       const int32_t s = batch.seq[e];
       if (s == -1) continue;
       if (s < 0 || static_cast<uint32_t>(s) >= g.max_seqs) {
-        return absl::OutOfRangeError(absl::StrCat("entry ", e, ": sequence ", s,
-                                                  " is out of range [0, ", g.max_seqs, ")"));
+        return absl::OutOfRangeError(
+            absl::StrCat("entry ", e, ": sequence ", s, " is out of range [0, ", g.max_seqs, ")"));
       }
       if (!a_.seqs[s].open) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "entry ", e, ": sequence ", s, " is not open (call ResetSequence first)"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("entry ", e, ": sequence ", s, " is not open (call ResetSequence first)"));
       }
       if (seen[s]++) {
         return absl::InvalidArgumentError(
@@ -126,8 +126,8 @@ class CpuDataPlane final : public DataPlane {
                                                   g.max_slots - last_row, "]"));
       }
       if (q < 0 || q + last_row >= static_cast<int64_t>(g.max_slots)) {
-        return absl::OutOfRangeError(absl::StrCat("entry ", e, ": q_pos ", q, " with ",
-                                                  batch.rows, " rows is out of range [0, ",
+        return absl::OutOfRangeError(absl::StrCat("entry ", e, ": q_pos ", q, " with ", batch.rows,
+                                                  " rows is out of range [0, ",
                                                   g.max_slots - last_row, ")"));
       }
     }
@@ -192,8 +192,8 @@ class CpuDataPlane final : public DataPlane {
     if (absl::Status s = CheckLayer(layer); !s.ok()) return s;
     if (a_.batch->selected_layer != layer) {
       return absl::FailedPreconditionError(
-          absl::StrCat("Observe of layer ", layer, " without its Select in this step (last: ",
-                       a_.batch->selected_layer, ")"));
+          absl::StrCat("Observe of layer ", layer,
+                       " without its Select in this step (last: ", a_.batch->selected_layer, ")"));
     }
     const int32_t rows = a_.batch->rows;
     int32_t widest = 0;
@@ -206,9 +206,8 @@ class CpuDataPlane final : public DataPlane {
       for (int32_t r = 0; r < rows; ++r) widest = std::max(widest, CompactLen(e, r));
     }
     if (widest > 0 && (logits == nullptr || logits_stride < widest)) {
-      return absl::InvalidArgumentError(absl::StrCat("logits stride ", logits_stride,
-                                                     " is below the widest compacted row ",
-                                                     widest));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "logits stride ", logits_stride, " is below the widest compacted row ", widest));
     }
     if (a_.geometry.dtype == StateDtype::kFp32) {
       ObserveAll<float>(layer, logits, logits_stride, accepted);
@@ -263,8 +262,8 @@ class CpuDataPlane final : public DataPlane {
           float* s = r == 0 ? row0 : row_scores_.data();
           const int32_t n = en.ctx_len + r, q = en.q_pos + r;
           BlockScores(v, d, n, q, b, s);
-          SelectRow(s, static_cast<int32_t>(CeilDiv(n, b)), q / b, rho, gamma, key, en.step,
-                    layer, r, mask);
+          SelectRow(s, static_cast<int32_t>(CeilDiv(n, b)), q / b, rho, gamma, key, en.step, layer,
+                    r, mask);
         }
       }
       // The union, ascending, and what the engine needs to index the compacted table.
@@ -301,8 +300,8 @@ class CpuDataPlane final : public DataPlane {
   void SelectRow(const float* s, int32_t nb, int32_t q_block, double rho, double gamma,
                  uint64_t key, uint64_t step, int32_t layer, int32_t row, uint8_t* mask) {
     const Geometry& g = a_.geometry;
-    const int32_t m = KeptBlocks(nb, static_cast<int32_t>(g.topk),
-                                 static_cast<int32_t>(g.block_size), rho);
+    const int32_t m =
+        KeptBlocks(nb, static_cast<int32_t>(g.topk), static_cast<int32_t>(g.block_size), rho);
     if (m >= nb) {
       std::memset(mask, 1, nb);
       return;
@@ -391,8 +390,8 @@ class CpuDataPlane final : public DataPlane {
     for (int32_t i = 0; i < n; ++i) {
       if (std::isfinite(z[i])) topk_.push_back(i);
     }
-    const int32_t k = std::min<int32_t>(static_cast<int32_t>(g.topk),
-                                        static_cast<int32_t>(topk_.size()));
+    const int32_t k =
+        std::min<int32_t>(static_cast<int32_t>(g.topk), static_cast<int32_t>(topk_.size()));
     if (k == 0) return;
     std::nth_element(topk_.begin(), topk_.begin() + (k - 1), topk_.end(),
                      [z](int32_t x, int32_t y) { return z[x] > z[y] || (z[x] == z[y] && x < y); });

@@ -47,15 +47,15 @@ struct Dev {
   int32_t* union_ids;
   int32_t* phys;
   int32_t* compact_len;
-  float* scratch0;   // arena scratch: row-0 block scores
-  uint8_t* mask;     // arena: union mask
+  float* scratch0;  // arena scratch: row-0 block scores
+  uint8_t* mask;    // arena: union mask
   uint32_t* error;
   // Private scratch (allocated by the data plane).
-  float* scores_rest;  // rows >= 1: [S][R-1][MB]
-  uint8_t* sel;        // [S][R][MB]: 1 = chosen or excluded in this row's selection
+  float* scores_rest;        // rows >= 1: [S][R-1][MB]
+  uint8_t* sel;              // [S][R][MB]: 1 = chosen or excluded in this row's selection
   unsigned long long* keys;  // [S][R][MB]
-  int32_t* hits;       // [S][MB]: dense top-K slots per block (probe steps)
-  uint32_t* seen;      // [S]: duplicate detection in BeginStep
+  int32_t* hits;             // [S][MB]: dense top-K slots per block (probe steps)
+  uint32_t* seen;            // [S]: duplicate detection in BeginStep
   // Geometry.
   int32_t layers, max_seqs, max_slots, block, topk, max_rows, max_blocks;
   int32_t dtype_bytes;
@@ -68,8 +68,7 @@ struct Dev {
   }
   __device__ float* Scores(int e, int r) const {
     return r == 0 ? scratch0 + static_cast<int64_t>(e) * max_blocks
-                  : scores_rest + (static_cast<int64_t>(e) * (max_rows - 1) + (r - 1)) *
-                                      max_blocks;
+                  : scores_rest + (static_cast<int64_t>(e) * (max_rows - 1) + (r - 1)) * max_blocks;
   }
 };
 
@@ -458,7 +457,8 @@ __global__ void __launch_bounds__(kSelectThreads)
   const int rows = d.batch->rows;
   const int32_t* clen = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
   if (threadIdx.x == 0) {
-    if (accepted && (accepted[e] < 0 || accepted[e] > rows)) RecordError(d.error, kArenaBadAccepted);
+    if (accepted && (accepted[e] < 0 || accepted[e] > rows))
+      RecordError(d.error, kArenaBadAccepted);
     for (int r = 0; r < rows; ++r) {
       if (clen[r] > stride) RecordError(d.error, kArenaBadStride);
     }
@@ -584,8 +584,7 @@ __global__ void EmaKernel(Dev d, int layer, int r, const float* logits, int64_t 
 
 __global__ void FinishObserveKernel(Dev d, int layer, int64_t stride, const int32_t* accepted) {
   const int rows = d.batch->rows;
-  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < d.batch->n;
-       e += gridDim.x * blockDim.x) {
+  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < d.batch->n; e += gridDim.x * blockDim.x) {
     const StepEntry en = d.entries[e];
     if (en.seq < 0) continue;
     const int acc = accepted ? accepted[e] : rows;
@@ -752,8 +751,8 @@ class CudaDataPlane final : public DataPlane {
     if (absl::Status s = CheckLayer(layer); !s.ok()) return s;
     if (selected_layer_ != layer) {
       return absl::FailedPreconditionError(
-          absl::StrCat("Observe of layer ", layer, " without its Select in this step (last: ",
-                       selected_layer_, ")"));
+          absl::StrCat("Observe of layer ", layer,
+                       " without its Select in this step (last: ", selected_layer_, ")"));
     }
     if (n_ == 0) return absl::OkStatus();
     if (logits == nullptr || logits_stride < 0) {
@@ -768,8 +767,8 @@ class CudaDataPlane final : public DataPlane {
         EmaKernel<float><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(d_, layer, r, logits,
                                                                        logits_stride, accepted);
       } else {
-        EmaKernel<uint16_t><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(
-            d_, layer, r, logits, logits_stride, accepted);
+        EmaKernel<uint16_t><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(d_, layer, r, logits,
+                                                                          logits_stride, accepted);
       }
     }
     FinishObserveKernel<<<static_cast<unsigned>(CeilDiv(n_, 256)), 256, 0, stream>>>(
@@ -808,9 +807,8 @@ absl::StatusOr<ArenaView> InitDeviceArena(void* device_base, uint64_t bytes, con
   absl::StatusOr<ArenaHeader> h = MakeArenaHeader(g, seed);
   if (!h.ok()) return h.status();
   if (bytes < h->total_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("device arena of ", bytes,
-                                                   " bytes is too small: the geometry needs ",
-                                                   h->total_bytes));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "device arena of ", bytes, " bytes is too small: the geometry needs ", h->total_bytes));
   }
   absl::StatusOr<ArenaView> v = ViewArenaWithHeader(device_base, bytes, *h);
   if (!v.ok()) return v.status();
@@ -823,20 +821,19 @@ absl::StatusOr<ArenaView> InitDeviceArena(void* device_base, uint64_t bytes, con
   BatchHeader bh{0, 0, -1, 0};  // as InitArena leaves it
   // The copies read host memory that lives only until return: synchronise before returning.
   cudaError_t e = cudaMemsetAsync(device_base, 0, h->total_bytes, stream);
-  if (e == cudaSuccess) e = cudaMemcpyAsync(device_base, &*h, sizeof(ArenaHeader),
-                                            cudaMemcpyHostToDevice, stream);
-  if (e == cudaSuccess) e = cudaMemcpyAsync(v->policy, &ap, sizeof(ap), cudaMemcpyHostToDevice,
-                                            stream);
-  if (e == cudaSuccess) e = cudaMemcpyAsync(v->sparsity, sparsity.data(),
-                                            sparsity.size() * sizeof(double),
-                                            cudaMemcpyHostToDevice, stream);
-  if (e == cudaSuccess) e = cudaMemcpyAsync(v->fresh, fresh.data(), fresh.size(),
-                                            cudaMemcpyHostToDevice, stream);
-  if (e == cudaSuccess) e = cudaMemcpyAsync(v->batch, &bh, sizeof(bh), cudaMemcpyHostToDevice,
-                                            stream);
+  if (e == cudaSuccess)
+    e = cudaMemcpyAsync(device_base, &*h, sizeof(ArenaHeader), cudaMemcpyHostToDevice, stream);
+  if (e == cudaSuccess)
+    e = cudaMemcpyAsync(v->policy, &ap, sizeof(ap), cudaMemcpyHostToDevice, stream);
+  if (e == cudaSuccess)
+    e = cudaMemcpyAsync(v->sparsity, sparsity.data(), sparsity.size() * sizeof(double),
+                        cudaMemcpyHostToDevice, stream);
+  if (e == cudaSuccess)
+    e = cudaMemcpyAsync(v->fresh, fresh.data(), fresh.size(), cudaMemcpyHostToDevice, stream);
+  if (e == cudaSuccess)
+    e = cudaMemcpyAsync(v->batch, &bh, sizeof(bh), cudaMemcpyHostToDevice, stream);
   if (e == cudaSuccess) {
-    FillUnsetKernel<<<1024, 256, 0, stream>>>(v->state,
-                                              2ull * g.max_seqs * g.layers * g.max_slots,
+    FillUnsetKernel<<<1024, 256, 0, stream>>>(v->state, 2ull * g.max_seqs * g.layers * g.max_slots,
                                               static_cast<int>(StateBytes(g.dtype)));
     e = cudaGetLastError();
   }
@@ -859,16 +856,16 @@ absl::Status WriteDevicePolicy(const ArenaView& view, const Policy& policy, cuda
     e = cudaMemcpyAsync(view.sparsity, sparsity.data(), sparsity.size() * sizeof(double),
                         cudaMemcpyHostToDevice, stream);
   }
-  if (e == cudaSuccess) e = cudaMemcpyAsync(view.policy, &ap, sizeof(ap), cudaMemcpyHostToDevice,
-                                            stream);
+  if (e == cudaSuccess)
+    e = cudaMemcpyAsync(view.policy, &ap, sizeof(ap), cudaMemcpyHostToDevice, stream);
   if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
   return CudaStatus(e, "write policy");
 }
 
 absl::StatusOr<std::unique_ptr<DataPlane>> MakeCudaDataPlane(const ArenaView& view) {
   ArenaHeader h;
-  if (absl::Status s = CudaStatus(
-          cudaMemcpy(&h, view.header, sizeof(h), cudaMemcpyDeviceToHost), "read arena header");
+  if (absl::Status s = CudaStatus(cudaMemcpy(&h, view.header, sizeof(h), cudaMemcpyDeviceToHost),
+                                  "read arena header");
       !s.ok()) {
     return s;
   }
@@ -881,8 +878,7 @@ absl::StatusOr<std::unique_ptr<DataPlane>> MakeCudaDataPlane(const ArenaView& vi
 
 absl::StatusOr<uint32_t> ReadDeviceError(const ArenaView& view) {
   uint32_t err = 0;
-  if (absl::Status s = CudaStatus(cudaMemcpy(&err, view.error, sizeof(err),
-                                             cudaMemcpyDeviceToHost),
+  if (absl::Status s = CudaStatus(cudaMemcpy(&err, view.error, sizeof(err), cudaMemcpyDeviceToHost),
                                   "read arena error");
       !s.ok()) {
     return s;

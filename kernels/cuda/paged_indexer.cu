@@ -151,7 +151,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
 #pragma unroll
-      for (int mt = 0; mt < 4; ++mt) acc[p][mt][0] = acc[p][mt][1] = acc[p][mt][2] = acc[p][mt][3] = 0.0f;
+      for (int mt = 0; mt < 4; ++mt)
+        acc[p][mt][0] = acc[p][mt][1] = acc[p][mt][2] = acc[p][mt][3] = 0.0f;
     }
 #pragma unroll
     for (int s = 0; s < 8; ++s) {

@@ -151,8 +151,7 @@ class Twin {
       ASSERT_TRUE(gpu_->Remap(d_idx_->as<int32_t>(), kTopK).ok());
       ASSERT_EQ(ToHost(d_idx_->as<int32_t>(), idx.size()), idx) << "remap, step " << step;
       ASSERT_TRUE(cpu_.dp().Observe(l, logits.data(), stride_, acc.data()).ok());
-      ASSERT_TRUE(
-          gpu_->Observe(l, d_logits_->as<float>(), stride_, d_acc_->as<int32_t>()).ok());
+      ASSERT_TRUE(gpu_->Observe(l, d_logits_->as<float>(), stride_, d_acc_->as<int32_t>()).ok());
     }
     CUDA_OK(cudaDeviceSynchronize());
   }
@@ -219,8 +218,8 @@ void RunScenario(const Scenario& sc) {
   std::mt19937 rng(sc.rows * 10 + static_cast<int>(sc.dtype));
   const int kSteps = 24;
   // Sequence s starts with context start[s]; sequence 0 ends exactly at max_slots.
-  std::vector<int> ctx = {static_cast<int>(g.max_slots) - kSteps * sc.rows + 1, 100,
-                          900, 1500, 64 * 20, 63};
+  std::vector<int> ctx = {
+      static_cast<int>(g.max_slots) - kSteps * sc.rows + 1, 100, 900, 1500, 64 * 20, 63};
   for (int s = 0; s < 6; ++s) t.Reset(s, 1000 + s);
   for (int step = 0; step < kSteps; ++step) {
     if (step == 12) t.Reset(3, 555);  // a sequence slot reused mid-run
@@ -244,9 +243,7 @@ TEST_F(CudaTest, ParityFp32SingleRow) { RunScenario({StateDtype::kFp32, 1, 0.5, 
 TEST_F(CudaTest, ParityFp32Mtp) { RunScenario({StateDtype::kFp32, 3, 0.6, 0.2, 4}); }
 TEST_F(CudaTest, ParityBf16SingleRow) { RunScenario({StateDtype::kBf16, 1, 0.4, 0.05, 5}); }
 TEST_F(CudaTest, ParityBf16Mtp) { RunScenario({StateDtype::kBf16, 2, 0.7, 0.25, 2}); }
-TEST_F(CudaTest, ParityNoExplorationNoProbes) {
-  RunScenario({StateDtype::kFp32, 1, 0.3, 0.0, 0});
-}
+TEST_F(CudaTest, ParityNoExplorationNoProbes) { RunScenario({StateDtype::kFp32, 1, 0.3, 0.0, 0}); }
 
 TEST_F(CudaTest, BadBatchRecordsAnErrorAndRunsNoEntry) {
   Geometry g;
@@ -348,7 +345,8 @@ TEST_F(CudaTest, GraphReplayMatchesEagerReference) {
           for (int k = 0; k < cv.union_count[e]; ++k) {
             for (int o = 0; o < 64; ++o) {
               const int i = cv.union_ids[e * MB + k] * 64 + o;
-              if (i < ctx[e] + r) logits[(static_cast<size_t>(e) * rows + r) * stride + k * 64 + o] = z[i];
+              if (i < ctx[e] + r)
+                logits[(static_cast<size_t>(e) * rows + r) * stride + k * 64 + o] = z[i];
             }
           }
         }

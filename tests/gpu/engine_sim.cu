@@ -24,7 +24,8 @@ __global__ void GatherKernel(ArenaView a, int layer, int layers, const float* de
     float v = -INFINITY;
     const int k = static_cast<int>(c / b);
     if (en.seq >= 0 && k < a.union_count[e]) {
-      const int64_t i = static_cast<int64_t>(a.union_ids[static_cast<int64_t>(e) * a.max_blocks + k]) * b + c % b;
+      const int64_t i =
+          static_cast<int64_t>(a.union_ids[static_cast<int64_t>(e) * a.max_blocks + k]) * b + c % b;
       if (i < en.ctx_len + r) v = z[i];
     }
     out[c] = v;

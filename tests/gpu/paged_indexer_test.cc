@@ -71,8 +71,8 @@ struct Problem {
     for (int h = 0; h < kIndexerHeads; ++h) {
       double dot = 0;
       for (int d = 0; d < kIndexerDim; ++d) {
-        dot += static_cast<double>(Fp8E4m3ToFloat(q[(static_cast<size_t>(row) * kIndexerHeads + h) *
-                                                    kIndexerDim + d])) *
+        dot += static_cast<double>(Fp8E4m3ToFloat(
+                   q[(static_cast<size_t>(row) * kIndexerHeads + h) * kIndexerDim + d])) *
                Fp8E4m3ToFloat(pg[s * kIndexerDim + d]);
       }
       const double wv = w[static_cast<size_t>(row) * kIndexerHeads + h];

@@ -110,9 +110,8 @@ class Oracle {
     for (int j = 0; j < nb; ++j) {
       if (j != qb) others.push_back(j);
     }
-    std::sort(others.begin(), others.end(), [&](int a, int b) {
-      return s[a] != s[b] ? s[a] > s[b] : a < b;
-    });
+    std::sort(others.begin(), others.end(),
+              [&](int a, int b) { return s[a] != s[b] ? s[a] > s[b] : a < b; });
     const int top = m - 1 - me;
     for (int k = 0; k < top; ++k) (*chosen)[others[k]] = true;
     std::vector<std::pair<uint64_t, int>> draws;

@@ -41,12 +41,12 @@ enum class BudgetMode : uint32_t { kUniform = 1, kPerLayer = 2 };
 
 /// The shape of a session, fixed at attach.
 struct Geometry {
-  uint32_t layers = 0;      ///< indexer layers L
-  uint32_t max_seqs = 0;    ///< sequences S held at once
-  uint32_t max_slots = 0;   ///< slots N per sequence (compressed slots on V4)
-  uint32_t block_size = 64; ///< slots per block b
-  uint32_t topk = 0;        ///< the indexer's top-K
-  uint32_t max_rows = 1;    ///< query rows per step R (1 + MTP drafts)
+  uint32_t layers = 0;       ///< indexer layers L
+  uint32_t max_seqs = 0;     ///< sequences S held at once
+  uint32_t max_slots = 0;    ///< slots N per sequence (compressed slots on V4)
+  uint32_t block_size = 64;  ///< slots per block b
+  uint32_t topk = 0;         ///< the indexer's top-K
+  uint32_t max_rows = 1;     ///< query rows per step R (1 + MTP drafts)
   StateDtype dtype = StateDtype::kFp32;
 };
 
@@ -55,10 +55,10 @@ inline constexpr float kDefaultAlpha = 0.3f;
 
 /// Policy knobs read by the kernels at launch time (written by the owner of the arena).
 struct Policy {
-  double target_sparsity = 0.5; ///< rho: fraction of blocks to skip, [0, 1)
-  double exploration = 0.05;    ///< gamma: share of kept blocks chosen at random, [0, 1)
-  float alpha = kDefaultAlpha;  ///< EMA decay: weight of the old value, [0, 1)
-  uint32_t probe_period = 0;    ///< P: every P-th step of a sequence is dense; 0 = never
+  double target_sparsity = 0.5;  ///< rho: fraction of blocks to skip, [0, 1)
+  double exploration = 0.05;     ///< gamma: share of kept blocks chosen at random, [0, 1)
+  float alpha = kDefaultAlpha;   ///< EMA decay: weight of the old value, [0, 1)
+  uint32_t probe_period = 0;     ///< P: every P-th step of a sequence is dense; 0 = never
   BudgetMode budget_mode = BudgetMode::kUniform;
 };
 
@@ -80,17 +80,17 @@ struct ArenaPolicy {
 
 /// Per-layer statistics counters (monotone; readers take differences).
 struct LayerStats {
-  uint64_t steps;               ///< (sequence, step) pairs selected
-  uint64_t dense_steps;         ///< of which dense (fresh or probe)
-  uint64_t probe_steps;         ///< of which probe steps with a miss-curve sample
-  uint64_t blocks_kept;         ///< blocks scored, all steps
-  uint64_t blocks_total;        ///< blocks in context, all steps
-  uint64_t sparse_blocks_kept;  ///< blocks scored, non-dense steps
-  uint64_t sparse_blocks_total; ///< blocks in context, non-dense steps
-  uint64_t observed;            ///< finite scores applied to V/D
-  uint64_t bad_scores;          ///< non-finite scores skipped
-  uint64_t probe_topk;          ///< dense top-K slots seen on probe steps
-  uint64_t probe_missed;        ///< of which outside the layer's current budget
+  uint64_t steps;                ///< (sequence, step) pairs selected
+  uint64_t dense_steps;          ///< of which dense (fresh or probe)
+  uint64_t probe_steps;          ///< of which probe steps with a miss-curve sample
+  uint64_t blocks_kept;          ///< blocks scored, all steps
+  uint64_t blocks_total;         ///< blocks in context, all steps
+  uint64_t sparse_blocks_kept;   ///< blocks scored, non-dense steps
+  uint64_t sparse_blocks_total;  ///< blocks in context, non-dense steps
+  uint64_t observed;             ///< finite scores applied to V/D
+  uint64_t bad_scores;           ///< non-finite scores skipped
+  uint64_t probe_topk;           ///< dense top-K slots seen on probe steps
+  uint64_t probe_missed;         ///< of which outside the layer's current budget
 };
 
 /// The current step of the batch, written by BeginStep.
@@ -125,26 +125,26 @@ struct ArenaHeader {
   uint64_t total_bytes;
   uint32_t layers, max_seqs, max_slots, block_size, topk, max_rows;
   uint32_t state_dtype;
-  uint32_t max_blocks;   ///< ceil(max_slots / block_size)
-  uint32_t curve_points; ///< kCurvePoints
-  uint32_t header_bytes; ///< sizeof(ArenaHeader)
-  uint64_t seed;         ///< session seed for exploration
+  uint32_t max_blocks;    ///< ceil(max_slots / block_size)
+  uint32_t curve_points;  ///< kCurvePoints
+  uint32_t header_bytes;  ///< sizeof(ArenaHeader)
+  uint64_t seed;          ///< session seed for exploration
   // Section offsets from the arena base.
-  uint64_t off_policy;      ///< ArenaPolicy
-  uint64_t off_sparsity;    ///< double[L]: per-layer sparsity rho_l (the budget table)
-  uint64_t off_stats;       ///< LayerStats[L]
-  uint64_t off_curves;      ///< uint64[L][kCurvePoints]: missed top-K slots per keep fraction
-  uint64_t off_seqs;        ///< SeqRecord[S]
-  uint64_t off_fresh;       ///< uint8[S][L]: 1 until the first observation
-  uint64_t off_state;       ///< per (seq, layer): V[N] then D[N], dtype elements
-  uint64_t off_batch;       ///< BatchHeader, then StepEntry[S]
-  uint64_t off_union_count; ///< int32[S]: selected blocks of batch entry e (union over rows)
-  uint64_t off_union;       ///< int32[S][max_blocks]: selected logical block ids, ascending
-  uint64_t off_phys;        ///< int32[S][max_blocks]: compacted physical block table
-  uint64_t off_compact_len; ///< int32[S][R]: compacted context length of each row
-  uint64_t off_scratch;     ///< float[S][max_blocks]: row-0 block scores (probe curves)
-  uint64_t off_mask;        ///< uint8[S][max_blocks]: union mask scratch
-  uint64_t off_error;       ///< uint32: first bounds-check error code seen by a kernel
+  uint64_t off_policy;       ///< ArenaPolicy
+  uint64_t off_sparsity;     ///< double[L]: per-layer sparsity rho_l (the budget table)
+  uint64_t off_stats;        ///< LayerStats[L]
+  uint64_t off_curves;       ///< uint64[L][kCurvePoints]: missed top-K slots per keep fraction
+  uint64_t off_seqs;         ///< SeqRecord[S]
+  uint64_t off_fresh;        ///< uint8[S][L]: 1 until the first observation
+  uint64_t off_state;        ///< per (seq, layer): V[N] then D[N], dtype elements
+  uint64_t off_batch;        ///< BatchHeader, then StepEntry[S]
+  uint64_t off_union_count;  ///< int32[S]: selected blocks of batch entry e (union over rows)
+  uint64_t off_union;        ///< int32[S][max_blocks]: selected logical block ids, ascending
+  uint64_t off_phys;         ///< int32[S][max_blocks]: compacted physical block table
+  uint64_t off_compact_len;  ///< int32[S][R]: compacted context length of each row
+  uint64_t off_scratch;      ///< float[S][max_blocks]: row-0 block scores (probe curves)
+  uint64_t off_mask;         ///< uint8[S][max_blocks]: union mask scratch
+  uint64_t off_error;        ///< uint32: first bounds-check error code seen by a kernel
 };
 
 // The layout is shared by host and device code and across processes: pin the record sizes.

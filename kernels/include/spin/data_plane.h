@@ -91,8 +91,12 @@ class DataPlane {
   /// The output buffers of the last Select.
   Outputs outputs() const {
     const ArenaView& a = arena();
-    return Outputs{a.union_count, a.union_ids, a.phys, a.compact_len,
-                   static_cast<int32_t>(a.max_blocks), static_cast<int32_t>(a.geometry.max_rows)};
+    return Outputs{a.union_count,
+                   a.union_ids,
+                   a.phys,
+                   a.compact_len,
+                   static_cast<int32_t>(a.max_blocks),
+                   static_cast<int32_t>(a.geometry.max_rows)};
   }
 };
 

@@ -89,10 +89,10 @@ SPIN_HD uint64_t ExplorationKey(uint64_t session_seed, uint64_t sequence_key) {
 /// Counter = (block, layer << 16 | row, step low word, step high word).
 SPIN_HD uint64_t ExplorationDraw(uint64_t key, uint64_t step, uint32_t layer, uint32_t row,
                                  uint32_t block) {
-  const Philox4 out = Philox4x32_10(
-      Philox4{{block, (layer << 16) | (row & 0xFFFFu), static_cast<uint32_t>(step),
-               static_cast<uint32_t>(step >> 32)}},
-      static_cast<uint32_t>(key), static_cast<uint32_t>(key >> 32));
+  const Philox4 out =
+      Philox4x32_10(Philox4{{block, (layer << 16) | (row & 0xFFFFu), static_cast<uint32_t>(step),
+                             static_cast<uint32_t>(step >> 32)}},
+                    static_cast<uint32_t>(key), static_cast<uint32_t>(key >> 32));
   return (static_cast<uint64_t>(out.v[0]) << 32) | out.v[1];
 }
 

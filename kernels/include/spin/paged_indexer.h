@@ -27,19 +27,19 @@ inline constexpr int kPageBytes = kPageSlots * kSlotBytes;
 
 /// Arguments of one launch (device pointers).
 struct PagedIndexerArgs {
-  const uint8_t* q = nullptr;        ///< [batch * next_n][64][128] fp8 e4m3
-  const float* weights = nullptr;    ///< [batch * next_n][64]
-  const uint8_t* kv = nullptr;       ///< pages of kPageBytes
-  const int32_t* table = nullptr;    ///< [batch][table_stride] physical page of each position
+  const uint8_t* q = nullptr;      ///< [batch * next_n][64][128] fp8 e4m3
+  const float* weights = nullptr;  ///< [batch * next_n][64]
+  const uint8_t* kv = nullptr;     ///< pages of kPageBytes
+  const int32_t* table = nullptr;  ///< [batch][table_stride] physical page of each position
   int64_t table_stride = 0;
-  const int32_t* lens = nullptr;     ///< row r of sequence b has lens[b * lens_stride + r] slots
+  const int32_t* lens = nullptr;  ///< row r of sequence b has lens[b * lens_stride + r] slots
   int64_t lens_stride = 0;
-  float* logits = nullptr;           ///< [batch * next_n][logits_stride]; slots >= len untouched
+  float* logits = nullptr;  ///< [batch * next_n][logits_stride]; slots >= len untouched
   int64_t logits_stride = 0;
   int32_t batch = 0;
   int32_t next_n = 1;
-  int32_t max_pages = 0;             ///< upper bound on pages per row (fixes the grid)
-  int32_t stages = 8;                ///< 8-slot tiles each warp keeps in flight: 4, 8 or 12
+  int32_t max_pages = 0;  ///< upper bound on pages per row (fixes the grid)
+  int32_t stages = 8;     ///< 8-slot tiles each warp keeps in flight: 4, 8 or 12
 };
 
 /// Launches the indexer on `stream` (no synchronisation; graph-capturable).
