@@ -5,7 +5,7 @@
 // Per step: BeginStep (1 CTA) -> per layer: Scores (block scores of every row, grid over
 // block chunks) -> SelectRows (one CTA per (entry, row): radix selects) -> Union (one CTA per
 // entry: compaction, compacted table and lengths, stats) ... Observe: Probe (one CTA per
-// entry, probe steps only) -> Ema (one launch per row, in row order) -> Finish.
+// entry, probe steps only) -> Ema (one launch per row, in row order; row 0 clears fresh).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -543,6 +543,11 @@ __global__ void EmaKernel(Dev d, int layer, int r, const float* logits, int64_t 
     s_active = active;
     s_obs = 0;
     s_bad = 0;
+    // At least one row is applied: the (sequence, layer) is no longer fresh. Only the Probe
+    // kernel, which ran before this launch, reads the flag during Observe.
+    if (active && r == 0 && blockIdx.x == 0) {
+      d.fresh[static_cast<int64_t>(s_seq) * d.layers + layer] = 0;
+    }
   }
   __syncthreads();
   if (!s_active) return;
@@ -554,18 +559,47 @@ __global__ void EmaKernel(Dev d, int layer, int r, const float* logits, int64_t 
   const float alpha = d.policy->alpha, beta = d.policy->beta;
   const int shift = d.block_shift;
   unsigned obs = 0, bad = 0;
-  for (int x = blockIdx.x * blockDim.x + threadIdx.x; x < total; x += gridDim.x * blockDim.x) {
-    const int k = shift >= 0 ? x >> shift : x / b;
-    const int i = ids[k] * b + (x - k * b);
-    if (i >= n) continue;
-    const float zi = z[x];
-    if (!isfinite(zi)) {
-      ++bad;
-      continue;
+  // Four slots per thread per round, all loads issued before any store: distinct slots of one
+  // row touch distinct V and D entries, so the reordering is safe and hides the load latency.
+  constexpr int kUnroll = 4;
+  const int step = gridDim.x * blockDim.x;
+  for (int x0 = blockIdx.x * blockDim.x + threadIdx.x; x0 < total; x0 += kUnroll * step) {
+    int slot[kUnroll];
+    float zz[kUnroll], vv[kUnroll], dv[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int x = x0 + u * step;
+      slot[u] = -1;
+      zz[u] = 0.0f;
+      if (x < total) {
+        const int k = shift >= 0 ? x >> shift : x / b;
+        const int i = ids[k] * b + (x - k * b);
+        if (i < n) {
+          slot[u] = i;
+          zz[u] = z[x];
+        }
+      }
     }
-    ++obs;
-    StoreT(v, i, EmaUpdate(LoadT(v, i), zi, alpha, beta));
-    if (i <= q) StoreT(dd, q - i, EmaUpdate(LoadT(dd, q - i), zi, alpha, beta));
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      vv[u] = dv[u] = 0.0f;
+      if (slot[u] >= 0 && isfinite(zz[u])) {
+        vv[u] = LoadT(v, slot[u]);
+        if (slot[u] <= q) dv[u] = LoadT(dd, q - slot[u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = slot[u];
+      if (i < 0) continue;
+      if (!isfinite(zz[u])) {
+        ++bad;
+        continue;
+      }
+      ++obs;
+      StoreT(v, i, EmaUpdate(vv[u], zz[u], alpha, beta));
+      if (i <= q) StoreT(dd, q - i, EmaUpdate(dv[u], zz[u], alpha, beta));
+    }
   }
   // One shared atomic per warp instead of one per slot.
   obs = __reduce_add_sync(0xFFFFFFFFu, obs);
@@ -579,22 +613,6 @@ __global__ void EmaKernel(Dev d, int layer, int r, const float* logits, int64_t 
     LayerStats* st = d.stats + layer;
     atomicAdd(reinterpret_cast<unsigned long long*>(&st->observed), s_obs);
     atomicAdd(reinterpret_cast<unsigned long long*>(&st->bad_scores), s_bad);
-  }
-}
-
-__global__ void FinishObserveKernel(Dev d, int layer, int64_t stride, const int32_t* accepted) {
-  const int rows = d.batch->rows;
-  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < d.batch->n; e += gridDim.x * blockDim.x) {
-    const StepEntry en = d.entries[e];
-    if (en.seq < 0) continue;
-    const int acc = accepted ? accepted[e] : rows;
-    bool stride_ok = true;
-    for (int r = 0; r < rows; ++r) {
-      stride_ok = stride_ok && d.compact_len[static_cast<int64_t>(e) * d.max_rows + r] <= stride;
-    }
-    if (acc >= 1 && acc <= rows && stride_ok) {
-      d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] = 0;
-    }
   }
 }
 
@@ -771,8 +789,6 @@ class CudaDataPlane final : public DataPlane {
                                                                           logits_stride, accepted);
       }
     }
-    FinishObserveKernel<<<static_cast<unsigned>(CeilDiv(n_, 256)), 256, 0, stream>>>(
-        d_, layer, logits_stride, accepted);
     return CudaStatus(cudaGetLastError(), "Observe launch");
   }
 
