@@ -1,0 +1,66 @@
+#include "config.h"
+
+#include <sstream>
+
+#include "CLI/CLI.hpp"
+
+namespace spin::service {
+
+ParseResult ParseConfig(int argc, const char* const* argv) {
+  ParseResult out;
+  Config& c = out.config;
+  CLI::App app{
+      "spind: the SPIN (Shadow Predictive Indexer) sidecar. One daemon per GPU node: engines "
+      "attach sessions, operators tune sparsity over gRPC (spin.v1.Spin)."};
+  app.add_option("--listen", c.listen, "gRPC address: unix:///abs/path")
+      ->envname("SPIND_LISTEN")
+      ->capture_default_str();
+  app.add_option("--tcp-listen", c.tcp_listen, "Also serve gRPC on HOST:PORT (port 0: any)")
+      ->envname("SPIND_TCP_LISTEN");
+  app.add_option("--backend", c.backend,
+                 "Where arenas live: auto (cpu until the CUDA sessions land), cpu")
+      ->envname("SPIND_BACKEND")
+      ->check(CLI::IsMember({"auto", "cpu"}))
+      ->capture_default_str();
+  app.add_option("--max-arena-bytes", c.max_arena_bytes, "Arena bytes over all sessions")
+      ->envname("SPIND_MAX_ARENA_BYTES")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--max-sessions", c.max_sessions, "Sessions held at once")
+      ->envname("SPIND_MAX_SESSIONS")
+      ->check(CLI::Range(1u, 65536u))
+      ->capture_default_str();
+  app.add_option("--log-format", c.log_format, "Log lines on stderr: text or json")
+      ->envname("SPIND_LOG_FORMAT")
+      ->check(CLI::IsMember({"text", "json"}))
+      ->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    out.exit = true;
+    out.exit_code = 0;
+    out.exit_text = app.help();
+    return out;
+  } catch (const CLI::ParseError& e) {
+    out.exit = true;
+    out.exit_code = 2;
+    out.exit_text = std::string("spind: error: ") + e.what() + " (see --help)\n";
+    return out;
+  }
+  if (UnixSocketPath(c.listen).empty()) {
+    out.exit = true;
+    out.exit_code = 2;
+    out.exit_text = "spind: error: --listen must be unix:///absolute/path, got '" + c.listen +
+                    "' (use --tcp-listen for TCP)\n";
+  }
+  return out;
+}
+
+std::string UnixSocketPath(const std::string& address) {
+  const std::string prefix = "unix://";
+  if (address.rfind(prefix, 0) != 0) return "";
+  const std::string path = address.substr(prefix.size());
+  return !path.empty() && path[0] == '/' ? path : "";
+}
+
+}  // namespace spin::service

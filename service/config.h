@@ -1,0 +1,34 @@
+// spind's configuration: flags with environment mirrors (flag > environment > default).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace spin::service {
+
+/// Everything spind is started with.
+struct Config {
+  std::string listen = "unix:///run/spin/spind.sock";  ///< gRPC on a Unix socket
+  std::string tcp_listen;                              ///< optional HOST:PORT
+  std::string backend = "auto";                        ///< auto | cpu | cuda
+  uint64_t max_arena_bytes = 64ull << 30;              ///< over all sessions
+  uint32_t max_sessions = 64;
+  std::string log_format = "text";  ///< text | json
+};
+
+/// Parses argv. On --help (or a usage error) returns the text to print in `exit_text` with
+/// `exit_code` set; otherwise the config.
+struct ParseResult {
+  Config config;
+  bool exit = false;
+  int exit_code = 0;
+  std::string exit_text;
+};
+ParseResult ParseConfig(int argc, const char* const* argv);
+
+/// The Unix socket path of a "unix:///abs/path" address, or "" for other schemes.
+std::string UnixSocketPath(const std::string& address);
+
+}  // namespace spin::service

@@ -1,0 +1,139 @@
+#include "session_manager.h"
+
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <ctime>
+
+#include "absl/strings/str_cat.h"
+
+namespace spin::service {
+namespace {
+
+// Hex of `bytes` bytes from the kernel's CSPRNG.
+absl::StatusOr<std::string> RandomHex(size_t bytes) {
+  std::string raw(bytes, '\0');
+  size_t got = 0;
+  while (got < bytes) {
+    const ssize_t n = getrandom(raw.data() + got, bytes - got, 0);
+    if (n < 0) return absl::InternalError("getrandom failed");
+    got += static_cast<size_t>(n);
+  }
+  static const char* kHex = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : raw) {
+    out.push_back(kHex[c >> 4]);
+    out.push_back(kHex[c & 15]);
+  }
+  return out;
+}
+
+}  // namespace
+
+Session::~Session() {
+  dp.reset();
+  if (base != nullptr) munmap(base, bytes);
+  if (memfd >= 0) close(memfd);
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const Geometry& g, uint64_t seed,
+                                                                const Policy& policy,
+                                                                const std::string& client_name) {
+  if (absl::Status s = ValidateGeometry(g); !s.ok()) return s;
+  if (absl::Status s = ValidatePolicy(policy); !s.ok()) return s;
+  const uint64_t bytes = ArenaBytes(g);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (sessions_.size() >= limits_.max_sessions) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("spind already holds ", sessions_.size(), " sessions (--max-sessions ",
+                       limits_.max_sessions, "): detach one first"));
+    }
+    if (bytes_ + bytes > limits_.max_arena_bytes) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("an arena of ", bytes, " bytes would exceed --max-arena-bytes ",
+                       limits_.max_arena_bytes, " (", bytes_, " in use)"));
+    }
+    bytes_ += bytes;  // reserved now so concurrent attaches cannot overshoot
+  }
+  auto release = [this, bytes] {
+    std::lock_guard<std::mutex> lock(mu_);
+    bytes_ -= bytes;
+  };
+  auto s = std::make_shared<Session>();
+  s->geometry = g;
+  s->client_name = client_name;
+  s->created_unix_seconds = static_cast<int64_t>(std::time(nullptr));
+  s->bytes = bytes;
+  absl::StatusOr<std::string> id = RandomHex(8), token = RandomHex(16);
+  if (!id.ok() || !token.ok()) {
+    release();
+    return absl::InternalError("cannot draw a session id and token");
+  }
+  s->id = "s-" + *id;
+  s->token = *token;
+  // The arena is a memfd so that a client can map the same pages (fd passing over a Unix
+  // socket), and it survives this process only as long as a mapping holds it.
+  s->memfd = memfd_create("spin-arena", MFD_CLOEXEC);
+  if (s->memfd < 0 || ftruncate(s->memfd, static_cast<off_t>(bytes)) != 0) {
+    release();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot create a ", bytes, "-byte arena (memfd): out of memory?"));
+  }
+  s->base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, s->memfd, 0);
+  if (s->base == MAP_FAILED) {
+    s->base = nullptr;
+    release();
+    return absl::ResourceExhaustedError(absl::StrCat("cannot map a ", bytes, "-byte arena"));
+  }
+  absl::StatusOr<ArenaView> view = InitArena(s->base, bytes, g, seed, policy);
+  if (!view.ok()) {
+    release();
+    return view.status();
+  }
+  s->view = *view;
+  s->dp = MakeCpuDataPlane(s->view);
+  std::lock_guard<std::mutex> lock(mu_);
+  sessions_[s->id] = s;
+  order_.push_back(s->id);
+  return s;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Get(const std::string& id,
+                                                             const std::string& token) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat("no session '", id, "' (detached or never attached)"));
+  }
+  if (it->second->token != token) {
+    return absl::PermissionDeniedError(absl::StrCat("wrong token for session '", id, "'"));
+  }
+  return it->second;
+}
+
+absl::Status SessionManager::Detach(const std::string& id, const std::string& token) {
+  absl::StatusOr<std::shared_ptr<Session>> s = Get(id, token);
+  if (!s.ok()) return s.status();
+  std::lock_guard<std::mutex> lock(mu_);
+  sessions_.erase(id);
+  order_.erase(std::remove(order_.begin(), order_.end(), id), order_.end());
+  bytes_ -= (*s)->bytes;
+  return absl::OkStatus();
+}
+
+std::vector<std::shared_ptr<Session>> SessionManager::List() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::shared_ptr<Session>> out;
+  for (const std::string& id : order_) out.push_back(sessions_.at(id));
+  return out;
+}
+
+uint64_t SessionManager::arena_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return bytes_;
+}
+
+}  // namespace spin::service

@@ -1,0 +1,75 @@
+// Sessions of spind: one arena per session (DESIGN §4), its data plane for remote mode, and the
+// limits operators set. Thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "spin/arena.h"
+#include "spin/data_plane.h"
+
+namespace spin::service {
+
+/// One attached session. `mu` serialises data-plane and policy calls on its arena.
+struct Session {
+  std::string id;
+  std::string token;
+  std::string client_name;
+  Geometry geometry;
+  int64_t created_unix_seconds = 0;
+  int memfd = -1;        ///< the arena's memory (CPU backend): shareable by fd
+  void* base = nullptr;  ///< the daemon's mapping of it
+  uint64_t bytes = 0;    ///< mapping size
+  ArenaView view;
+  std::unique_ptr<DataPlane> dp;  ///< remote-mode data plane on the arena
+  std::mutex mu;
+
+  ~Session();
+};
+
+/// Operator limits.
+struct Limits {
+  uint32_t max_sessions = 64;
+  uint64_t max_arena_bytes = 64ull << 30;  ///< over all sessions
+};
+
+/// Creates, finds and frees sessions.
+class SessionManager {
+ public:
+  explicit SessionManager(const Limits& limits) : limits_(limits) {}
+
+  /// Validates geometry and policy, allocates and initialises the arena. INVALID_ARGUMENT for
+  /// bad values, RESOURCE_EXHAUSTED past the limits.
+  absl::StatusOr<std::shared_ptr<Session>> Attach(const Geometry& g, uint64_t seed,
+                                                  const Policy& policy,
+                                                  const std::string& client_name);
+
+  /// The session `id` if `token` matches: NOT_FOUND for an unknown id, PERMISSION_DENIED for a
+  /// wrong token.
+  absl::StatusOr<std::shared_ptr<Session>> Get(const std::string& id,
+                                               const std::string& token) const;
+
+  /// Frees the session (after the last in-flight call on it returns).
+  absl::Status Detach(const std::string& id, const std::string& token);
+
+  /// Every session, in creation order.
+  std::vector<std::shared_ptr<Session>> List() const;
+
+  /// Arena bytes held by all sessions.
+  uint64_t arena_bytes() const;
+
+ private:
+  Limits limits_;
+  mutable std::mutex mu_;
+  std::map<std::string, std::shared_ptr<Session>> sessions_;
+  std::vector<std::string> order_;
+  uint64_t bytes_ = 0;
+};
+
+}  // namespace spin::service

@@ -1,0 +1,318 @@
+#include "spin_service.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace spin::service {
+namespace {
+
+namespace pb = spin::v1;
+
+grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const absl::Status& s) {
+  grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
+  r->Finish(ToGrpc(s));
+  return r;
+}
+
+absl::StatusOr<Geometry> FromProto(const pb::Geometry& p) {
+  Geometry g;
+  g.layers = p.layers();
+  g.block_size = p.block_size();
+  g.topk = p.topk();
+  g.max_seqs = p.max_sequences();
+  g.max_slots = p.max_slots();
+  g.max_rows = p.max_rows();
+  switch (p.state_dtype()) {
+    case pb::STATE_DTYPE_FP32:
+      g.dtype = StateDtype::kFp32;
+      break;
+    case pb::STATE_DTYPE_BF16:
+      g.dtype = StateDtype::kBf16;
+      break;
+    default:
+      return absl::InvalidArgumentError("geometry.state_dtype must be FP32 or BF16");
+  }
+  if (absl::Status s = ValidateGeometry(g); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("geometry: ", s.message()));
+  }
+  return g;
+}
+
+pb::Geometry ToProto(const Geometry& g) {
+  pb::Geometry p;
+  p.set_layers(g.layers);
+  p.set_block_size(g.block_size);
+  p.set_topk(g.topk);
+  p.set_max_sequences(g.max_seqs);
+  p.set_max_slots(g.max_slots);
+  p.set_max_rows(g.max_rows);
+  p.set_state_dtype(g.dtype == StateDtype::kBf16 ? pb::STATE_DTYPE_BF16 : pb::STATE_DTYPE_FP32);
+  return p;
+}
+
+absl::StatusOr<BudgetMode> ModeFromProto(pb::BudgetMode m, BudgetMode keep) {
+  switch (m) {
+    case pb::BUDGET_MODE_UNSPECIFIED:
+      return keep;
+    case pb::BUDGET_MODE_UNIFORM:
+      return BudgetMode::kUniform;
+    case pb::BUDGET_MODE_PER_LAYER:
+      return BudgetMode::kPerLayer;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("unknown budget mode ", m));
+  }
+}
+
+pb::Policy ToProto(const Policy& p) {
+  pb::Policy o;
+  o.set_target_sparsity(p.target_sparsity);
+  o.set_exploration(p.exploration);
+  o.set_alpha(p.alpha);
+  o.set_probe_period(p.probe_period);
+  o.set_budget_mode(p.budget_mode == BudgetMode::kPerLayer ? pb::BUDGET_MODE_PER_LAYER
+                                                           : pb::BUDGET_MODE_UNIFORM);
+  return o;
+}
+
+double Ratio(uint64_t num, uint64_t den) {
+  return den == 0 ? 0.0 : static_cast<double>(num) / static_cast<double>(den);
+}
+
+}  // namespace
+
+grpc::Status ToGrpc(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+grpc::ServerUnaryReactor* SpinService::Attach(grpc::CallbackServerContext* ctx,
+                                              const pb::AttachRequest* req,
+                                              pb::AttachResponse* resp) {
+  absl::StatusOr<Geometry> g = FromProto(req->geometry());
+  if (!g.ok()) return Done(ctx, g.status());
+  Policy p;  // defaults for what the request leaves at zero
+  if (req->has_policy()) {
+    p.target_sparsity = req->policy().target_sparsity();
+    p.exploration = req->policy().exploration();
+    if (req->policy().alpha() != 0.0f) p.alpha = req->policy().alpha();
+    p.probe_period = req->policy().probe_period();
+    absl::StatusOr<BudgetMode> m = ModeFromProto(req->policy().budget_mode(), p.budget_mode);
+    if (!m.ok()) return Done(ctx, m.status());
+    p.budget_mode = *m;
+  }
+  absl::StatusOr<std::shared_ptr<Session>> s =
+      sessions_->Attach(*g, req->seed(), p, req->client_name());
+  if (!s.ok()) return Done(ctx, s.status());
+  const Session& session = **s;
+  resp->set_session_id(session.id);
+  resp->set_token(session.token);
+  resp->set_backend(pb::BACKEND_CPU);
+  resp->set_arena_bytes(session.bytes);
+  resp->set_arena_header(
+      std::string(reinterpret_cast<const char*>(session.view.header), sizeof(ArenaHeader)));
+  *resp->mutable_policy() = ToProto(p);
+  return Done(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* SpinService::Detach(grpc::CallbackServerContext* ctx,
+                                              const pb::DetachRequest* req, pb::DetachResponse*) {
+  return Done(ctx, sessions_->Detach(req->session().session_id(), req->session().token()));
+}
+
+grpc::ServerUnaryReactor* SpinService::GetPolicy(grpc::CallbackServerContext* ctx,
+                                                 const pb::GetPolicyRequest* req,
+                                                 pb::GetPolicyResponse* resp) {
+  auto s = sessions_->Get(req->session().session_id(), req->session().token());
+  if (!s.ok()) return Done(ctx, s.status());
+  std::lock_guard<std::mutex> lock((*s)->mu);
+  *resp->mutable_policy() = ToProto(ReadPolicy((*s)->view));
+  resp->set_epoch((*s)->view.policy->epoch);
+  return Done(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* SpinService::SetPolicy(grpc::CallbackServerContext* ctx,
+                                                 const pb::SetPolicyRequest* req,
+                                                 pb::SetPolicyResponse* resp) {
+  auto s = sessions_->Get(req->session().session_id(), req->session().token());
+  if (!s.ok()) return Done(ctx, s.status());
+  std::lock_guard<std::mutex> lock((*s)->mu);
+  Policy p = ReadPolicy((*s)->view);
+  if (req->has_target_sparsity()) p.target_sparsity = req->target_sparsity();
+  if (req->has_exploration()) p.exploration = req->exploration();
+  if (req->has_alpha()) p.alpha = req->alpha();
+  if (req->has_probe_period()) p.probe_period = req->probe_period();
+  absl::StatusOr<BudgetMode> m = ModeFromProto(req->budget_mode(), p.budget_mode);
+  if (!m.ok()) return Done(ctx, m.status());
+  p.budget_mode = *m;
+  if (absl::Status st = WritePolicy((*s)->view, p); !st.ok()) return Done(ctx, st);
+  *resp->mutable_policy() = ToProto(p);
+  resp->set_epoch((*s)->view.policy->epoch);
+  return Done(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* SpinService::GetBudgets(grpc::CallbackServerContext* ctx,
+                                                  const pb::GetBudgetsRequest* req,
+                                                  pb::GetBudgetsResponse* resp) {
+  auto s = sessions_->Get(req->session().session_id(), req->session().token());
+  if (!s.ok()) return Done(ctx, s.status());
+  std::lock_guard<std::mutex> lock((*s)->mu);
+  const ArenaView& v = (*s)->view;
+  for (uint32_t l = 0; l < v.geometry.layers; ++l) resp->add_layer_sparsity(v.sparsity[l]);
+  resp->set_epoch(v.policy->epoch);
+  resp->set_budget_mode(ToProto(ReadPolicy(v)).budget_mode());
+  return Done(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* SpinService::OpenSequences(grpc::CallbackServerContext* ctx,
+                                                     const pb::OpenSequencesRequest* req,
+                                                     pb::OpenSequencesResponse*) {
+  auto s = sessions_->Get(req->session().session_id(), req->session().token());
+  if (!s.ok()) return Done(ctx, s.status());
+  std::lock_guard<std::mutex> lock((*s)->mu);
+  const uint32_t max = (*s)->geometry.max_seqs;
+  for (const pb::SequenceOpen& o : req->sequences()) {
+    if (o.sequence() < 0 || static_cast<uint32_t>(o.sequence()) >= max) {
+      return Done(ctx, absl::OutOfRangeError(absl::StrCat("sequence ", o.sequence(),
+                                                          " is out of range [0, ", max, ")")));
+    }
+  }
+  for (const pb::SequenceOpen& o : req->sequences()) {
+    if (absl::Status st = (*s)->dp->ResetSequence(o.sequence(), o.key()); !st.ok()) {
+      return Done(ctx, st);
+    }
+  }
+  return Done(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* SpinService::PredictMasks(grpc::CallbackServerContext* ctx,
+                                                    const pb::PredictMasksRequest* req,
+                                                    pb::PredictMasksResponse* resp) {
+  auto s = sessions_->Get(req->session().session_id(), req->session().token());
+  if (!s.ok()) return Done(ctx, s.status());
+  Session& session = **s;
+  std::lock_guard<std::mutex> lock(session.mu);
+  if (req->begin_step()) {
+    if (static_cast<uint32_t>(req->entries_size()) > session.geometry.max_seqs) {
+      return Done(ctx, absl::InvalidArgumentError(absl::StrCat(
+                           req->entries_size(), " entries exceed the session's max_sequences ",
+                           session.geometry.max_seqs)));
+    }
+    std::vector<int32_t> seq, ctx_len, q_pos;
+    for (const pb::StepEntry& e : req->entries()) {
+      seq.push_back(e.sequence());
+      ctx_len.push_back(e.ctx_len());
+      q_pos.push_back(e.q_pos());
+    }
+    const StepBatch batch{seq.data(), ctx_len.data(), q_pos.data(),
+                          static_cast<int32_t>(seq.size()), static_cast<int32_t>(req->rows())};
+    if (absl::Status st = session.dp->BeginStep(batch); !st.ok()) return Done(ctx, st);
+  }
+  if (absl::Status st = session.dp->Select(req->layer()); !st.ok()) return Done(ctx, st);
+  const ArenaView& v = session.view;
+  const int32_t n = v.batch->n, rows = v.batch->rows;
+  for (int32_t e = 0; e < n; ++e) {
+    pb::EntryMask* m = resp->add_masks();
+    const int32_t* ids = v.union_ids + static_cast<int64_t>(e) * v.max_blocks;
+    m->mutable_blocks()->Add(ids, ids + v.union_count[e]);
+    const int32_t* clen = v.compact_len + static_cast<int64_t>(e) * v.geometry.max_rows;
+    m->mutable_compact_len()->Add(clen, clen + rows);
+  }
+  return Done(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* SpinService::ObserveScores(grpc::CallbackServerContext* ctx,
+                                                     const pb::ObserveScoresRequest* req,
+                                                     pb::ObserveScoresResponse* resp) {
+  auto s = sessions_->Get(req->session().session_id(), req->session().token());
+  if (!s.ok()) return Done(ctx, s.status());
+  Session& session = **s;
+  std::lock_guard<std::mutex> lock(session.mu);
+  const ArenaView& v = session.view;
+  const int32_t n = v.batch->n, rows = v.batch->rows;
+  if (req->scores_size() != n * rows) {
+    return Done(ctx, absl::InvalidArgumentError(absl::StrCat("scores has ", req->scores_size(),
+                                                             " rows; the step has ", n,
+                                                             " entries x ", rows, " rows")));
+  }
+  if (req->accepted_size() != 0 && req->accepted_size() != n) {
+    return Done(ctx, absl::InvalidArgumentError(absl::StrCat("accepted has ", req->accepted_size(),
+                                                             " values for ", n, " entries")));
+  }
+  int64_t stride = 1;
+  for (const pb::RowScores& r : req->scores()) {
+    stride = std::max<int64_t>(stride, r.logits_size());
+  }
+  std::vector<float> logits(static_cast<size_t>(n) * rows * stride, -INFINITY);
+  for (int32_t x = 0; x < n * rows; ++x) {
+    const pb::RowScores& r = req->scores(x);
+    const int32_t need =
+        v.batch->selected_layer >= 0
+            ? v.compact_len[static_cast<int64_t>(x / rows) * v.geometry.max_rows + x % rows]
+            : 0;
+    if (v.entries[x / rows].seq >= 0 && r.logits_size() < need) {
+      return Done(ctx, absl::InvalidArgumentError(absl::StrCat(
+                           "scores of entry ", x / rows, " row ", x % rows, " have ",
+                           r.logits_size(), " values; its compacted length is ", need)));
+    }
+    std::copy(r.logits().begin(), r.logits().end(), logits.begin() + x * stride);
+  }
+  std::vector<int32_t> accepted(req->accepted().begin(), req->accepted().end());
+  const uint64_t bad_before = [&] {
+    uint64_t b = 0;
+    for (uint32_t l = 0; l < v.geometry.layers; ++l) b += v.stats[l].bad_scores;
+    return b;
+  }();
+  if (absl::Status st = session.dp->Observe(req->layer(), logits.data(), stride,
+                                            accepted.empty() ? nullptr : accepted.data());
+      !st.ok()) {
+    return Done(ctx, st);
+  }
+  uint64_t bad_after = 0;
+  for (uint32_t l = 0; l < v.geometry.layers; ++l) bad_after += v.stats[l].bad_scores;
+  resp->set_bad_scores(bad_after - bad_before);
+  return Done(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* SpinService::GetStats(grpc::CallbackServerContext* ctx,
+                                                const pb::GetStatsRequest* req,
+                                                pb::GetStatsResponse* resp) {
+  auto s = sessions_->Get(req->session().session_id(), req->session().token());
+  if (!s.ok()) return Done(ctx, s.status());
+  std::lock_guard<std::mutex> lock((*s)->mu);
+  const ArenaView& v = (*s)->view;
+  for (uint32_t l = 0; l < v.geometry.layers; ++l) {
+    const LayerStats& st = v.stats[l];
+    pb::LayerStats* o = resp->add_layers();
+    o->set_layer(l);
+    o->set_steps(st.steps);
+    o->set_dense_steps(st.dense_steps);
+    o->set_probe_steps(st.probe_steps);
+    o->set_realized_sparsity(1.0 - Ratio(st.sparse_blocks_kept, st.sparse_blocks_total));
+    o->set_effective_sparsity(1.0 - Ratio(st.blocks_kept, st.blocks_total));
+    o->set_miss_rate(Ratio(st.probe_missed, st.probe_topk));
+    o->set_bad_scores(st.bad_scores);
+    o->set_observed(st.observed);
+    o->set_sparsity_budget(v.sparsity[l]);
+  }
+  return Done(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* SpinService::ListSessions(grpc::CallbackServerContext* ctx,
+                                                    const pb::ListSessionsRequest*,
+                                                    pb::ListSessionsResponse* resp) {
+  for (const std::shared_ptr<Session>& s : sessions_->List()) {
+    pb::SessionInfo* o = resp->add_sessions();
+    o->set_session_id(s->id);
+    o->set_client_name(s->client_name);
+    *o->mutable_geometry() = ToProto(s->geometry);
+    o->set_arena_bytes(s->bytes);
+    o->set_backend(pb::BACKEND_CPU);
+    o->set_created_unix_seconds(s->created_unix_seconds);
+  }
+  return Done(ctx, absl::OkStatus());
+}
+
+}  // namespace spin::service

@@ -1,0 +1,53 @@
+// The spin.v1.Spin gRPC service over a SessionManager (callback API; handlers never block on a
+// device). Each handler validates its request completely before it changes anything.
+#pragma once
+
+#include "session_manager.h"
+#include "spin/v1/spin.grpc.pb.h"
+
+namespace spin::service {
+
+/// Converts an absl::Status to the gRPC status with the same code and message.
+grpc::Status ToGrpc(const absl::Status& s);
+
+/// The service. Holds no state beyond the session manager.
+class SpinService final : public spin::v1::Spin::CallbackService {
+ public:
+  explicit SpinService(SessionManager* sessions) : sessions_(sessions) {}
+
+  grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext* ctx,
+                                   const spin::v1::AttachRequest* req,
+                                   spin::v1::AttachResponse* resp) override;
+  grpc::ServerUnaryReactor* Detach(grpc::CallbackServerContext* ctx,
+                                   const spin::v1::DetachRequest* req,
+                                   spin::v1::DetachResponse* resp) override;
+  grpc::ServerUnaryReactor* GetPolicy(grpc::CallbackServerContext* ctx,
+                                      const spin::v1::GetPolicyRequest* req,
+                                      spin::v1::GetPolicyResponse* resp) override;
+  grpc::ServerUnaryReactor* SetPolicy(grpc::CallbackServerContext* ctx,
+                                      const spin::v1::SetPolicyRequest* req,
+                                      spin::v1::SetPolicyResponse* resp) override;
+  grpc::ServerUnaryReactor* GetBudgets(grpc::CallbackServerContext* ctx,
+                                       const spin::v1::GetBudgetsRequest* req,
+                                       spin::v1::GetBudgetsResponse* resp) override;
+  grpc::ServerUnaryReactor* OpenSequences(grpc::CallbackServerContext* ctx,
+                                          const spin::v1::OpenSequencesRequest* req,
+                                          spin::v1::OpenSequencesResponse* resp) override;
+  grpc::ServerUnaryReactor* PredictMasks(grpc::CallbackServerContext* ctx,
+                                         const spin::v1::PredictMasksRequest* req,
+                                         spin::v1::PredictMasksResponse* resp) override;
+  grpc::ServerUnaryReactor* ObserveScores(grpc::CallbackServerContext* ctx,
+                                          const spin::v1::ObserveScoresRequest* req,
+                                          spin::v1::ObserveScoresResponse* resp) override;
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx,
+                                     const spin::v1::GetStatsRequest* req,
+                                     spin::v1::GetStatsResponse* resp) override;
+  grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* ctx,
+                                         const spin::v1::ListSessionsRequest* req,
+                                         spin::v1::ListSessionsResponse* resp) override;
+
+ private:
+  SessionManager* sessions_;
+};
+
+}  // namespace spin::service

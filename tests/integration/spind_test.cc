@@ -1,0 +1,433 @@
+// spind as a process: started by the test on a temporary Unix socket, driven over gRPC.
+// Each RPC's success path, its bad inputs with exact status codes and no state change, two
+// sessions isolated, limits, health, SIGTERM, and remote-mode replay equal to offline replay.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <fstream>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gen_trace.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "replay.h"
+#include "spin/v1/spin.grpc.pb.h"
+#include "trace.h"
+
+namespace spin::testing {
+namespace {
+
+namespace pb = spin::v1;
+
+// A spind child process on its own socket.
+class Daemon {
+ public:
+  explicit Daemon(std::vector<std::string> extra = {}) {
+    static int counter = 0;
+    socket_ = ::testing::TempDir() + "/spind-" + std::to_string(getpid()) + "-" +
+              std::to_string(counter++) + ".sock";
+    std::vector<std::string> args = {SPIND_PATH, "--listen", "unix://" + socket_};
+    args.insert(args.end(), extra.begin(), extra.end());
+    pid_ = fork();
+    if (pid_ == 0) {
+      std::vector<char*> argv;
+      for (std::string& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    channel_ = grpc::CreateChannel("unix://" + socket_, grpc::InsecureChannelCredentials());
+    ready_ =
+        channel_->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    stub_ = pb::Spin::NewStub(channel_);
+  }
+  ~Daemon() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+  // Sends SIGTERM and returns the exit status (or -1 on timeout).
+  int Terminate() {
+    kill(pid_, SIGTERM);
+    for (int i = 0; i < 100; ++i) {
+      int status = 0;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -2;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return -1;
+  }
+  bool ready() const { return ready_; }
+  pb::Spin::Stub& stub() { return *stub_; }
+  std::shared_ptr<grpc::Channel> channel() { return channel_; }
+  const std::string& socket() const { return socket_; }
+
+ private:
+  std::string socket_;
+  pid_t pid_ = -1;
+  bool ready_ = false;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<pb::Spin::Stub> stub_;
+};
+
+pb::AttachRequest AttachReq(uint32_t layers = 2, uint32_t slots = 1024, uint32_t seqs = 2) {
+  pb::AttachRequest r;
+  pb::Geometry* g = r.mutable_geometry();
+  g->set_layers(layers);
+  g->set_block_size(64);
+  g->set_topk(128);
+  g->set_max_sequences(seqs);
+  g->set_max_slots(slots);
+  g->set_max_rows(1);
+  g->set_state_dtype(pb::STATE_DTYPE_FP32);
+  r.set_seed(7);
+  r.mutable_policy()->set_target_sparsity(0.5);
+  r.mutable_policy()->set_exploration(0.05);
+  r.mutable_policy()->set_alpha(0.3f);
+  r.set_client_name("test");
+  return r;
+}
+
+template <typename Req, typename Resp, typename Call>
+grpc::Status Rpc(Call call, const Req& req, Resp* resp) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  return call(&ctx, req, resp);
+}
+
+#define CALL(d, Method, req, resp)                                                                \
+  Rpc([&](grpc::ClientContext* c, const auto& q, auto* p) { return (d).stub().Method(c, q, p); }, \
+      req, resp)
+
+pb::SessionRef Ref(const pb::AttachResponse& a) {
+  pb::SessionRef r;
+  r.set_session_id(a.session_id());
+  r.set_token(a.token());
+  return r;
+}
+
+TEST(Spind, AttachPolicyBudgetsStatsDetach) {
+  Daemon d;
+  ASSERT_TRUE(d.ready());
+  pb::AttachResponse a;
+  ASSERT_TRUE(CALL(d, Attach, AttachReq(), &a).ok());
+  EXPECT_EQ(a.session_id().rfind("s-", 0), 0u);
+  EXPECT_EQ(a.token().size(), 32u);
+  EXPECT_EQ(a.backend(), pb::BACKEND_CPU);
+  EXPECT_GT(a.arena_bytes(), 2u * 2 * 1024 * 8);
+  EXPECT_GE(a.arena_header().size(), 64u);
+
+  pb::GetPolicyRequest gp;
+  *gp.mutable_session() = Ref(a);
+  pb::GetPolicyResponse pol;
+  ASSERT_TRUE(CALL(d, GetPolicy, gp, &pol).ok());
+  EXPECT_DOUBLE_EQ(pol.policy().target_sparsity(), 0.5);
+  EXPECT_FLOAT_EQ(pol.policy().alpha(), 0.3f);
+  const uint64_t epoch = pol.epoch();
+
+  pb::SetPolicyRequest sp;
+  *sp.mutable_session() = Ref(a);
+  sp.set_target_sparsity(0.3);
+  sp.set_probe_period(8);
+  pb::SetPolicyResponse spr;
+  ASSERT_TRUE(CALL(d, SetPolicy, sp, &spr).ok());
+  EXPECT_DOUBLE_EQ(spr.policy().target_sparsity(), 0.3);
+  EXPECT_EQ(spr.policy().probe_period(), 8u);
+  EXPECT_DOUBLE_EQ(spr.policy().exploration(), 0.05);  // untouched
+  EXPECT_EQ(spr.epoch(), epoch + 1);
+
+  pb::GetBudgetsRequest gb;
+  *gb.mutable_session() = Ref(a);
+  pb::GetBudgetsResponse bud;
+  ASSERT_TRUE(CALL(d, GetBudgets, gb, &bud).ok());
+  ASSERT_EQ(bud.layer_sparsity_size(), 2);
+  EXPECT_DOUBLE_EQ(bud.layer_sparsity(1), 0.3);
+
+  pb::GetStatsRequest gs;
+  *gs.mutable_session() = Ref(a);
+  pb::GetStatsResponse st;
+  ASSERT_TRUE(CALL(d, GetStats, gs, &st).ok());
+  ASSERT_EQ(st.layers_size(), 2);
+  EXPECT_EQ(st.layers(0).steps(), 0u);
+
+  pb::ListSessionsResponse ls;
+  ASSERT_TRUE(CALL(d, ListSessions, pb::ListSessionsRequest(), &ls).ok());
+  ASSERT_EQ(ls.sessions_size(), 1);
+  EXPECT_EQ(ls.sessions(0).client_name(), "test");
+
+  pb::DetachRequest dr;
+  *dr.mutable_session() = Ref(a);
+  pb::DetachResponse dresp;
+  ASSERT_TRUE(CALL(d, Detach, dr, &dresp).ok());
+  EXPECT_EQ(CALL(d, GetPolicy, gp, &pol).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(CALL(d, Detach, dr, &dresp).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST(Spind, BadInputsGetPreciseCodesAndChangeNothing) {
+  Daemon d({"--max-sessions", "2"});
+  ASSERT_TRUE(d.ready());
+  pb::AttachResponse a;
+  // Geometry and policy out of range.
+  pb::AttachRequest bad = AttachReq();
+  bad.mutable_geometry()->set_layers(0);
+  EXPECT_EQ(CALL(d, Attach, bad, &a).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  bad = AttachReq();
+  bad.mutable_geometry()->set_state_dtype(pb::STATE_DTYPE_UNSPECIFIED);
+  EXPECT_EQ(CALL(d, Attach, bad, &a).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  bad = AttachReq();
+  bad.mutable_policy()->set_target_sparsity(1.5);
+  EXPECT_EQ(CALL(d, Attach, bad, &a).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  pb::ListSessionsResponse ls;
+  ASSERT_TRUE(CALL(d, ListSessions, pb::ListSessionsRequest(), &ls).ok());
+  EXPECT_EQ(ls.sessions_size(), 0);
+
+  ASSERT_TRUE(CALL(d, Attach, AttachReq(), &a).ok());
+  pb::GetPolicyRequest gp;
+  *gp.mutable_session() = Ref(a);
+  pb::GetPolicyResponse before, after;
+  ASSERT_TRUE(CALL(d, GetPolicy, gp, &before).ok());
+
+  // Unknown session, wrong token.
+  pb::GetPolicyRequest unknown = gp;
+  unknown.mutable_session()->set_session_id("s-nope");
+  EXPECT_EQ(CALL(d, GetPolicy, unknown, &after).error_code(), grpc::StatusCode::NOT_FOUND);
+  pb::GetPolicyRequest wrong = gp;
+  wrong.mutable_session()->set_token("0123");
+  EXPECT_EQ(CALL(d, GetPolicy, wrong, &after).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  pb::SetPolicyRequest sp;
+  *sp.mutable_session() = Ref(a);
+  sp.mutable_session()->set_token("0123");
+  sp.set_target_sparsity(0.1);
+  pb::SetPolicyResponse spr;
+  EXPECT_EQ(CALL(d, SetPolicy, sp, &spr).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+
+  // SetPolicy values out of range: INVALID_ARGUMENT, nothing changes (not even the epoch).
+  for (int field = 0; field < 4; ++field) {
+    pb::SetPolicyRequest s;
+    *s.mutable_session() = Ref(a);
+    s.set_target_sparsity(0.2);  // valid, but must not land with the bad field
+    if (field == 0) s.set_target_sparsity(-0.5);
+    if (field == 1) s.set_exploration(1.0);
+    if (field == 2) s.set_alpha(std::nanf(""));
+    if (field == 3) s.set_probe_period(1u << 30);
+    EXPECT_EQ(CALL(d, SetPolicy, s, &spr).error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << field;
+  }
+  ASSERT_TRUE(CALL(d, GetPolicy, gp, &after).ok());
+  EXPECT_EQ(after.DebugString(), before.DebugString());
+
+  // Remote mode: layer, sequence and batch out of range.
+  pb::PredictMasksRequest pm;
+  *pm.mutable_session() = Ref(a);
+  pm.set_layer(5);
+  pb::PredictMasksResponse pmr;
+  EXPECT_EQ(CALL(d, PredictMasks, pm, &pmr).error_code(), grpc::StatusCode::OUT_OF_RANGE);
+  pb::OpenSequencesRequest os;
+  *os.mutable_session() = Ref(a);
+  os.add_sequences()->set_sequence(0);
+  os.add_sequences()->set_sequence(9);  // out of range: neither opens
+  pb::OpenSequencesResponse osr;
+  EXPECT_EQ(CALL(d, OpenSequences, os, &osr).error_code(), grpc::StatusCode::OUT_OF_RANGE);
+  pm.set_begin_step(true);
+  pm.set_rows(1);
+  pm.set_layer(0);
+  pb::StepEntry* e = pm.add_entries();
+  e->set_sequence(0);
+  e->set_ctx_len(100);
+  e->set_q_pos(99);
+  EXPECT_EQ(CALL(d, PredictMasks, pm, &pmr).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);  // sequence 0 was not opened
+  os.mutable_sequences()->RemoveLast();
+  ASSERT_TRUE(CALL(d, OpenSequences, os, &osr).ok());
+  e->set_ctx_len(5000);  // beyond max_slots
+  EXPECT_EQ(CALL(d, PredictMasks, pm, &pmr).error_code(), grpc::StatusCode::OUT_OF_RANGE);
+  for (int i = 0; i < 3; ++i) pm.add_entries()->set_sequence(0);
+  EXPECT_EQ(CALL(d, PredictMasks, pm, &pmr).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
+  // Limits: a second session fits, a third does not.
+  pb::AttachResponse a2, a3;
+  ASSERT_TRUE(CALL(d, Attach, AttachReq(), &a2).ok());
+  EXPECT_EQ(CALL(d, Attach, AttachReq(), &a3).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+}
+
+TEST(Spind, ArenaLimitIsResourceExhausted) {
+  Daemon d({"--max-arena-bytes", "100000"});
+  ASSERT_TRUE(d.ready());
+  pb::AttachResponse a;
+  EXPECT_EQ(CALL(d, Attach, AttachReq(2, 1 << 16), &a).error_code(),
+            grpc::StatusCode::RESOURCE_EXHAUSTED);
+}
+
+TEST(Spind, SessionsAreIsolated) {
+  Daemon d;
+  ASSERT_TRUE(d.ready());
+  pb::AttachResponse a, b;
+  ASSERT_TRUE(CALL(d, Attach, AttachReq(), &a).ok());
+  ASSERT_TRUE(CALL(d, Attach, AttachReq(), &b).ok());
+  EXPECT_NE(a.session_id(), b.session_id());
+  EXPECT_NE(a.token(), b.token());
+  pb::SetPolicyRequest sp;
+  *sp.mutable_session() = Ref(a);
+  sp.set_target_sparsity(0.7);
+  pb::SetPolicyResponse spr;
+  ASSERT_TRUE(CALL(d, SetPolicy, sp, &spr).ok());
+  pb::GetPolicyRequest gp;
+  *gp.mutable_session() = Ref(b);
+  pb::GetPolicyResponse pol;
+  ASSERT_TRUE(CALL(d, GetPolicy, gp, &pol).ok());
+  EXPECT_DOUBLE_EQ(pol.policy().target_sparsity(), 0.5);
+  // a's token does not open b.
+  gp.mutable_session()->set_token(a.token());
+  EXPECT_EQ(CALL(d, GetPolicy, gp, &pol).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+}
+
+TEST(Spind, HealthServingAndGracefulSigterm) {
+  Daemon d;
+  ASSERT_TRUE(d.ready());
+  grpc::GenericStub generic(d.channel());
+  // grpc.health.v1.Health/Check with an empty request: SERVING is field 1 = 1 (bytes 08 01).
+  grpc::ByteBuffer req, resp;
+  grpc::Slice empty("");
+  req = grpc::ByteBuffer(&empty, 1);
+  grpc::ClientContext ctx;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  grpc::Status status;
+  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &req, &resp,
+                    [&](grpc::Status s) {
+                      std::lock_guard<std::mutex> l(mu);
+                      status = s;
+                      done = true;
+                      cv.notify_all();
+                    });
+  std::unique_lock<std::mutex> l(mu);
+  cv.wait_for(l, std::chrono::seconds(10), [&] { return done; });
+  ASSERT_TRUE(done);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(resp.Dump(&slices).ok());
+  std::string bytes;
+  for (auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  EXPECT_EQ(bytes, std::string("\x08\x01", 2));
+  EXPECT_EQ(d.Terminate(), 0);
+  EXPECT_NE(access(d.socket().c_str(), F_OK), 0);  // socket removed on exit
+}
+
+TEST(Spind, BadFlagsExplainThemselves) {
+  const std::string cmd = std::string(SPIND_PATH) + " --listen tcp://x 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  char buf[512] = {0};
+  const size_t n = fread(buf, 1, sizeof(buf) - 1, p);
+  const int rc = pclose(p);
+  EXPECT_NE(WEXITSTATUS(rc), 0);
+  EXPECT_NE(std::string(buf, n).find("unix:///absolute/path"), std::string::npos);
+}
+
+// Drives a generated trace through PredictMasks/ObserveScores and compares every selection with
+// offline replay's dump.
+TEST(Spind, RemoteReplayEqualsOfflineReplay) {
+  GenTraceOptions g;
+  g.layers = 3;
+  g.slots = 64 * 40;
+  g.steps = 30;
+  g.topk = 256;
+  g.rows = 2;
+  g.seed = 4;
+  const std::string dir = ::testing::TempDir() + "/spind_remote_trace";
+  ASSERT_TRUE(GenerateTrace(dir, g).ok());
+  absl::StatusOr<Trace> t = LoadTrace(dir);
+  ASSERT_TRUE(t.ok());
+  const TraceMeta& m = t->meta();
+  ReplayOptions o;
+  o.policy.target_sparsity = 0.5;
+  o.policy.exploration = 0.1;
+  o.policy.probe_period = 7;
+  o.seed = 7;
+  o.sequence_key = 0;
+  o.dump_path = ::testing::TempDir() + "/spind_remote_offline.jsonl";
+  ASSERT_TRUE(Replay(*t, o).ok());
+
+  Daemon d;
+  ASSERT_TRUE(d.ready());
+  pb::AttachRequest ar;
+  pb::Geometry* geo = ar.mutable_geometry();
+  geo->set_layers(m.layers);
+  geo->set_block_size(m.block_size);
+  geo->set_topk(m.topk);
+  geo->set_max_sequences(1);
+  geo->set_max_slots(static_cast<uint32_t>(t->n_max()));
+  geo->set_max_rows(m.rows);
+  geo->set_state_dtype(pb::STATE_DTYPE_FP32);
+  ar.set_seed(7);
+  ar.mutable_policy()->set_target_sparsity(0.5);
+  ar.mutable_policy()->set_exploration(0.1);
+  ar.mutable_policy()->set_alpha(o.policy.alpha);
+  ar.mutable_policy()->set_probe_period(7);
+  pb::AttachResponse a;
+  ASSERT_TRUE(CALL(d, Attach, ar, &a).ok());
+  pb::OpenSequencesRequest os;
+  *os.mutable_session() = Ref(a);
+  os.add_sequences()->set_sequence(0);
+  pb::OpenSequencesResponse osr;
+  ASSERT_TRUE(CALL(d, OpenSequences, os, &osr).ok());
+  std::ifstream dump(o.dump_path);
+  std::string line;
+  for (int step = 0; step < m.steps; ++step) {
+    for (int l = 0; l < m.layers; ++l) {
+      pb::PredictMasksRequest pm;
+      *pm.mutable_session() = Ref(a);
+      pm.set_layer(l);
+      if (l == 0) {
+        pm.set_begin_step(true);
+        pm.set_rows(m.rows);
+        pb::StepEntry* e = pm.add_entries();
+        e->set_sequence(0);
+        e->set_ctx_len(m.ctx_len[step]);
+        e->set_q_pos(m.q_pos[step]);
+      }
+      pb::PredictMasksResponse pmr;
+      ASSERT_TRUE(CALL(d, PredictMasks, pm, &pmr).ok());
+      ASSERT_EQ(pmr.masks_size(), 1);
+      const auto& mask = pmr.masks(0);
+      ASSERT_TRUE(std::getline(dump, line));
+      const nlohmann::json j = nlohmann::json::parse(line);
+      const std::vector<int> want = j["blocks"].get<std::vector<int>>();
+      ASSERT_EQ(std::vector<int>(mask.blocks().begin(), mask.blocks().end()), want)
+          << "step " << step << " layer " << l;
+      pb::ObserveScoresRequest ob;
+      *ob.mutable_session() = Ref(a);
+      ob.set_layer(l);
+      for (int r = 0; r < m.rows; ++r) {
+        pb::RowScores* rs = ob.add_scores();
+        const float* z = t->scores(step, l, r);
+        for (int k = 0; k < mask.blocks_size(); ++k) {
+          for (int c = 0; c < m.block_size; ++c) {
+            const int i = mask.blocks(k) * m.block_size + c;
+            rs->add_logits(i < m.ctx_len[step] + r ? z[i] : -INFINITY);
+          }
+        }
+      }
+      if (!m.accepted.empty()) ob.add_accepted(m.accepted[step]);
+      pb::ObserveScoresResponse obr;
+      ASSERT_TRUE(CALL(d, ObserveScores, ob, &obr).ok());
+    }
+  }
+}
+
+}  // namespace
+}  // namespace spin::testing
