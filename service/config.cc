@@ -34,6 +34,10 @@ ParseResult ParseConfig(int argc, const char* const* argv) {
       ->envname("SPIND_LOG_FORMAT")
       ->check(CLI::IsMember({"text", "json"}))
       ->capture_default_str();
+  app.add_option("--client-grace-ms", c.client_grace_ms,
+                 "Free a session this long after its last client connection closed")
+      ->envname("SPIND_CLIENT_GRACE_MS")
+      ->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -15,7 +15,8 @@ struct Config {
   std::string backend = "auto";                        ///< auto | cpu | cuda
   uint64_t max_arena_bytes = 64ull << 30;              ///< over all sessions
   uint32_t max_sessions = 64;
-  std::string log_format = "text";  ///< text | json
+  std::string log_format = "text";   ///< text | json
+  uint32_t client_grace_ms = 30000;  ///< a session outlives its last client by this much
 };
 
 /// Parses argv. On --help (or a usage error) returns the text to print in `exit_text` with
@@ -27,6 +28,9 @@ struct ParseResult {
   std::string exit_text;
 };
 ParseResult ParseConfig(int argc, const char* const* argv);
+
+/// The arena fd socket that goes with a gRPC Unix socket path.
+inline std::string FdSocketPath(const std::string& grpc_socket) { return grpc_socket + ".fd"; }
 
 /// The Unix socket path of a "unix:///abs/path" address, or "" for other schemes.
 std::string UnixSocketPath(const std::string& address);

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "config.h"
+#include "fd_server.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -54,7 +55,12 @@ int main(int argc, char** argv) {
   const std::string socket_path = UnixSocketPath(c.listen);
   unlink(socket_path.c_str());  // a stale socket from a previous run
   SessionManager sessions(Limits{c.max_sessions, c.max_arena_bytes});
-  SpinService service(&sessions);
+  FdServer fds(&sessions, FdSocketPath(socket_path), std::chrono::milliseconds(c.client_grace_ms));
+  if (absl::Status s = fds.Start(); !s.ok()) {
+    Log(c, "error", std::string(s.message()) + ": check that the directory exists and is writable");
+    return 1;
+  }
+  SpinService service(&sessions, fds.path());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -88,6 +94,7 @@ int main(int argc, char** argv) {
   });
   server->Wait();
   waiter.join();
+  fds.Stop();
   unlink(socket_path.c_str());
   Log(c, "info", "stopped; " + std::to_string(sessions.List().size()) + " sessions freed");
   return 0;

@@ -117,11 +117,17 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Get(const std::string& 
 absl::Status SessionManager::Detach(const std::string& id, const std::string& token) {
   absl::StatusOr<std::shared_ptr<Session>> s = Get(id, token);
   if (!s.ok()) return s.status();
-  std::lock_guard<std::mutex> lock(mu_);
-  sessions_.erase(id);
-  order_.erase(std::remove(order_.begin(), order_.end(), id), order_.end());
-  bytes_ -= (*s)->bytes;
+  Free(id);
   return absl::OkStatus();
+}
+
+void SessionManager::Free(const std::string& id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) return;
+  bytes_ -= it->second->bytes;
+  sessions_.erase(it);
+  order_.erase(std::remove(order_.begin(), order_.end(), id), order_.end());
 }
 
 std::vector<std::shared_ptr<Session>> SessionManager::List() const {

@@ -58,6 +58,9 @@ class SessionManager {
   /// Frees the session (after the last in-flight call on it returns).
   absl::Status Detach(const std::string& id, const std::string& token);
 
+  /// Frees the session without a token (its client went away). No-op for an unknown id.
+  void Free(const std::string& id);
+
   /// Every session, in creation order.
   std::vector<std::shared_ptr<Session>> List() const;
 

@@ -114,6 +114,7 @@ grpc::ServerUnaryReactor* SpinService::Attach(grpc::CallbackServerContext* ctx,
   resp->set_arena_header(
       std::string(reinterpret_cast<const char*>(session.view.header), sizeof(ArenaHeader)));
   *resp->mutable_policy() = ToProto(p);
+  resp->set_fd_socket(fd_socket_);
   return Done(ctx, absl::OkStatus());
 }
 

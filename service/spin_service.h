@@ -13,7 +13,9 @@ grpc::Status ToGrpc(const absl::Status& s);
 /// The service. Holds no state beyond the session manager.
 class SpinService final : public spin::v1::Spin::CallbackService {
  public:
-  explicit SpinService(SessionManager* sessions) : sessions_(sessions) {}
+  /// `fd_socket` is the path clients fetch arena fds from (AttachResponse.fd_socket).
+  SpinService(SessionManager* sessions, std::string fd_socket)
+      : sessions_(sessions), fd_socket_(std::move(fd_socket)) {}
 
   grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext* ctx,
                                    const spin::v1::AttachRequest* req,
@@ -48,6 +50,7 @@ class SpinService final : public spin::v1::Spin::CallbackService {
 
  private:
   SessionManager* sessions_;
+  std::string fd_socket_;
 };
 
 }  // namespace spin::service

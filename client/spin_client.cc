@@ -1,0 +1,154 @@
+#include "spin_client.h"
+
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
+
+namespace spin::client {
+namespace {
+
+namespace pb = spin::v1;
+
+absl::Status FromGrpc(const grpc::Status& s, const char* what) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      absl::StrCat(what, ": ", s.error_message()));
+}
+
+// Connects to the fd socket, asks for the session's arena and receives its fd.
+absl::Status FetchArenaFd(const std::string& path, const std::string& id, const std::string& token,
+                          int* conn_out, int* fd_out, uint64_t* bytes_out) {
+  sockaddr_un addr{};
+  if (path.size() >= sizeof(addr.sun_path))
+    return absl::InvalidArgumentError("fd socket path too long");
+  const int conn = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  addr.sun_family = AF_UNIX;
+  std::strcpy(addr.sun_path, path.c_str());
+  if (conn < 0 || connect(conn, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    if (conn >= 0) close(conn);
+    return absl::UnavailableError(
+        absl::StrCat("cannot connect to spind's fd socket ", path, ": ", std::strerror(errno)));
+  }
+  const std::string req = absl::StrCat("ATTACH ", id, " ", token, "\n");
+  if (write(conn, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
+    close(conn);
+    return absl::UnavailableError("fd socket closed during the handshake");
+  }
+  char line[256] = {};
+  iovec iov{line, sizeof(line) - 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  const ssize_t n = recvmsg(conn, &msg, MSG_CMSG_CLOEXEC);
+  int fd = -1;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+      std::memcpy(&fd, CMSG_DATA(c), sizeof(int));
+    }
+  }
+  const std::string reply(line, n > 0 ? static_cast<size_t>(n) : 0);
+  unsigned long long bytes = 0;
+  if (reply.rfind("OK ", 0) != 0 || fd < 0 || std::sscanf(reply.c_str() + 3, "%llu", &bytes) != 1) {
+    if (fd >= 0) close(fd);
+    close(conn);
+    return absl::PermissionDeniedError(absl::StrCat("spind refused the arena: ", reply));
+  }
+  *conn_out = conn;
+  *fd_out = fd;
+  *bytes_out = bytes;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Session>> Session::Attach(const std::string& target,
+                                                         const AttachOptions& o) {
+  std::unique_ptr<Session> s(new Session());
+  s->channel_ = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+  s->stub_ = pb::Spin::NewStub(s->channel_);
+  pb::AttachRequest req;
+  pb::Geometry* g = req.mutable_geometry();
+  g->set_layers(o.geometry.layers);
+  g->set_block_size(o.geometry.block_size);
+  g->set_topk(o.geometry.topk);
+  g->set_max_sequences(o.geometry.max_seqs);
+  g->set_max_slots(o.geometry.max_slots);
+  g->set_max_rows(o.geometry.max_rows);
+  g->set_state_dtype(o.geometry.dtype == StateDtype::kBf16 ? pb::STATE_DTYPE_BF16
+                                                           : pb::STATE_DTYPE_FP32);
+  req.set_seed(o.seed);
+  pb::Policy* p = req.mutable_policy();
+  p->set_target_sparsity(o.policy.target_sparsity);
+  p->set_exploration(o.policy.exploration);
+  p->set_alpha(o.policy.alpha);
+  p->set_probe_period(o.policy.probe_period);
+  p->set_budget_mode(o.policy.budget_mode == BudgetMode::kPerLayer ? pb::BUDGET_MODE_PER_LAYER
+                                                                   : pb::BUDGET_MODE_UNIFORM);
+  req.set_client_name(o.client_name);
+  pb::AttachResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  if (absl::Status st = FromGrpc(s->stub_->Attach(&ctx, req, &resp), "Attach"); !st.ok()) {
+    return st;
+  }
+  s->id_ = resp.session_id();
+  s->token_ = resp.token();
+  int fd = -1;
+  uint64_t bytes = 0;
+  if (absl::Status st = FetchArenaFd(resp.fd_socket(), s->id_, s->token_, &s->conn_, &fd, &bytes);
+      !st.ok()) {
+    (void)s->Detach();
+    return st;
+  }
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);  // the mapping keeps the memory
+  if (base == MAP_FAILED) {
+    (void)s->Detach();
+    return absl::ResourceExhaustedError(absl::StrCat("cannot map the ", bytes, "-byte arena"));
+  }
+  s->base_ = base;
+  s->bytes_ = bytes;
+  // What was mapped must be exactly the arena the daemon described.
+  if (resp.arena_header().size() != sizeof(ArenaHeader) ||
+      std::memcmp(base, resp.arena_header().data(), sizeof(ArenaHeader)) != 0 ||
+      bytes != resp.arena_bytes()) {
+    (void)s->Detach();
+    return absl::DataLossError("the mapped arena does not match the layout spind sent");
+  }
+  absl::StatusOr<ArenaView> view = ViewArena(base, bytes);
+  if (!view.ok()) {
+    (void)s->Detach();
+    return view.status();
+  }
+  s->view_ = *view;
+  s->dp_ = MakeCpuDataPlane(s->view_);
+  return s;
+}
+
+absl::Status Session::Detach() {
+  pb::DetachRequest req;
+  req.mutable_session()->set_session_id(id_);
+  req.mutable_session()->set_token(token_);
+  pb::DetachResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  return FromGrpc(stub_->Detach(&ctx, req, &resp), "Detach");
+}
+
+Session::~Session() {
+  dp_.reset();
+  if (base_ != nullptr) munmap(base_, bytes_);
+  if (conn_ >= 0) close(conn_);
+}
+
+}  // namespace spin::client

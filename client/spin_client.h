@@ -1,0 +1,57 @@
+// libspin_client: attach a session in spind, map its arena into this process, and run the data
+// plane on it locally (DESIGN §3). The daemon keeps owning the arena: it writes the policy and
+// budget table the kernels read and serves statistics from the same memory.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "spin/arena.h"
+#include "spin/data_plane.h"
+#include "spin/v1/spin.grpc.pb.h"
+
+namespace spin::client {
+
+/// What to attach with.
+struct AttachOptions {
+  Geometry geometry;
+  Policy policy;
+  uint64_t seed = 1;
+  std::string client_name;
+};
+
+/// An attached session with its arena mapped here (CPU backend: the daemon's memfd).
+class Session {
+ public:
+  /// Attaches over gRPC at `target` (e.g. "unix:///run/spin/spind.sock"), fetches the arena fd
+  /// over the fd socket, maps it and validates it against the layout header the daemon sent.
+  static absl::StatusOr<std::unique_ptr<Session>> Attach(const std::string& target,
+                                                         const AttachOptions& options);
+  ~Session();
+
+  /// The local data plane over the shared arena.
+  DataPlane& data_plane() { return *dp_; }
+  /// The mapped arena.
+  const ArenaView& arena() const { return view_; }
+  /// Session id and token (for control calls).
+  const std::string& id() const { return id_; }
+  const std::string& token() const { return token_; }
+  /// The control-plane stub on the same channel.
+  spin::v1::Spin::Stub& stub() { return *stub_; }
+  /// Frees the session in the daemon (the mapping here stays valid until destruction).
+  absl::Status Detach();
+
+ private:
+  Session() = default;
+  std::string id_, token_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<spin::v1::Spin::Stub> stub_;
+  int conn_ = -1;  // fd-socket connection: held open as the liveness signal
+  void* base_ = nullptr;
+  uint64_t bytes_ = 0;
+  ArenaView view_;
+  std::unique_ptr<DataPlane> dp_;
+};
+
+}  // namespace spin::client
