@@ -8,6 +8,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/status/status.h"
+#include "control.h"
 #include "gen_trace.h"
 #include "replay.h"
 #include "trace.h"
@@ -72,6 +73,11 @@ int main(int argc, char** argv) {
     return std::string("spinctl: error: ") + e.what() + " (see --help)\n";
   });
   app.set_version_flag("--version", "spinctl 0.1.0");
+  std::string target;
+  app.add_option("--target", target,
+                 "spind address (unix:///run/spin/spind.sock or HOST:PORT); replay then runs "
+                 "through a session in the daemon")
+      ->envname("SPIN_TARGET");
 
   // gen-trace
   GenTraceOptions gen;
@@ -138,10 +144,56 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   r->add_option("--dump", ro.dump_path,
                 "Write JSONL, one line per (step, layer): selected blocks and row-0 miss");
+  bool remote = false;
+  r->add_flag("--remote", remote,
+              "With --target: run the data plane inside spind (PredictMasks/ObserveScores) "
+              "instead of on the mapped arena");
   r->add_flag("--json", json, "Print the summary as one JSON object");
   r->add_flag("--quiet", quiet, "No progress on stderr");
 
+  // Control commands (need --target).
+  std::string session_id, token;
+  auto session_opts = [&](CLI::App* c) {
+    c->add_option("--session", session_id, "Session id (from `spinctl sessions`)")->required();
+    c->add_option("--token", token, "The session's token")->envname("SPIN_TOKEN")->required();
+  };
+  CLI::App* st = app.add_subcommand("status", "Is spind serving, and what does it hold");
+  CLI::App* ss = app.add_subcommand("sessions", "List the sessions in spind");
+  CLI::App* pol = app.add_subcommand("policy", "Read or change a session's policy");
+  pol->require_subcommand(1);
+  CLI::App* pget = pol->add_subcommand("get", "Print the policy");
+  session_opts(pget);
+  CLI::App* pset = pol->add_subcommand("set", "Change the given fields (the rest stay)");
+  session_opts(pset);
+  double set_sparsity = -1, set_exploration = -1;
+  float set_alpha = -1;
+  int64_t set_probe = -1;
+  std::string set_budget;
+  pset->add_option("--sparsity", set_sparsity, "Target block sparsity in [0, 1)");
+  pset->add_option("--exploration", set_exploration, "Exploration share in [0, 1)");
+  pset->add_option("--alpha", set_alpha, "EMA decay in [0, 1)");
+  pset->add_option("--probe-period", set_probe, "Dense probe every P steps (0: never)");
+  pset->add_option("--budget", set_budget, "uniform or per-layer")
+      ->check(CLI::IsMember({"uniform", "per-layer"}));
+  CLI::App* bud = app.add_subcommand("budgets", "Print a session's per-layer budgets");
+  session_opts(bud);
+  CLI::App* sts = app.add_subcommand("stats", "Print a session's per-layer statistics");
+  session_opts(sts);
+
   CLI11_PARSE(app, argc, argv);
+
+  if (st->parsed() || ss->parsed() || pol->parsed() || bud->parsed() || sts->parsed()) {
+    if (target.empty()) target = "unix:///run/spin/spind.sock";
+    ControlArgs ca{target, session_id, token};
+    if (st->parsed()) return CmdStatus(ca);
+    if (ss->parsed()) return CmdSessions(ca);
+    if (pget->parsed()) return CmdPolicyGet(ca);
+    if (pset->parsed()) {
+      return CmdPolicySet(ca, set_sparsity, set_exploration, set_alpha, set_probe, set_budget);
+    }
+    if (bud->parsed()) return CmdBudgets(ca);
+    return CmdStats(ca);
+  }
 
   if (g->parsed()) {
     if (absl::Status s = GenerateTrace(gen_out, gen); !s.ok()) return Fail(s);
@@ -176,16 +228,24 @@ int main(int argc, char** argv) {
   if (!t.ok()) return Fail(t.status());
   Progress progress("replay", quiet);
   ro.progress = [&progress](int done, int total) { progress.Update(done, total); };
-  absl::StatusOr<ReplaySummary> sum = Replay(*t, ro);
+  absl::StatusOr<ReplaySummary> sum;
+  std::string where;
+  if (target.empty()) {
+    if (remote) return Fail(absl::InvalidArgumentError("--remote needs --target"));
+    sum = Replay(*t, ro);
+  } else {
+    sum = ReplayThroughDaemon(target, *t, ro, remote, &where);
+  }
   if (!sum.ok()) return Fail(sum.status());
   if (json) {
     std::printf("%s\n", SummaryJson(*sum).c_str());
   } else {
     std::printf(
         "replay of %s: sparsity %.2f, exploration %.2f, alpha %.2f, probe period %u, "
-        "%s state\n%s",
+        "%s state, %s backend\n%s",
         trace_dir.c_str(), ro.policy.target_sparsity, ro.policy.exploration, ro.policy.alpha,
-        ro.policy.probe_period, state.c_str(), SummaryTable(*sum).c_str());
+        ro.policy.probe_period, state.c_str(), backend.c_str(), SummaryTable(*sum).c_str());
+    if (!where.empty()) std::printf("%s\n", where.c_str());
   }
   return 0;
 }

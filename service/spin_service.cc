@@ -297,6 +297,12 @@ grpc::ServerUnaryReactor* SpinService::GetStats(grpc::CallbackServerContext* ctx
     o->set_bad_scores(st.bad_scores);
     o->set_observed(st.observed);
     o->set_sparsity_budget(v.sparsity[l]);
+    o->set_blocks_kept(st.blocks_kept);
+    o->set_blocks_total(st.blocks_total);
+    o->set_sparse_blocks_kept(st.sparse_blocks_kept);
+    o->set_sparse_blocks_total(st.sparse_blocks_total);
+    o->set_probe_topk(st.probe_topk);
+    o->set_probe_missed(st.probe_missed);
   }
   return Done(ctx, absl::OkStatus());
 }

@@ -1,0 +1,183 @@
+#include "control.h"
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "grpcpp/grpcpp.h"
+#include "remote_data_plane.h"
+#include "spin/v1/spin.grpc.pb.h"
+#include "spin_client.h"
+
+namespace spin {
+namespace {
+
+namespace pb = spin::v1;
+
+int Fail(const std::string& what, const grpc::Status& s) {
+  std::fprintf(stderr, "spinctl: error: %s: %s (%d)\n", what.c_str(), s.error_message().c_str(),
+               static_cast<int>(s.error_code()));
+  return 1;
+}
+
+std::unique_ptr<pb::Spin::Stub> Stub(const std::string& target) {
+  return pb::Spin::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+}
+
+void Deadline(grpc::ClientContext* c) {
+  c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+}
+
+pb::SessionRef Ref(const ControlArgs& a) {
+  pb::SessionRef r;
+  r.set_session_id(a.session_id);
+  r.set_token(a.token);
+  return r;
+}
+
+void PrintPolicy(const pb::Policy& p, uint64_t epoch) {
+  std::printf(
+      "target_sparsity %.4f\nexploration %.4f\nalpha %.4f\nprobe_period %u\n"
+      "budget_mode %s\nepoch %llu\n",
+      p.target_sparsity(), p.exploration(), p.alpha(), p.probe_period(),
+      p.budget_mode() == pb::BUDGET_MODE_PER_LAYER ? "per-layer" : "uniform",
+      static_cast<unsigned long long>(epoch));
+}
+
+}  // namespace
+
+int CmdStatus(const ControlArgs& a) {
+  auto stub = Stub(a.target);
+  grpc::ClientContext c;
+  Deadline(&c);
+  pb::ListSessionsResponse r;
+  grpc::Status s = stub->ListSessions(&c, pb::ListSessionsRequest(), &r);
+  if (!s.ok()) return Fail("spind at " + a.target + " is not answering", s);
+  uint64_t bytes = 0;
+  for (const auto& x : r.sessions()) bytes += x.arena_bytes();
+  std::printf("spind at %s: serving, %d sessions, %llu arena bytes\n", a.target.c_str(),
+              r.sessions_size(), static_cast<unsigned long long>(bytes));
+  return 0;
+}
+
+int CmdSessions(const ControlArgs& a) {
+  auto stub = Stub(a.target);
+  grpc::ClientContext c;
+  Deadline(&c);
+  pb::ListSessionsResponse r;
+  grpc::Status s = stub->ListSessions(&c, pb::ListSessionsRequest(), &r);
+  if (!s.ok()) return Fail("ListSessions", s);
+  std::printf("%-20s %-16s %6s %5s %9s %5s %12s\n", "session", "client", "layers", "seqs", "slots",
+              "rows", "arena_bytes");
+  for (const auto& x : r.sessions()) {
+    std::printf("%-20s %-16s %6u %5u %9u %5u %12llu\n", x.session_id().c_str(),
+                x.client_name().c_str(), x.geometry().layers(), x.geometry().max_sequences(),
+                x.geometry().max_slots(), x.geometry().max_rows(),
+                static_cast<unsigned long long>(x.arena_bytes()));
+  }
+  return 0;
+}
+
+int CmdPolicyGet(const ControlArgs& a) {
+  auto stub = Stub(a.target);
+  grpc::ClientContext c;
+  Deadline(&c);
+  pb::GetPolicyRequest q;
+  *q.mutable_session() = Ref(a);
+  pb::GetPolicyResponse r;
+  grpc::Status s = stub->GetPolicy(&c, q, &r);
+  if (!s.ok()) return Fail("GetPolicy", s);
+  PrintPolicy(r.policy(), r.epoch());
+  return 0;
+}
+
+int CmdPolicySet(const ControlArgs& a, double sparsity, double exploration, float alpha,
+                 int64_t probe_period, const std::string& budget) {
+  auto stub = Stub(a.target);
+  grpc::ClientContext c;
+  Deadline(&c);
+  pb::SetPolicyRequest q;
+  *q.mutable_session() = Ref(a);
+  if (sparsity >= 0) q.set_target_sparsity(sparsity);
+  if (exploration >= 0) q.set_exploration(exploration);
+  if (alpha >= 0) q.set_alpha(alpha);
+  if (probe_period >= 0) q.set_probe_period(static_cast<uint32_t>(probe_period));
+  if (budget == "uniform") q.set_budget_mode(pb::BUDGET_MODE_UNIFORM);
+  if (budget == "per-layer") q.set_budget_mode(pb::BUDGET_MODE_PER_LAYER);
+  pb::SetPolicyResponse r;
+  grpc::Status s = stub->SetPolicy(&c, q, &r);
+  if (!s.ok()) return Fail("SetPolicy", s);
+  PrintPolicy(r.policy(), r.epoch());
+  return 0;
+}
+
+int CmdBudgets(const ControlArgs& a) {
+  auto stub = Stub(a.target);
+  grpc::ClientContext c;
+  Deadline(&c);
+  pb::GetBudgetsRequest q;
+  *q.mutable_session() = Ref(a);
+  pb::GetBudgetsResponse r;
+  grpc::Status s = stub->GetBudgets(&c, q, &r);
+  if (!s.ok()) return Fail("GetBudgets", s);
+  std::printf("epoch %llu, %s\nlayer  sparsity\n", static_cast<unsigned long long>(r.epoch()),
+              r.budget_mode() == pb::BUDGET_MODE_PER_LAYER ? "per-layer" : "uniform");
+  for (int l = 0; l < r.layer_sparsity_size(); ++l) {
+    std::printf("%5d  %.4f\n", l, r.layer_sparsity(l));
+  }
+  return 0;
+}
+
+int CmdStats(const ControlArgs& a) {
+  auto stub = Stub(a.target);
+  grpc::ClientContext c;
+  Deadline(&c);
+  pb::GetStatsRequest q;
+  *q.mutable_session() = Ref(a);
+  pb::GetStatsResponse r;
+  grpc::Status s = stub->GetStats(&c, q, &r);
+  if (!s.ok()) return Fail("GetStats", s);
+  std::printf("%5s %8s %6s %6s %9s %9s %9s %8s %6s\n", "layer", "steps", "dense", "probes",
+              "realized", "effective", "miss", "budget", "bad");
+  for (const auto& l : r.layers()) {
+    std::printf("%5u %8llu %6llu %6llu %9.4f %9.4f %9.4f %8.4f %6llu\n", l.layer(),
+                static_cast<unsigned long long>(l.steps()),
+                static_cast<unsigned long long>(l.dense_steps()),
+                static_cast<unsigned long long>(l.probe_steps()), l.realized_sparsity(),
+                l.effective_sparsity(), l.miss_rate(), l.sparsity_budget(),
+                static_cast<unsigned long long>(l.bad_scores()));
+  }
+  return 0;
+}
+
+absl::StatusOr<ReplaySummary> ReplayThroughDaemon(const std::string& target, const Trace& trace,
+                                                  const ReplayOptions& options, bool remote,
+                                                  std::string* where) {
+  if (options.backend != ReplayBackend::kCpu) {
+    return absl::InvalidArgumentError("replay through spind uses the daemon's CPU arenas");
+  }
+  client::AttachOptions ao;
+  ao.geometry = TraceGeometry(trace.meta(), trace.n_max(), options.dtype);
+  ao.policy = options.policy;
+  ao.seed = options.seed;
+  ao.client_name = remote ? "spinctl-replay-remote" : "spinctl-replay";
+  absl::StatusOr<std::unique_ptr<client::Session>> s = client::Session::Attach(target, ao);
+  if (!s.ok()) return s.status();
+  absl::StatusOr<ReplaySummary> out;
+  if (remote) {
+    auto rdp =
+        client::RemoteDataPlane::Create(&(*s)->stub(), (*s)->id(), (*s)->token(), ao.geometry);
+    if (!rdp.ok()) return rdp.status();
+    out = ReplayOn(**rdp, trace, options);
+  } else {
+    out = ReplayOn((*s)->data_plane(), trace, options);
+  }
+  *where = absl::StrCat("through spind at ", target, ", session ", (*s)->id(),
+                        remote ? " (remote mode)" : " (mapped arena)", ", detached");
+  if (absl::Status d = (*s)->Detach(); !d.ok() && out.ok()) return d;
+  return out;
+}
+
+}  // namespace spin

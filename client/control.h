@@ -1,0 +1,37 @@
+// spinctl's daemon commands: status, sessions, policy, budgets, stats, and replay through a
+// session in spind. Each returns the process exit code and prints one line on error.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "replay.h"
+#include "trace.h"
+
+namespace spin {
+
+/// Where and as whom.
+struct ControlArgs {
+  std::string target;
+  std::string session_id;
+  std::string token;
+};
+
+int CmdStatus(const ControlArgs& a);
+int CmdSessions(const ControlArgs& a);
+int CmdPolicyGet(const ControlArgs& a);
+/// Negative values (or an empty budget) leave a field unchanged.
+int CmdPolicySet(const ControlArgs& a, double sparsity, double exploration, float alpha,
+                 int64_t probe_period, const std::string& budget);
+int CmdBudgets(const ControlArgs& a);
+int CmdStats(const ControlArgs& a);
+
+/// Attaches a session sized for the trace, replays through it (the mapped arena with the local
+/// data plane, or with `remote` the daemon's PredictMasks/ObserveScores), and detaches.
+/// `where` receives a line naming the session.
+absl::StatusOr<ReplaySummary> ReplayThroughDaemon(const std::string& target, const Trace& trace,
+                                                  const ReplayOptions& options, bool remote,
+                                                  std::string* where);
+
+}  // namespace spin

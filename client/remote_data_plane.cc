@@ -1,0 +1,169 @@
+#include "remote_data_plane.h"
+
+#include <chrono>
+#include <cstdlib>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
+
+namespace spin::client {
+namespace {
+
+namespace pb = spin::v1;
+
+absl::Status FromGrpc(const grpc::Status& s, const char* what) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      absl::StrCat(what, ": ", s.error_message()));
+}
+
+template <typename Req, typename Resp, typename Fn>
+absl::Status Call(Fn fn, const Req& req, Resp* resp, const char* what) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  return FromGrpc(fn(&ctx, req, resp), what);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<RemoteDataPlane>> RemoteDataPlane::Create(pb::Spin::Stub* stub,
+                                                                         std::string session_id,
+                                                                         std::string token,
+                                                                         const Geometry& g) {
+  std::unique_ptr<RemoteDataPlane> r(new RemoteDataPlane());
+  r->stub_ = stub;
+  r->id_ = std::move(session_id);
+  r->token_ = std::move(token);
+  const uint64_t bytes = ArenaBytes(g);
+  r->mem_ = std::aligned_alloc(kArenaAlign, (bytes + kArenaAlign - 1) / kArenaAlign * kArenaAlign);
+  if (r->mem_ == nullptr) return absl::ResourceExhaustedError("cannot allocate the mirror arena");
+  absl::StatusOr<ArenaView> v = InitArena(r->mem_, bytes, g, 0, Policy{});
+  if (!v.ok()) return v.status();
+  r->mirror_ = *v;
+  r->local_ = MakeCpuDataPlane(r->mirror_);
+  return r;
+}
+
+RemoteDataPlane::~RemoteDataPlane() {
+  local_.reset();
+  std::free(mem_);
+}
+
+pb::SessionRef RemoteDataPlane::Ref() const {
+  pb::SessionRef r;
+  r.set_session_id(id_);
+  r.set_token(token_);
+  return r;
+}
+
+absl::Status RemoteDataPlane::ResetSequence(int32_t seq, uint64_t key, cudaStream_t) {
+  pb::OpenSequencesRequest req;
+  *req.mutable_session() = Ref();
+  pb::SequenceOpen* o = req.add_sequences();
+  o->set_sequence(seq);
+  o->set_key(key);
+  pb::OpenSequencesResponse resp;
+  return Call([this](auto* c, const auto& q, auto* p) { return stub_->OpenSequences(c, q, p); },
+              req, &resp, "OpenSequences");
+}
+
+absl::Status RemoteDataPlane::BeginStep(const StepBatch& batch, cudaStream_t) {
+  seq_.assign(batch.seq, batch.seq + batch.n);
+  ctx_.assign(batch.ctx_len, batch.ctx_len + batch.n);
+  q_.assign(batch.q_pos, batch.q_pos + batch.n);
+  rows_ = batch.rows;
+  pending_begin_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status RemoteDataPlane::RefreshStats() {
+  pb::GetStatsRequest req;
+  *req.mutable_session() = Ref();
+  pb::GetStatsResponse resp;
+  absl::Status s =
+      Call([this](auto* c, const auto& q, auto* p) { return stub_->GetStats(c, q, p); }, req, &resp,
+           "GetStats");
+  if (!s.ok()) return s;
+  for (const pb::LayerStats& l : resp.layers()) {
+    if (l.layer() >= mirror_.geometry.layers) continue;
+    LayerStats& m = mirror_.stats[l.layer()];
+    m.steps = l.steps();
+    m.dense_steps = l.dense_steps();
+    m.probe_steps = l.probe_steps();
+    m.blocks_kept = l.blocks_kept();
+    m.blocks_total = l.blocks_total();
+    m.sparse_blocks_kept = l.sparse_blocks_kept();
+    m.sparse_blocks_total = l.sparse_blocks_total();
+    m.observed = l.observed();
+    m.bad_scores = l.bad_scores();
+    m.probe_topk = l.probe_topk();
+    m.probe_missed = l.probe_missed();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RemoteDataPlane::Select(int32_t layer, const int32_t*, int64_t, cudaStream_t) {
+  pb::PredictMasksRequest req;
+  *req.mutable_session() = Ref();
+  req.set_layer(layer);
+  if (pending_begin_) {
+    req.set_begin_step(true);
+    req.set_rows(static_cast<uint32_t>(rows_));
+    for (size_t e = 0; e < seq_.size(); ++e) {
+      pb::StepEntry* en = req.add_entries();
+      en->set_sequence(seq_[e]);
+      en->set_ctx_len(ctx_[e]);
+      en->set_q_pos(q_[e]);
+    }
+  }
+  pb::PredictMasksResponse resp;
+  absl::Status s =
+      Call([this](auto* c, const auto& q, auto* p) { return stub_->PredictMasks(c, q, p); }, req,
+           &resp, "PredictMasks");
+  if (!s.ok()) return s;
+  pending_begin_ = false;
+  // Mirror the step and its outputs.
+  const int32_t n = resp.masks_size();
+  mirror_.batch->n = n;
+  mirror_.batch->rows = rows_;
+  mirror_.batch->selected_layer = layer;
+  for (int32_t e = 0; e < n; ++e) {
+    mirror_.entries[e].seq = e < static_cast<int32_t>(seq_.size()) ? seq_[e] : -1;
+    const pb::EntryMask& m = resp.masks(e);
+    mirror_.union_count[e] = m.blocks_size();
+    int32_t* ids = mirror_.union_ids + static_cast<int64_t>(e) * mirror_.max_blocks;
+    std::copy(m.blocks().begin(), m.blocks().end(), ids);
+    int32_t* clen = mirror_.compact_len + static_cast<int64_t>(e) * mirror_.geometry.max_rows;
+    std::copy(m.compact_len().begin(), m.compact_len().end(), clen);
+  }
+  return RefreshStats();
+}
+
+absl::Status RemoteDataPlane::Remap(int32_t* idx, int32_t count, cudaStream_t) {
+  return local_->Remap(idx, count);
+}
+
+absl::Status RemoteDataPlane::Observe(int32_t layer, const float* logits, int64_t stride,
+                                      const int32_t* accepted, cudaStream_t) {
+  pb::ObserveScoresRequest req;
+  *req.mutable_session() = Ref();
+  req.set_layer(layer);
+  const int32_t n = mirror_.batch->n, rows = mirror_.batch->rows;
+  for (int32_t e = 0; e < n; ++e) {
+    for (int32_t r = 0; r < rows; ++r) {
+      const int32_t len =
+          mirror_.compact_len[static_cast<int64_t>(e) * mirror_.geometry.max_rows + r];
+      const float* z = logits + (static_cast<int64_t>(e) * rows + r) * stride;
+      req.add_scores()->mutable_logits()->Add(z, z + len);
+    }
+    if (accepted) req.add_accepted(accepted[e]);
+  }
+  pb::ObserveScoresResponse resp;
+  absl::Status s =
+      Call([this](auto* c, const auto& q, auto* p) { return stub_->ObserveScores(c, q, p); }, req,
+           &resp, "ObserveScores");
+  if (!s.ok()) return s;
+  return RefreshStats();
+}
+
+}  // namespace spin::client

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# spinctl against a live spind: status, sessions, replay through the daemon (mapped arena and
+# remote mode) equal to offline replay, and one-line errors for bad control calls.
+set -uo pipefail
+spinctl="$1"
+spind="$2"
+work="$(mktemp -d)"
+sock="$work/spind.sock"
+"$spind" --listen "unix://$sock" 2>"$work/spind.log" &
+pid=$!
+trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$work"' EXIT
+fails=0
+pass() { echo "ok   $1"; }
+fail() { echo "FAIL $1"; fails=$((fails + 1)); }
+for _ in $(seq 50); do
+  "$spinctl" --target "unix://$sock" status >/dev/null 2>&1 && break
+  sleep 0.2
+done
+"$spinctl" --target "unix://$sock" status | grep -q "serving, 0 sessions" && pass status \
+  || fail status
+"$spinctl" gen-trace "$work/t" --layers 3 --slots 4096 --steps 40 --topk 256 --rows 2 \
+  >/dev/null 2>&1
+"$spinctl" replay --trace "$work/t" --probe-period 6 --exploration 0.1 --dump "$work/off" \
+  --quiet >/dev/null
+"$spinctl" --target "unix://$sock" replay --trace "$work/t" --probe-period 6 \
+  --exploration 0.1 --dump "$work/loc" --quiet >"$work/loc.out"
+"$spinctl" --target "unix://$sock" replay --remote --trace "$work/t" --probe-period 6 \
+  --exploration 0.1 --dump "$work/rem" --quiet >"$work/rem.out"
+cmp -s "$work/off" "$work/loc" && grep -q "mapped arena" "$work/loc.out" \
+  && pass "replay through the mapped arena = offline" || fail "replay mapped arena"
+cmp -s "$work/off" "$work/rem" && grep -q "remote mode" "$work/rem.out" \
+  && pass "remote replay = offline" || fail "remote replay"
+"$spinctl" --target "unix://$sock" sessions | grep -q "^session" && pass sessions \
+  || fail sessions
+"$spinctl" --target "unix://$sock" stats --session s-none --token x 2>"$work/err"
+rc=$?
+[ "$rc" -ne 0 ] && [ "$(wc -l <"$work/err")" -eq 1 ] && grep -q "no session" "$work/err" \
+  && pass "unknown session" || fail "unknown session: $(cat "$work/err")"
+"$spinctl" --target "unix://$work/nothing.sock" status 2>"$work/err"
+rc=$?
+[ "$rc" -ne 0 ] && grep -q "not answering" "$work/err" && pass "no daemon" \
+  || fail "no daemon: $(cat "$work/err")"
+echo "spinctl daemon: $fails failed"
+exit $((fails > 0))
