@@ -17,6 +17,9 @@ ParseResult ParseConfig(int argc, const char* const* argv) {
       ->capture_default_str();
   app.add_option("--tcp-listen", c.tcp_listen, "Also serve gRPC on HOST:PORT (port 0: any)")
       ->envname("SPIND_TCP_LISTEN");
+  app.add_option("--metrics-address", c.metrics_address,
+                 "Serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any; empty: off)")
+      ->envname("SPIND_METRICS_ADDRESS");
   app.add_option("--backend", c.backend,
                  "Where arenas live: auto (cpu until the CUDA sessions land), cpu")
       ->envname("SPIND_BACKEND")

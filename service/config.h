@@ -12,8 +12,9 @@ namespace spin::service {
 struct Config {
   std::string listen = "unix:///run/spin/spind.sock";  ///< gRPC on a Unix socket
   std::string tcp_listen;                              ///< optional HOST:PORT
-  std::string backend = "auto";                        ///< auto | cpu | cuda
-  uint64_t max_arena_bytes = 64ull << 30;              ///< over all sessions
+  std::string metrics_address;             ///< Prometheus /metrics on HOST:PORT; empty = off
+  std::string backend = "auto";            ///< auto | cpu | cuda
+  uint64_t max_arena_bytes = 64ull << 30;  ///< over all sessions
   uint32_t max_sessions = 64;
   std::string log_format = "text";   ///< text | json
   uint32_t client_grace_ms = 30000;  ///< a session outlives its last client by this much

@@ -15,6 +15,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "metrics.h"
 #include "session_manager.h"
 #include "spin_service.h"
 
@@ -60,7 +61,16 @@ int main(int argc, char** argv) {
     Log(c, "error", std::string(s.message()) + ": check that the directory exists and is writable");
     return 1;
   }
-  SpinService service(&sessions, fds.path());
+  Metrics metrics(&sessions);
+  if (!c.metrics_address.empty()) {
+    if (absl::Status s = metrics.Start(c.metrics_address); !s.ok()) {
+      Log(c, "error", std::string(s.message()) + ": pick a free port with --metrics-address");
+      return 1;
+    }
+    const std::string host = c.metrics_address.substr(0, c.metrics_address.rfind(':'));
+    Log(c, "info", "metrics on http://" + host + ":" + std::to_string(metrics.port()) + "/metrics");
+  }
+  SpinService service(&sessions, fds.path(), &metrics);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

@@ -1,6 +1,7 @@
 #include "spin_service.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <vector>
 
@@ -11,11 +12,7 @@ namespace {
 
 namespace pb = spin::v1;
 
-grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const absl::Status& s) {
-  grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
-  r->Finish(ToGrpc(s));
-  return r;
-}
+using Clock = std::chrono::steady_clock;
 
 absl::StatusOr<Geometry> FromProto(const pb::Geometry& p) {
   Geometry g;
@@ -81,7 +78,25 @@ double Ratio(uint64_t num, uint64_t den) {
   return den == 0 ? 0.0 : static_cast<double>(num) / static_cast<double>(den);
 }
 
+// Skipped / total blocks; 0 before any block was counted.
+double Skipped(uint64_t kept, uint64_t total) {
+  return total == 0 ? 0.0 : 1.0 - Ratio(kept, total);
+}
+
 }  // namespace
+
+grpc::ServerUnaryReactor* SpinService::Done(grpc::CallbackServerContext* ctx, const char* method,
+                                            std::chrono::steady_clock::time_point t0,
+                                            const absl::Status& s) {
+  const grpc::Status g = ToGrpc(s);
+  if (metrics_ != nullptr) {
+    metrics_->ObserveRpc(method, g.error_code(),
+                         std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
+  r->Finish(g);
+  return r;
+}
 
 grpc::Status ToGrpc(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
@@ -91,8 +106,9 @@ grpc::Status ToGrpc(const absl::Status& s) {
 grpc::ServerUnaryReactor* SpinService::Attach(grpc::CallbackServerContext* ctx,
                                               const pb::AttachRequest* req,
                                               pb::AttachResponse* resp) {
+  const auto t0 = Clock::now();
   absl::StatusOr<Geometry> g = FromProto(req->geometry());
-  if (!g.ok()) return Done(ctx, g.status());
+  if (!g.ok()) return Done(ctx, "Attach", t0, g.status());
   Policy p;  // defaults for what the request leaves at zero
   if (req->has_policy()) {
     p.target_sparsity = req->policy().target_sparsity();
@@ -100,12 +116,12 @@ grpc::ServerUnaryReactor* SpinService::Attach(grpc::CallbackServerContext* ctx,
     if (req->policy().alpha() != 0.0f) p.alpha = req->policy().alpha();
     p.probe_period = req->policy().probe_period();
     absl::StatusOr<BudgetMode> m = ModeFromProto(req->policy().budget_mode(), p.budget_mode);
-    if (!m.ok()) return Done(ctx, m.status());
+    if (!m.ok()) return Done(ctx, "Attach", t0, m.status());
     p.budget_mode = *m;
   }
   absl::StatusOr<std::shared_ptr<Session>> s =
       sessions_->Attach(*g, req->seed(), p, req->client_name());
-  if (!s.ok()) return Done(ctx, s.status());
+  if (!s.ok()) return Done(ctx, "Attach", t0, s.status());
   const Session& session = **s;
   resp->set_session_id(session.id);
   resp->set_token(session.token);
@@ -115,30 +131,34 @@ grpc::ServerUnaryReactor* SpinService::Attach(grpc::CallbackServerContext* ctx,
       std::string(reinterpret_cast<const char*>(session.view.header), sizeof(ArenaHeader)));
   *resp->mutable_policy() = ToProto(p);
   resp->set_fd_socket(fd_socket_);
-  return Done(ctx, absl::OkStatus());
+  return Done(ctx, "Attach", t0, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* SpinService::Detach(grpc::CallbackServerContext* ctx,
                                               const pb::DetachRequest* req, pb::DetachResponse*) {
-  return Done(ctx, sessions_->Detach(req->session().session_id(), req->session().token()));
+  const auto t0 = Clock::now();
+  return Done(ctx, "Detach", t0,
+              sessions_->Detach(req->session().session_id(), req->session().token()));
 }
 
 grpc::ServerUnaryReactor* SpinService::GetPolicy(grpc::CallbackServerContext* ctx,
                                                  const pb::GetPolicyRequest* req,
                                                  pb::GetPolicyResponse* resp) {
+  const auto t0 = Clock::now();
   auto s = sessions_->Get(req->session().session_id(), req->session().token());
-  if (!s.ok()) return Done(ctx, s.status());
+  if (!s.ok()) return Done(ctx, "GetPolicy", t0, s.status());
   std::lock_guard<std::mutex> lock((*s)->mu);
   *resp->mutable_policy() = ToProto(ReadPolicy((*s)->view));
   resp->set_epoch((*s)->view.policy->epoch);
-  return Done(ctx, absl::OkStatus());
+  return Done(ctx, "GetPolicy", t0, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* SpinService::SetPolicy(grpc::CallbackServerContext* ctx,
                                                  const pb::SetPolicyRequest* req,
                                                  pb::SetPolicyResponse* resp) {
+  const auto t0 = Clock::now();
   auto s = sessions_->Get(req->session().session_id(), req->session().token());
-  if (!s.ok()) return Done(ctx, s.status());
+  if (!s.ok()) return Done(ctx, "SetPolicy", t0, s.status());
   std::lock_guard<std::mutex> lock((*s)->mu);
   Policy p = ReadPolicy((*s)->view);
   if (req->has_target_sparsity()) p.target_sparsity = req->target_sparsity();
@@ -146,60 +166,65 @@ grpc::ServerUnaryReactor* SpinService::SetPolicy(grpc::CallbackServerContext* ct
   if (req->has_alpha()) p.alpha = req->alpha();
   if (req->has_probe_period()) p.probe_period = req->probe_period();
   absl::StatusOr<BudgetMode> m = ModeFromProto(req->budget_mode(), p.budget_mode);
-  if (!m.ok()) return Done(ctx, m.status());
+  if (!m.ok()) return Done(ctx, "SetPolicy", t0, m.status());
   p.budget_mode = *m;
-  if (absl::Status st = WritePolicy((*s)->view, p); !st.ok()) return Done(ctx, st);
+  if (absl::Status st = WritePolicy((*s)->view, p); !st.ok()) return Done(ctx, "SetPolicy", t0, st);
   *resp->mutable_policy() = ToProto(p);
   resp->set_epoch((*s)->view.policy->epoch);
-  return Done(ctx, absl::OkStatus());
+  return Done(ctx, "SetPolicy", t0, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* SpinService::GetBudgets(grpc::CallbackServerContext* ctx,
                                                   const pb::GetBudgetsRequest* req,
                                                   pb::GetBudgetsResponse* resp) {
+  const auto t0 = Clock::now();
   auto s = sessions_->Get(req->session().session_id(), req->session().token());
-  if (!s.ok()) return Done(ctx, s.status());
+  if (!s.ok()) return Done(ctx, "GetBudgets", t0, s.status());
   std::lock_guard<std::mutex> lock((*s)->mu);
   const ArenaView& v = (*s)->view;
   for (uint32_t l = 0; l < v.geometry.layers; ++l) resp->add_layer_sparsity(v.sparsity[l]);
   resp->set_epoch(v.policy->epoch);
   resp->set_budget_mode(ToProto(ReadPolicy(v)).budget_mode());
-  return Done(ctx, absl::OkStatus());
+  return Done(ctx, "GetBudgets", t0, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* SpinService::OpenSequences(grpc::CallbackServerContext* ctx,
                                                      const pb::OpenSequencesRequest* req,
                                                      pb::OpenSequencesResponse*) {
+  const auto t0 = Clock::now();
   auto s = sessions_->Get(req->session().session_id(), req->session().token());
-  if (!s.ok()) return Done(ctx, s.status());
+  if (!s.ok()) return Done(ctx, "OpenSequences", t0, s.status());
   std::lock_guard<std::mutex> lock((*s)->mu);
   const uint32_t max = (*s)->geometry.max_seqs;
   for (const pb::SequenceOpen& o : req->sequences()) {
     if (o.sequence() < 0 || static_cast<uint32_t>(o.sequence()) >= max) {
-      return Done(ctx, absl::OutOfRangeError(absl::StrCat("sequence ", o.sequence(),
-                                                          " is out of range [0, ", max, ")")));
+      return Done(ctx, "OpenSequences", t0,
+                  absl::OutOfRangeError(
+                      absl::StrCat("sequence ", o.sequence(), " is out of range [0, ", max, ")")));
     }
   }
   for (const pb::SequenceOpen& o : req->sequences()) {
     if (absl::Status st = (*s)->dp->ResetSequence(o.sequence(), o.key()); !st.ok()) {
-      return Done(ctx, st);
+      return Done(ctx, "OpenSequences", t0, st);
     }
   }
-  return Done(ctx, absl::OkStatus());
+  return Done(ctx, "OpenSequences", t0, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* SpinService::PredictMasks(grpc::CallbackServerContext* ctx,
                                                     const pb::PredictMasksRequest* req,
                                                     pb::PredictMasksResponse* resp) {
+  const auto t0 = Clock::now();
   auto s = sessions_->Get(req->session().session_id(), req->session().token());
-  if (!s.ok()) return Done(ctx, s.status());
+  if (!s.ok()) return Done(ctx, "PredictMasks", t0, s.status());
   Session& session = **s;
   std::lock_guard<std::mutex> lock(session.mu);
   if (req->begin_step()) {
     if (static_cast<uint32_t>(req->entries_size()) > session.geometry.max_seqs) {
-      return Done(ctx, absl::InvalidArgumentError(absl::StrCat(
-                           req->entries_size(), " entries exceed the session's max_sequences ",
-                           session.geometry.max_seqs)));
+      return Done(ctx, "PredictMasks", t0,
+                  absl::InvalidArgumentError(absl::StrCat(
+                      req->entries_size(), " entries exceed the session's max_sequences ",
+                      session.geometry.max_seqs)));
     }
     std::vector<int32_t> seq, ctx_len, q_pos;
     for (const pb::StepEntry& e : req->entries()) {
@@ -209,9 +234,11 @@ grpc::ServerUnaryReactor* SpinService::PredictMasks(grpc::CallbackServerContext*
     }
     const StepBatch batch{seq.data(), ctx_len.data(), q_pos.data(),
                           static_cast<int32_t>(seq.size()), static_cast<int32_t>(req->rows())};
-    if (absl::Status st = session.dp->BeginStep(batch); !st.ok()) return Done(ctx, st);
+    if (absl::Status st = session.dp->BeginStep(batch); !st.ok())
+      return Done(ctx, "PredictMasks", t0, st);
   }
-  if (absl::Status st = session.dp->Select(req->layer()); !st.ok()) return Done(ctx, st);
+  if (absl::Status st = session.dp->Select(req->layer()); !st.ok())
+    return Done(ctx, "PredictMasks", t0, st);
   const ArenaView& v = session.view;
   const int32_t n = v.batch->n, rows = v.batch->rows;
   for (int32_t e = 0; e < n; ++e) {
@@ -221,26 +248,29 @@ grpc::ServerUnaryReactor* SpinService::PredictMasks(grpc::CallbackServerContext*
     const int32_t* clen = v.compact_len + static_cast<int64_t>(e) * v.geometry.max_rows;
     m->mutable_compact_len()->Add(clen, clen + rows);
   }
-  return Done(ctx, absl::OkStatus());
+  return Done(ctx, "PredictMasks", t0, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* SpinService::ObserveScores(grpc::CallbackServerContext* ctx,
                                                      const pb::ObserveScoresRequest* req,
                                                      pb::ObserveScoresResponse* resp) {
+  const auto t0 = Clock::now();
   auto s = sessions_->Get(req->session().session_id(), req->session().token());
-  if (!s.ok()) return Done(ctx, s.status());
+  if (!s.ok()) return Done(ctx, "ObserveScores", t0, s.status());
   Session& session = **s;
   std::lock_guard<std::mutex> lock(session.mu);
   const ArenaView& v = session.view;
   const int32_t n = v.batch->n, rows = v.batch->rows;
   if (req->scores_size() != n * rows) {
-    return Done(ctx, absl::InvalidArgumentError(absl::StrCat("scores has ", req->scores_size(),
-                                                             " rows; the step has ", n,
-                                                             " entries x ", rows, " rows")));
+    return Done(ctx, "ObserveScores", t0,
+                absl::InvalidArgumentError(absl::StrCat("scores has ", req->scores_size(),
+                                                        " rows; the step has ", n, " entries x ",
+                                                        rows, " rows")));
   }
   if (req->accepted_size() != 0 && req->accepted_size() != n) {
-    return Done(ctx, absl::InvalidArgumentError(absl::StrCat("accepted has ", req->accepted_size(),
-                                                             " values for ", n, " entries")));
+    return Done(ctx, "ObserveScores", t0,
+                absl::InvalidArgumentError(absl::StrCat("accepted has ", req->accepted_size(),
+                                                        " values for ", n, " entries")));
   }
   int64_t stride = 1;
   for (const pb::RowScores& r : req->scores()) {
@@ -254,9 +284,10 @@ grpc::ServerUnaryReactor* SpinService::ObserveScores(grpc::CallbackServerContext
             ? v.compact_len[static_cast<int64_t>(x / rows) * v.geometry.max_rows + x % rows]
             : 0;
     if (v.entries[x / rows].seq >= 0 && r.logits_size() < need) {
-      return Done(ctx, absl::InvalidArgumentError(absl::StrCat(
-                           "scores of entry ", x / rows, " row ", x % rows, " have ",
-                           r.logits_size(), " values; its compacted length is ", need)));
+      return Done(ctx, "ObserveScores", t0,
+                  absl::InvalidArgumentError(
+                      absl::StrCat("scores of entry ", x / rows, " row ", x % rows, " have ",
+                                   r.logits_size(), " values; its compacted length is ", need)));
     }
     std::copy(r.logits().begin(), r.logits().end(), logits.begin() + x * stride);
   }
@@ -269,19 +300,20 @@ grpc::ServerUnaryReactor* SpinService::ObserveScores(grpc::CallbackServerContext
   if (absl::Status st = session.dp->Observe(req->layer(), logits.data(), stride,
                                             accepted.empty() ? nullptr : accepted.data());
       !st.ok()) {
-    return Done(ctx, st);
+    return Done(ctx, "ObserveScores", t0, st);
   }
   uint64_t bad_after = 0;
   for (uint32_t l = 0; l < v.geometry.layers; ++l) bad_after += v.stats[l].bad_scores;
   resp->set_bad_scores(bad_after - bad_before);
-  return Done(ctx, absl::OkStatus());
+  return Done(ctx, "ObserveScores", t0, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* SpinService::GetStats(grpc::CallbackServerContext* ctx,
                                                 const pb::GetStatsRequest* req,
                                                 pb::GetStatsResponse* resp) {
+  const auto t0 = Clock::now();
   auto s = sessions_->Get(req->session().session_id(), req->session().token());
-  if (!s.ok()) return Done(ctx, s.status());
+  if (!s.ok()) return Done(ctx, "GetStats", t0, s.status());
   std::lock_guard<std::mutex> lock((*s)->mu);
   const ArenaView& v = (*s)->view;
   for (uint32_t l = 0; l < v.geometry.layers; ++l) {
@@ -291,8 +323,8 @@ grpc::ServerUnaryReactor* SpinService::GetStats(grpc::CallbackServerContext* ctx
     o->set_steps(st.steps);
     o->set_dense_steps(st.dense_steps);
     o->set_probe_steps(st.probe_steps);
-    o->set_realized_sparsity(1.0 - Ratio(st.sparse_blocks_kept, st.sparse_blocks_total));
-    o->set_effective_sparsity(1.0 - Ratio(st.blocks_kept, st.blocks_total));
+    o->set_realized_sparsity(Skipped(st.sparse_blocks_kept, st.sparse_blocks_total));
+    o->set_effective_sparsity(Skipped(st.blocks_kept, st.blocks_total));
     o->set_miss_rate(Ratio(st.probe_missed, st.probe_topk));
     o->set_bad_scores(st.bad_scores);
     o->set_observed(st.observed);
@@ -304,12 +336,13 @@ grpc::ServerUnaryReactor* SpinService::GetStats(grpc::CallbackServerContext* ctx
     o->set_probe_topk(st.probe_topk);
     o->set_probe_missed(st.probe_missed);
   }
-  return Done(ctx, absl::OkStatus());
+  return Done(ctx, "GetStats", t0, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* SpinService::ListSessions(grpc::CallbackServerContext* ctx,
                                                     const pb::ListSessionsRequest*,
                                                     pb::ListSessionsResponse* resp) {
+  const auto t0 = Clock::now();
   for (const std::shared_ptr<Session>& s : sessions_->List()) {
     pb::SessionInfo* o = resp->add_sessions();
     o->set_session_id(s->id);
@@ -319,7 +352,7 @@ grpc::ServerUnaryReactor* SpinService::ListSessions(grpc::CallbackServerContext*
     o->set_backend(pb::BACKEND_CPU);
     o->set_created_unix_seconds(s->created_unix_seconds);
   }
-  return Done(ctx, absl::OkStatus());
+  return Done(ctx, "ListSessions", t0, absl::OkStatus());
 }
 
 }  // namespace spin::service

@@ -2,6 +2,9 @@
 // device). Each handler validates its request completely before it changes anything.
 #pragma once
 
+#include <chrono>
+
+#include "metrics.h"
 #include "session_manager.h"
 #include "spin/v1/spin.grpc.pb.h"
 
@@ -14,8 +17,9 @@ grpc::Status ToGrpc(const absl::Status& s);
 class SpinService final : public spin::v1::Spin::CallbackService {
  public:
   /// `fd_socket` is the path clients fetch arena fds from (AttachResponse.fd_socket).
-  SpinService(SessionManager* sessions, std::string fd_socket)
-      : sessions_(sessions), fd_socket_(std::move(fd_socket)) {}
+  /// `metrics` may be null (no RPC metrics).
+  SpinService(SessionManager* sessions, std::string fd_socket, Metrics* metrics = nullptr)
+      : sessions_(sessions), fd_socket_(std::move(fd_socket)), metrics_(metrics) {}
 
   grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext* ctx,
                                    const spin::v1::AttachRequest* req,
@@ -49,8 +53,13 @@ class SpinService final : public spin::v1::Spin::CallbackService {
                                          spin::v1::ListSessionsResponse* resp) override;
 
  private:
+  // Finishes an RPC: records its metrics and completes the reactor.
+  grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const char* method,
+                                 std::chrono::steady_clock::time_point t0, const absl::Status& s);
+
   SessionManager* sessions_;
   std::string fd_socket_;
+  Metrics* metrics_;
 };
 
 }  // namespace spin::service

@@ -1,0 +1,159 @@
+#include "metrics.h"
+
+#include <exception>
+
+#include "absl/strings/str_cat.h"
+#include "prometheus/collectable.h"
+#include "prometheus/metric_family.h"
+
+namespace spin::service {
+namespace {
+
+using prometheus::ClientMetric;
+using prometheus::MetricFamily;
+using prometheus::MetricType;
+
+const char* CodeName(grpc::StatusCode c) {
+  static const char* kNames[] = {
+      "OK",       "Canceled",       "Unknown",          "InvalidArgument",   "DeadlineExceeded",
+      "NotFound", "AlreadyExists",  "PermissionDenied", "ResourceExhausted", "FailedPrecondition",
+      "Aborted",  "OutOfRange",     "Unimplemented",    "Internal",          "Unavailable",
+      "DataLoss", "Unauthenticated"};
+  const int i = static_cast<int>(c);
+  return i >= 0 && i < 17 ? kNames[i] : "Unknown";
+}
+
+double Ratio(uint64_t num, uint64_t den) {
+  return den == 0 ? 0.0 : static_cast<double>(num) / static_cast<double>(den);
+}
+
+// Skipped / total blocks; 0 before any block was counted.
+double Skipped(uint64_t kept, uint64_t total) {
+  return total == 0 ? 0.0 : 1.0 - Ratio(kept, total);
+}
+
+// Reads every session's arena at scrape time: the arenas are the source of truth, so nothing
+// is copied on the data path.
+class SessionCollector final : public prometheus::Collectable {
+ public:
+  explicit SessionCollector(SessionManager* sessions) : sessions_(sessions) {}
+
+  std::vector<MetricFamily> Collect() const override {
+    auto family = [](const char* name, const char* help, MetricType type) {
+      MetricFamily f;
+      f.name = name;
+      f.help = help;
+      f.type = type;
+      return f;
+    };
+    MetricFamily info = family("spin_build_info", "spind build; always 1", MetricType::Gauge);
+    ClientMetric im;
+    im.label = {{"version", "0.1.0"}, {"backend", "cpu"}};
+    im.gauge.value = 1;
+    info.metric.push_back(im);
+    MetricFamily count = family("spin_sessions", "Attached sessions", MetricType::Gauge);
+    MetricFamily bytes =
+        family("spin_arena_bytes", "Arena bytes held by all sessions", MetricType::Gauge);
+    MetricFamily realized =
+        family("spin_layer_realized_sparsity_ratio", "Skipped / total blocks over non-dense steps",
+               MetricType::Gauge);
+    MetricFamily effective =
+        family("spin_layer_effective_sparsity_ratio",
+               "Skipped / total blocks over all steps (probes count as dense)", MetricType::Gauge);
+    MetricFamily miss =
+        family("spin_layer_miss_ratio",
+               "Dense top-K slots outside the budget, measured on probe steps", MetricType::Gauge);
+    MetricFamily budget = family("spin_layer_budget_sparsity_ratio",
+                                 "The layer's sparsity budget now", MetricType::Gauge);
+    MetricFamily steps =
+        family("spin_layer_steps_total", "Sequence-steps selected", MetricType::Counter);
+    MetricFamily probes = family("spin_layer_probe_steps_total",
+                                 "Probe steps with a miss-curve sample", MetricType::Counter);
+    MetricFamily bad = family("spin_layer_bad_scores_total", "Non-finite indexer scores skipped",
+                              MetricType::Counter);
+    const std::vector<std::shared_ptr<Session>> all = sessions_->List();
+    ClientMetric c;
+    c.gauge.value = static_cast<double>(all.size());
+    count.metric.push_back(c);
+    uint64_t total = 0;
+    for (const std::shared_ptr<Session>& s : all) {
+      total += s->bytes;
+      std::lock_guard<std::mutex> lock(s->mu);
+      const ArenaView& v = s->view;
+      for (uint32_t l = 0; l < v.geometry.layers; ++l) {
+        const LayerStats& st = v.stats[l];
+        ClientMetric m;
+        m.label = {{"session", s->id}, {"layer", std::to_string(l)}};
+        auto gauge = [&m](MetricFamily& f, double value) {
+          ClientMetric x = m;
+          x.gauge.value = value;
+          f.metric.push_back(x);
+        };
+        auto counter = [&m](MetricFamily& f, uint64_t value) {
+          ClientMetric x = m;
+          x.counter.value = static_cast<double>(value);
+          f.metric.push_back(x);
+        };
+        gauge(realized, Skipped(st.sparse_blocks_kept, st.sparse_blocks_total));
+        gauge(effective, Skipped(st.blocks_kept, st.blocks_total));
+        gauge(miss, Ratio(st.probe_missed, st.probe_topk));
+        gauge(budget, v.sparsity[l]);
+        counter(steps, st.steps);
+        counter(probes, st.probe_steps);
+        counter(bad, st.bad_scores);
+      }
+    }
+    ClientMetric b;
+    b.gauge.value = static_cast<double>(total);
+    bytes.metric.push_back(b);
+    return {info, count, bytes, realized, effective, miss, budget, steps, probes, bad};
+  }
+
+ private:
+  SessionManager* sessions_;
+};
+
+}  // namespace
+
+Metrics::Metrics(SessionManager* sessions)
+    : registry_(std::make_shared<prometheus::Registry>()),
+      sessions_(std::make_shared<SessionCollector>(sessions)) {
+  handled_ = &prometheus::BuildCounter()
+                  .Name("grpc_server_handled_total")
+                  .Help("RPCs completed on the server, by method and status code")
+                  .Register(*registry_);
+  handling_ = &prometheus::BuildHistogram()
+                   .Name("grpc_server_handling_seconds")
+                   .Help("Time from receiving an RPC to finishing it")
+                   .Register(*registry_);
+}
+
+Metrics::~Metrics() = default;
+
+absl::Status Metrics::Start(const std::string& address) {
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(address);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on ", address, ": ", e.what()));
+  }
+  exposer_->RegisterCollectable(registry_);
+  exposer_->RegisterCollectable(sessions_);
+  const std::vector<int> ports = exposer_->GetListeningPorts();
+  port_ = ports.empty() ? 0 : ports.front();
+  return absl::OkStatus();
+}
+
+void Metrics::ObserveRpc(const std::string& method, grpc::StatusCode code, double seconds) {
+  const std::map<std::string, std::string> labels = {
+      {"grpc_service", "spin.v1.Spin"}, {"grpc_method", method}, {"grpc_type", "unary"}};
+  std::map<std::string, std::string> with_code = labels;
+  with_code["grpc_code"] = CodeName(code);
+  handled_->Add(with_code).Increment();
+  handling_
+      ->Add(labels, prometheus::Histogram::BucketBoundaries{0.00005, 0.0001, 0.00025, 0.0005, 0.001,
+                                                            0.0025, 0.005, 0.01, 0.05, 0.1, 1})
+      .Observe(seconds);
+}
+
+}  // namespace spin::service

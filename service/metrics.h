@@ -1,0 +1,42 @@
+// Prometheus metrics of spind (prometheus-cpp; names per CONVENTIONS.md): sessions, arena
+// bytes, build info, per-layer SPIN statistics read from the arenas at scrape time, and the
+// go-grpc-prometheus RPC metrics.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "grpcpp/grpcpp.h"
+#include "prometheus/counter.h"
+#include "prometheus/exposer.h"
+#include "prometheus/family.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "session_manager.h"
+
+namespace spin::service {
+
+/// The metrics endpoint and the RPC instruments.
+class Metrics {
+ public:
+  explicit Metrics(SessionManager* sessions);
+  ~Metrics();
+
+  /// Serves /metrics on HOST:PORT (port 0 picks one). UNAVAILABLE if it cannot bind.
+  absl::Status Start(const std::string& address);
+  /// The bound port, once started.
+  int port() const { return port_; }
+  /// Records one finished RPC of spin.v1.Spin.
+  void ObserveRpc(const std::string& method, grpc::StatusCode code, double seconds);
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<prometheus::Collectable> sessions_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  prometheus::Family<prometheus::Counter>* handled_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* handling_ = nullptr;
+  int port_ = 0;
+};
+
+}  // namespace spin::service
