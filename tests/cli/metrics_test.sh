@@ -48,6 +48,14 @@ if grep -q "^spin_layer_budget_sparsity_ratio{session=\"$session\",layer=\"1\"}"
 else
   fail "/metrics content: $(head -c 600 "$work/metrics.txt")"
 fi
+# Every series the Grafana dashboard queries is one spind exports.
+dashboard="$(dirname "$0")/../../deploy/grafana/spind-dashboard.json"
+missing=""
+for name in $(grep -oE '(spin|grpc_server)_[a-z_]+' "$dashboard" | sort -u); do
+  grep -q "^$name[{ ]" "$work/metrics.txt" || missing="$missing $name"
+done
+[ -z "$missing" ] && pass "dashboard queries only exported series" \
+  || fail "dashboard names series spind does not export:$missing"
 if promtool check metrics <"$work/metrics.txt" >"$work/promtool.out" 2>&1; then
   pass "promtool check metrics"
 else
