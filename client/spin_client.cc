@@ -1,5 +1,6 @@
 #include "spin_client.h"
 
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -143,6 +144,13 @@ absl::Status Session::Detach() {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   return FromGrpc(stub_->Detach(&ctx, req, &resp), "Detach");
+}
+
+bool Session::alive() const {
+  if (conn_ < 0) return false;
+  pollfd p{conn_, POLLIN, 0};
+  // The daemon never writes after the handshake: readable or hung up means it is gone.
+  return poll(&p, 1, 0) == 0;
 }
 
 Session::~Session() {

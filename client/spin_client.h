@@ -41,6 +41,8 @@ class Session {
   spin::v1::Spin::Stub& stub() { return *stub_; }
   /// Frees the session in the daemon (the mapping here stays valid until destruction).
   absl::Status Detach();
+  /// False once spind closed the session's fd connection (it exited or freed the session).
+  bool alive() const;
 
  private:
   Session() = default;

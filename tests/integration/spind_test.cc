@@ -21,6 +21,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "replay.h"
+#include "resilient_data_plane.h"
 #include "spin/v1/spin.grpc.pb.h"
 #include "spin_client.h"
 #include "trace.h"
@@ -33,10 +34,11 @@ namespace pb = spin::v1;
 // A spind child process on its own socket.
 class Daemon {
  public:
-  explicit Daemon(std::vector<std::string> extra = {}) {
+  explicit Daemon(std::vector<std::string> extra = {}, std::string socket = "") {
     static int counter = 0;
-    socket_ = ::testing::TempDir() + "/spind-" + std::to_string(getpid()) + "-" +
-              std::to_string(counter++) + ".sock";
+    socket_ = !socket.empty() ? socket
+                              : ::testing::TempDir() + "/spind-" + std::to_string(getpid()) + "-" +
+                                    std::to_string(counter++) + ".sock";
     std::vector<std::string> args = {SPIND_PATH, "--listen", "unix://" + socket_};
     args.insert(args.end(), extra.begin(), extra.end());
     pid_ = fork();
@@ -73,6 +75,14 @@ class Daemon {
   }
   bool ready() const { return ready_; }
   pid_t pid() const { return pid_; }
+  // SIGKILL: a crash, no cleanup.
+  void Kill() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+      pid_ = -1;
+    }
+  }
   pb::Spin::Stub& stub() { return *stub_; }
   std::shared_ptr<grpc::Channel> channel() { return channel_; }
   const std::string& socket() const { return socket_; }
@@ -557,6 +567,63 @@ TEST(Spind, KilledClientsSessionIsReclaimed) {
   EXPECT_LE(FdCount(d.pid()), fds_after_warmup);
   // Arenas are 128 KiB each here: 45 leaked ones would add ~1400 pages.
   EXPECT_LT(RssPages(d.pid()), rss_after_warmup + 256);
+}
+
+// The engine never depends on spind being up: dense without it, attached once it is there,
+// still selecting on the mapped arena after it died, and reattached after a restart.
+TEST(Spind, ClientDegradesToDenseAndReattaches) {
+  const std::string sock =
+      ::testing::TempDir() + "/spind-resilient-" + std::to_string(getpid()) + ".sock";
+  client::AttachOptions o;
+  o.geometry.layers = 1;
+  o.geometry.max_seqs = 1;
+  o.geometry.max_slots = 64 * 64;
+  o.geometry.topk = 128;
+  o.policy.target_sparsity = 0.5;
+  o.client_name = "resilient";
+  client::ResilientDataPlane dp("unix://" + sock, o, std::chrono::milliseconds(50));
+  ASSERT_TRUE(dp.ResetSequence(0, 42).ok());
+  int ctx = 64 * 40;
+  std::vector<float> logits(64 * 64);
+  for (size_t i = 0; i < logits.size(); ++i) logits[i] = static_cast<float>((i * 37) % 101);
+  // One decode step; returns the number of selected blocks.
+  auto step = [&]() {
+    const int32_t seq = 0, c = ctx, q = ctx - 1;
+    EXPECT_TRUE(dp.BeginStep(StepBatch{&seq, &c, &q, 1, 1}).ok());
+    EXPECT_TRUE(dp.Select(0).ok());
+    const int count = dp.arena().union_count[0];
+    EXPECT_TRUE(dp.Observe(0, logits.data(), 64 * 64).ok());
+    ++ctx;
+    return count;
+  };
+  // No daemon: dense.
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(step(), (ctx + 63) / 64) << "dense while degraded";
+  EXPECT_FALSE(dp.attached());
+  {
+    Daemon d({}, sock);
+    ASSERT_TRUE(d.ready());
+    for (int i = 0; i < 200 && !dp.attached(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      step();
+    }
+    ASSERT_TRUE(dp.attached());
+    const std::string first = dp.session_id();
+    step();  // the reopened sequence is fresh: dense once
+    EXPECT_LT(step(), (ctx + 63) / 64) << "sparse once attached";
+    d.Kill();
+    // The daemon is gone: the mapped arena keeps working, still sparse.
+    for (int i = 0; i < 5; ++i) EXPECT_LT(step(), (ctx + 63) / 64);
+    Daemon again({}, sock);
+    ASSERT_TRUE(again.ready());
+    for (int i = 0; i < 200 && dp.session_id() == first; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      step();
+    }
+    EXPECT_NE(dp.session_id(), first) << "did not reattach after the restart";
+    EXPECT_EQ(SessionCount(again), 1);
+    step();
+    EXPECT_LT(step(), (ctx + 63) / 64);
+  }
 }
 
 }  // namespace

@@ -1,0 +1,69 @@
+// The engine-facing data plane of libspin_client: it never blocks on, or fails because of,
+// spind (DESIGN §7).
+//
+// - Daemon unreachable at start: selections are dense (a private arena at 0% sparsity), one log
+//   line, and attach is retried in the background.
+// - Daemon gone mid-run: the mapped arena stays valid (the memfd lives while mapped), so the
+//   data plane keeps selecting with the last policy and budgets; attach is retried.
+// - Once a new session is ready it is switched in at the next BeginStep, and the sequences the
+//   engine had opened are reopened there with their keys (their history starts fresh).
+// The engine must read outputs through arena()/outputs() after each Select, as they may move
+// when the session changes (CPU backend; CUDA sessions will keep fixed addresses).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "spin/data_plane.h"
+#include "spin_client.h"
+
+namespace spin::client {
+
+/// A DataPlane that attaches to spind when it can and degrades to dense when it cannot.
+class ResilientDataPlane final : public DataPlane {
+ public:
+  /// Starts trying to attach to `target` every `retry` (the first try happens at once).
+  ResilientDataPlane(std::string target, AttachOptions options, std::chrono::milliseconds retry);
+  ~ResilientDataPlane() override;
+
+  /// True while the steps run on a daemon session's arena.
+  bool attached() const;
+  /// The current session's id ("" when degraded).
+  std::string session_id() const;
+
+  const ArenaView& arena() const override;
+  absl::Status ResetSequence(int32_t seq, uint64_t key, cudaStream_t stream = nullptr) override;
+  absl::Status BeginStep(const StepBatch& batch, cudaStream_t stream = nullptr) override;
+  absl::Status Select(int32_t layer, const int32_t* block_table = nullptr, int64_t table_stride = 0,
+                      cudaStream_t stream = nullptr) override;
+  absl::Status Remap(int32_t* idx, int32_t count, cudaStream_t stream = nullptr) override;
+  absl::Status Observe(int32_t layer, const float* logits, int64_t logits_stride,
+                       const int32_t* accepted = nullptr, cudaStream_t stream = nullptr) override;
+
+ private:
+  void Retry();
+  DataPlane& current() const;
+
+  std::string target_;
+  AttachOptions options_;
+  std::chrono::milliseconds retry_;
+  // Dense fallback: a private arena at 0% sparsity.
+  void* fallback_mem_ = nullptr;
+  std::unique_ptr<DataPlane> fallback_;
+  std::unique_ptr<Session> session_;  // in use (engine thread only)
+  std::unique_ptr<Session> ready_;    // attached by the retry thread, switched in at BeginStep
+  std::map<int32_t, uint64_t> open_;  // sequences the engine opened, with their keys
+  bool lost_ = false;                 // the current session's daemon went away (logged)
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  bool want_session_ = true;
+  std::thread thread_;
+};
+
+}  // namespace spin::client
