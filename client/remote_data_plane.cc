@@ -4,18 +4,13 @@
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
+#include "grpc_status.h"
 #include "grpcpp/grpcpp.h"
 
 namespace spin::client {
 namespace {
 
 namespace pb = spin::v1;
-
-absl::Status FromGrpc(const grpc::Status& s, const char* what) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                      absl::StrCat(what, ": ", s.error_message()));
-}
 
 template <typename Req, typename Resp, typename Fn>
 absl::Status Call(Fn fn, const Req& req, Resp* resp, const char* what) {

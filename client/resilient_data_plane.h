@@ -55,10 +55,10 @@ class ResilientDataPlane final : public DataPlane {
   // Dense fallback: a private arena at 0% sparsity.
   void* fallback_mem_ = nullptr;
   std::unique_ptr<DataPlane> fallback_;
-  std::unique_ptr<Session> session_;  // in use (engine thread only)
-  std::unique_ptr<Session> ready_;    // attached by the retry thread, switched in at BeginStep
-  std::map<int32_t, uint64_t> open_;  // sequences the engine opened, with their keys
-  bool lost_ = false;                 // the current session's daemon went away (logged)
+  std::unique_ptr<Session> session_;      // in use (engine thread only)
+  std::unique_ptr<Session> ready_;        // attached by the retry thread, switched in at BeginStep
+  std::map<int32_t, uint64_t> open_;      // sequences the engine opened, with their keys
+  bool lost_ = false;                     // the current session's daemon went away (logged)
   std::atomic<bool> has_session_{false};  // session_ != nullptr, for the retry thread's log
   mutable std::mutex mu_;
   std::condition_variable cv_;

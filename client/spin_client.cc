@@ -10,18 +10,13 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "grpc_status.h"
 #include "grpcpp/grpcpp.h"
 
 namespace spin::client {
 namespace {
 
 namespace pb = spin::v1;
-
-absl::Status FromGrpc(const grpc::Status& s, const char* what) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                      absl::StrCat(what, ": ", s.error_message()));
-}
 
 // Connects to the fd socket, asks for the session's arena and receives its fd.
 absl::Status FetchArenaFd(const std::string& path, const std::string& id, const std::string& token,
