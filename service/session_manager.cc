@@ -122,12 +122,15 @@ absl::Status SessionManager::Detach(const std::string& id, const std::string& to
 }
 
 void SessionManager::Free(const std::string& id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = sessions_.find(id);
-  if (it == sessions_.end()) return;
-  bytes_ -= it->second->bytes;
-  sessions_.erase(it);
-  order_.erase(std::remove(order_.begin(), order_.end(), id), order_.end());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sessions_.find(id);
+    if (it == sessions_.end()) return;
+    bytes_ -= it->second->bytes;
+    sessions_.erase(it);
+    order_.erase(std::remove(order_.begin(), order_.end(), id), order_.end());
+  }
+  if (on_free_) on_free_(id);
 }
 
 std::vector<std::shared_ptr<Session>> SessionManager::List() const {

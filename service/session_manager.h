@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -58,6 +59,9 @@ class SessionManager {
   /// Frees the session (after the last in-flight call on it returns).
   absl::Status Detach(const std::string& id, const std::string& token);
 
+  /// Called (outside the manager's lock) with the id of every session freed.
+  void SetOnFree(std::function<void(const std::string&)> f) { on_free_ = std::move(f); }
+
   /// Frees the session without a token (its client went away). No-op for an unknown id.
   void Free(const std::string& id);
 
@@ -73,6 +77,7 @@ class SessionManager {
   std::map<std::string, std::shared_ptr<Session>> sessions_;
   std::vector<std::string> order_;
   uint64_t bytes_ = 0;
+  std::function<void(const std::string&)> on_free_;
 };
 
 }  // namespace spin::service

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <deque>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -83,7 +84,119 @@ double Skipped(uint64_t kept, uint64_t total) {
   return total == 0 ? 0.0 : 1.0 - Ratio(kept, total);
 }
 
+// The budget table of a session (caller holds the session's lock).
+pb::GetBudgetsResponse Budgets(const Session& s) {
+  pb::GetBudgetsResponse r;
+  const ArenaView& v = s.view;
+  for (uint32_t l = 0; l < v.geometry.layers; ++l) r.add_layer_sparsity(v.sparsity[l]);
+  r.set_epoch(v.policy->epoch);
+  r.set_budget_mode(ToProto(ReadPolicy(v)).budget_mode());
+  return r;
+}
+
 }  // namespace
+
+// One WatchBudgets stream: writes queued updates one at a time; deletes itself when done.
+class BudgetWatcher final : public grpc::ServerWriteReactor<pb::GetBudgetsResponse> {
+ public:
+  explicit BudgetWatcher(BudgetHub* hub) : hub_(hub) {}
+
+  void Push(const pb::GetBudgetsResponse& update) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (ending_) return;
+    queue_.push_back(update);
+    if (!writing_) {
+      writing_ = true;
+      StartWrite(&queue_.front());
+    }
+  }
+
+  void End(const grpc::Status& status) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (ending_) return;
+    ending_ = true;
+    end_status_ = status;
+    if (!writing_) Finish(status);  // else OnWriteDone finishes
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.pop_front();
+    if (!ok && !ending_) {  // the client went away
+      ending_ = true;
+      end_status_ = grpc::Status::CANCELLED;
+    }
+    if (ending_) {
+      writing_ = false;
+      Finish(end_status_);
+      return;
+    }
+    if (queue_.empty()) {
+      writing_ = false;
+    } else {
+      StartWrite(&queue_.front());
+    }
+  }
+
+  void OnCancel() override { End(grpc::Status::CANCELLED); }
+
+  void OnDone() override {
+    hub_->Remove(this);
+    delete this;
+  }
+
+ private:
+  BudgetHub* hub_;
+  std::mutex mu_;
+  std::deque<pb::GetBudgetsResponse> queue_;
+  bool writing_ = false, ending_ = false;
+  grpc::Status end_status_;
+};
+
+void BudgetHub::Add(const std::string& session, BudgetWatcher* w) {
+  std::lock_guard<std::mutex> lock(mu_);
+  watchers_.emplace(session, w);
+}
+
+void BudgetHub::Remove(BudgetWatcher* w) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = watchers_.begin(); it != watchers_.end(); ++it) {
+    if (it->second == w) {
+      watchers_.erase(it);
+      return;
+    }
+  }
+}
+
+void BudgetHub::Notify(const std::string& session, const pb::GetBudgetsResponse& update) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto [lo, hi] = watchers_.equal_range(session);
+  for (auto it = lo; it != hi; ++it) it->second->Push(update);
+}
+
+void BudgetHub::EndAll(const std::string& session, const grpc::Status& status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto [lo, hi] = watchers_.equal_range(session);
+  for (auto it = lo; it != hi; ++it) it->second->End(status);
+}
+
+grpc::ServerWriteReactor<pb::GetBudgetsResponse>* SpinService::WatchBudgets(
+    grpc::CallbackServerContext* ctx, const pb::GetBudgetsRequest* req) {
+  auto* w = new BudgetWatcher(&hub_);
+  auto s = sessions_->Get(req->session().session_id(), req->session().token());
+  if (!s.ok()) {
+    w->End(ToGrpc(s.status()));
+    return w;
+  }
+  pb::GetBudgetsResponse first;
+  {
+    std::lock_guard<std::mutex> lock((*s)->mu);
+    first = Budgets(**s);
+    hub_.Add((*s)->id, w);  // under the session lock: no update can slip between the two
+  }
+  w->Push(first);
+  return w;
+}
 
 grpc::ServerUnaryReactor* SpinService::Done(grpc::CallbackServerContext* ctx, const char* method,
                                             std::chrono::steady_clock::time_point t0,
@@ -137,6 +250,7 @@ grpc::ServerUnaryReactor* SpinService::Attach(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* SpinService::Detach(grpc::CallbackServerContext* ctx,
                                               const pb::DetachRequest* req, pb::DetachResponse*) {
   const auto t0 = Clock::now();
+  // Open WatchBudgets streams of the session end through the manager's free callback.
   return Done(ctx, "Detach", t0,
               sessions_->Detach(req->session().session_id(), req->session().token()));
 }
@@ -171,6 +285,7 @@ grpc::ServerUnaryReactor* SpinService::SetPolicy(grpc::CallbackServerContext* ct
   if (absl::Status st = WritePolicy((*s)->view, p); !st.ok()) return Done(ctx, "SetPolicy", t0, st);
   *resp->mutable_policy() = ToProto(p);
   resp->set_epoch((*s)->view.policy->epoch);
+  hub_.Notify((*s)->id, Budgets(**s));
   return Done(ctx, "SetPolicy", t0, absl::OkStatus());
 }
 
@@ -181,10 +296,7 @@ grpc::ServerUnaryReactor* SpinService::GetBudgets(grpc::CallbackServerContext* c
   auto s = sessions_->Get(req->session().session_id(), req->session().token());
   if (!s.ok()) return Done(ctx, "GetBudgets", t0, s.status());
   std::lock_guard<std::mutex> lock((*s)->mu);
-  const ArenaView& v = (*s)->view;
-  for (uint32_t l = 0; l < v.geometry.layers; ++l) resp->add_layer_sparsity(v.sparsity[l]);
-  resp->set_epoch(v.policy->epoch);
-  resp->set_budget_mode(ToProto(ReadPolicy(v)).budget_mode());
+  *resp = Budgets(**s);
   return Done(ctx, "GetBudgets", t0, absl::OkStatus());
 }
 

@@ -3,12 +3,32 @@
 #pragma once
 
 #include <chrono>
+#include <map>
+#include <mutex>
+#include <string>
 
 #include "metrics.h"
 #include "session_manager.h"
 #include "spin/v1/spin.grpc.pb.h"
 
 namespace spin::service {
+
+class BudgetWatcher;
+
+/// The open WatchBudgets streams, by session.
+class BudgetHub {
+ public:
+  void Add(const std::string& session, BudgetWatcher* w);
+  void Remove(BudgetWatcher* w);
+  /// Sends `update` to every stream of `session`.
+  void Notify(const std::string& session, const spin::v1::GetBudgetsResponse& update);
+  /// Ends every stream of `session` with `status`.
+  void EndAll(const std::string& session, const grpc::Status& status);
+
+ private:
+  std::mutex mu_;
+  std::multimap<std::string, BudgetWatcher*> watchers_;
+};
 
 /// Converts an absl::Status to the gRPC status with the same code and message.
 grpc::Status ToGrpc(const absl::Status& s);
@@ -19,7 +39,10 @@ class SpinService final : public spin::v1::Spin::CallbackService {
   /// `fd_socket` is the path clients fetch arena fds from (AttachResponse.fd_socket).
   /// `metrics` may be null (no RPC metrics).
   SpinService(SessionManager* sessions, std::string fd_socket, Metrics* metrics = nullptr)
-      : sessions_(sessions), fd_socket_(std::move(fd_socket)), metrics_(metrics) {}
+      : sessions_(sessions), fd_socket_(std::move(fd_socket)), metrics_(metrics) {
+    // A freed session (Detach, or its client went away) ends its budget streams.
+    sessions_->SetOnFree([this](const std::string& id) { hub_.EndAll(id, grpc::Status::OK); });
+  }
 
   grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext* ctx,
                                    const spin::v1::AttachRequest* req,
@@ -36,6 +59,8 @@ class SpinService final : public spin::v1::Spin::CallbackService {
   grpc::ServerUnaryReactor* GetBudgets(grpc::CallbackServerContext* ctx,
                                        const spin::v1::GetBudgetsRequest* req,
                                        spin::v1::GetBudgetsResponse* resp) override;
+  grpc::ServerWriteReactor<spin::v1::GetBudgetsResponse>* WatchBudgets(
+      grpc::CallbackServerContext* ctx, const spin::v1::GetBudgetsRequest* req) override;
   grpc::ServerUnaryReactor* OpenSequences(grpc::CallbackServerContext* ctx,
                                           const spin::v1::OpenSequencesRequest* req,
                                           spin::v1::OpenSequencesResponse* resp) override;
@@ -60,6 +85,7 @@ class SpinService final : public spin::v1::Spin::CallbackService {
   SessionManager* sessions_;
   std::string fd_socket_;
   Metrics* metrics_;
+  BudgetHub hub_;
 };
 
 }  // namespace spin::service

@@ -569,6 +569,46 @@ TEST(Spind, KilledClientsSessionIsReclaimed) {
   EXPECT_LT(RssPages(d.pid()), rss_after_warmup + 256);
 }
 
+// WatchBudgets: the current table first, then one message per policy change (from another
+// client), and the stream ends when the session is detached.
+TEST(Spind, WatchBudgetsStreamsChanges) {
+  Daemon d;
+  ASSERT_TRUE(d.ready());
+  pb::AttachResponse a;
+  ASSERT_TRUE(CALL(d, Attach, AttachReq(3), &a).ok());
+  pb::GetBudgetsRequest w;
+  *w.mutable_session() = Ref(a);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  auto reader = d.stub().WatchBudgets(&ctx, w);
+  pb::GetBudgetsResponse msg;
+  ASSERT_TRUE(reader->Read(&msg));
+  ASSERT_EQ(msg.layer_sparsity_size(), 3);
+  EXPECT_DOUBLE_EQ(msg.layer_sparsity(0), 0.5);
+  const uint64_t epoch = msg.epoch();
+  for (double rho : {0.3, 0.6}) {
+    pb::SetPolicyRequest sp;
+    *sp.mutable_session() = Ref(a);
+    sp.set_target_sparsity(rho);
+    pb::SetPolicyResponse spr;
+    ASSERT_TRUE(CALL(d, SetPolicy, sp, &spr).ok());
+    ASSERT_TRUE(reader->Read(&msg));
+    EXPECT_DOUBLE_EQ(msg.layer_sparsity(2), rho);
+    EXPECT_GT(msg.epoch(), epoch);
+  }
+  pb::DetachRequest dr;
+  *dr.mutable_session() = Ref(a);
+  pb::DetachResponse dresp;
+  ASSERT_TRUE(CALL(d, Detach, dr, &dresp).ok());
+  EXPECT_FALSE(reader->Read(&msg));
+  EXPECT_TRUE(reader->Finish().ok());
+  // Unknown session: the stream ends at once with NOT_FOUND.
+  grpc::ClientContext ctx2;
+  auto bad = d.stub().WatchBudgets(&ctx2, w);
+  EXPECT_FALSE(bad->Read(&msg));
+  EXPECT_EQ(bad->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
 // The engine never depends on spind being up: dense without it, attached once it is there,
 // still selecting on the mapped arena after it died, and reattached after a restart.
 TEST(Spind, ClientDegradesToDenseAndReattaches) {
