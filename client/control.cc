@@ -22,13 +22,19 @@ int Fail(const std::string& what, const grpc::Status& s) {
   return 1;
 }
 
-std::unique_ptr<pb::Spin::Stub> Stub(const std::string& target) {
+// Every control call: a deadline, and the admin token when one is given.
+std::string g_admin_token;
+void Deadline(grpc::ClientContext* c) {
+  c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  if (!g_admin_token.empty()) c->AddMetadata("authorization", "Bearer " + g_admin_token);
+}
+
+std::unique_ptr<pb::Spin::Stub> Stub(const ControlArgs& a) {
+  g_admin_token = a.admin_token;
+  const std::string& target = a.target;
   return pb::Spin::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
 }
 
-void Deadline(grpc::ClientContext* c) {
-  c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-}
 
 pb::SessionRef Ref(const ControlArgs& a) {
   pb::SessionRef r;
@@ -49,7 +55,7 @@ void PrintPolicy(const pb::Policy& p, uint64_t epoch) {
 }  // namespace
 
 int CmdStatus(const ControlArgs& a) {
-  auto stub = Stub(a.target);
+  auto stub = Stub(a);
   grpc::ClientContext c;
   Deadline(&c);
   pb::ListSessionsResponse r;
@@ -63,7 +69,7 @@ int CmdStatus(const ControlArgs& a) {
 }
 
 int CmdSessions(const ControlArgs& a) {
-  auto stub = Stub(a.target);
+  auto stub = Stub(a);
   grpc::ClientContext c;
   Deadline(&c);
   pb::ListSessionsResponse r;
@@ -81,7 +87,7 @@ int CmdSessions(const ControlArgs& a) {
 }
 
 int CmdPolicyGet(const ControlArgs& a) {
-  auto stub = Stub(a.target);
+  auto stub = Stub(a);
   grpc::ClientContext c;
   Deadline(&c);
   pb::GetPolicyRequest q;
@@ -95,7 +101,7 @@ int CmdPolicyGet(const ControlArgs& a) {
 
 int CmdPolicySet(const ControlArgs& a, double sparsity, double exploration, float alpha,
                  int64_t probe_period, const std::string& budget) {
-  auto stub = Stub(a.target);
+  auto stub = Stub(a);
   grpc::ClientContext c;
   Deadline(&c);
   pb::SetPolicyRequest q;
@@ -114,7 +120,7 @@ int CmdPolicySet(const ControlArgs& a, double sparsity, double exploration, floa
 }
 
 int CmdBudgets(const ControlArgs& a) {
-  auto stub = Stub(a.target);
+  auto stub = Stub(a);
   grpc::ClientContext c;
   Deadline(&c);
   pb::GetBudgetsRequest q;
@@ -131,7 +137,7 @@ int CmdBudgets(const ControlArgs& a) {
 }
 
 int CmdStats(const ControlArgs& a) {
-  auto stub = Stub(a.target);
+  auto stub = Stub(a);
   grpc::ClientContext c;
   Deadline(&c);
   pb::GetStatsRequest q;
@@ -154,6 +160,7 @@ int CmdStats(const ControlArgs& a) {
 
 absl::StatusOr<ReplaySummary> ReplayThroughDaemon(const std::string& target, const Trace& trace,
                                                   const ReplayOptions& options, bool remote,
+                                                  const std::string& admin_token,
                                                   std::string* where) {
   if (options.backend != ReplayBackend::kCpu) {
     return absl::InvalidArgumentError("replay through spind uses the daemon's CPU arenas");
@@ -163,6 +170,7 @@ absl::StatusOr<ReplaySummary> ReplayThroughDaemon(const std::string& target, con
   ao.policy = options.policy;
   ao.seed = options.seed;
   ao.client_name = remote ? "spinctl-replay-remote" : "spinctl-replay";
+  ao.admin_token = admin_token;
   absl::StatusOr<std::unique_ptr<client::Session>> s = client::Session::Attach(target, ao);
   if (!s.ok()) return s.status();
   absl::StatusOr<ReplaySummary> out;

@@ -16,6 +16,7 @@ struct ControlArgs {
   std::string target;
   std::string session_id;
   std::string token;
+  std::string admin_token;  ///< sent as "authorization: Bearer ..." when set (TCP targets)
 };
 
 int CmdStatus(const ControlArgs& a);
@@ -32,6 +33,7 @@ int CmdStats(const ControlArgs& a);
 /// `where` receives a line naming the session.
 absl::StatusOr<ReplaySummary> ReplayThroughDaemon(const std::string& target, const Trace& trace,
                                                   const ReplayOptions& options, bool remote,
+                                                  const std::string& admin_token,
                                                   std::string* where);
 
 }  // namespace spin

@@ -94,6 +94,8 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Attach(const std::string& targ
   pb::AttachResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  s->admin_token_ = o.admin_token;
+  if (!o.admin_token.empty()) ctx.AddMetadata("authorization", "Bearer " + o.admin_token);
   if (absl::Status st = FromGrpc(s->stub_->Attach(&ctx, req, &resp), "Attach"); !st.ok()) {
     return st;
   }
@@ -138,6 +140,7 @@ absl::Status Session::Detach() {
   pb::DetachResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  if (!admin_token_.empty()) ctx.AddMetadata("authorization", "Bearer " + admin_token_);
   return FromGrpc(stub_->Detach(&ctx, req, &resp), "Detach");
 }
 

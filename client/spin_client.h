@@ -19,6 +19,7 @@ struct AttachOptions {
   Policy policy;
   uint64_t seed = 1;
   std::string client_name;
+  std::string admin_token;  ///< spind's admin token, needed for Attach/Detach over TCP
 };
 
 /// An attached session with its arena mapped here (CPU backend: the daemon's memfd).
@@ -46,7 +47,7 @@ class Session {
 
  private:
   Session() = default;
-  std::string id_, token_;
+  std::string id_, token_, admin_token_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<spin::v1::Spin::Stub> stub_;
   int conn_ = -1;  // fd-socket connection: held open as the liveness signal

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <string>
 
@@ -78,6 +79,11 @@ int main(int argc, char** argv) {
                  "spind address (unix:///run/spin/spind.sock or HOST:PORT); replay then runs "
                  "through a session in the daemon")
       ->envname("SPIN_TARGET");
+  std::string admin_token_file;
+  app.add_option("--admin-token-file", admin_token_file,
+                 "spind's admin token (needed for changes over TCP)")
+      ->envname("SPIN_ADMIN_TOKEN_FILE")
+      ->check(CLI::ExistingFile);
 
   // gen-trace
   GenTraceOptions gen;
@@ -181,10 +187,15 @@ int main(int argc, char** argv) {
   session_opts(sts);
 
   CLI11_PARSE(app, argc, argv);
+  std::string admin_token;
+  if (!admin_token_file.empty()) {
+    std::ifstream f(admin_token_file);
+    std::getline(f, admin_token);
+  }
 
   if (st->parsed() || ss->parsed() || pol->parsed() || bud->parsed() || sts->parsed()) {
     if (target.empty()) target = "unix:///run/spin/spind.sock";
-    ControlArgs ca{target, session_id, token};
+    ControlArgs ca{target, session_id, token, admin_token};
     if (st->parsed()) return CmdStatus(ca);
     if (ss->parsed()) return CmdSessions(ca);
     if (pget->parsed()) return CmdPolicyGet(ca);
@@ -234,7 +245,7 @@ int main(int argc, char** argv) {
     if (remote) return Fail(absl::InvalidArgumentError("--remote needs --target"));
     sum = Replay(*t, ro);
   } else {
-    sum = ReplayThroughDaemon(target, *t, ro, remote, &where);
+    sum = ReplayThroughDaemon(target, *t, ro, remote, admin_token, &where);
   }
   if (!sum.ok()) return Fail(sum.status());
   if (json) {

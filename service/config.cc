@@ -20,6 +20,11 @@ ParseResult ParseConfig(int argc, const char* const* argv) {
   app.add_option("--metrics-address", c.metrics_address,
                  "Serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any; empty: off)")
       ->envname("SPIND_METRICS_ADDRESS");
+  app.add_option("--admin-token-file", c.admin_token_file,
+                 "File whose content mutating calls over TCP must send as 'authorization: "
+                 "Bearer <token>'")
+      ->envname("SPIND_ADMIN_TOKEN_FILE")
+      ->check(CLI::ExistingFile);
   app.add_option("--backend", c.backend,
                  "Where arenas live: auto (cpu until the CUDA sessions land), cpu")
       ->envname("SPIND_BACKEND")

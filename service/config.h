@@ -12,6 +12,7 @@ namespace spin::service {
 struct Config {
   std::string listen = "unix:///run/spin/spind.sock";  ///< gRPC on a Unix socket
   std::string tcp_listen;                              ///< optional HOST:PORT
+  std::string admin_token_file;            ///< its content is required by mutating calls over TCP
   std::string metrics_address;             ///< Prometheus /metrics on HOST:PORT; empty = off
   std::string backend = "auto";            ///< auto | cpu | cuda
   uint64_t max_arena_bytes = 64ull << 30;  ///< over all sessions

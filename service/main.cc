@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <ctime>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -70,7 +71,16 @@ int main(int argc, char** argv) {
     const std::string host = c.metrics_address.substr(0, c.metrics_address.rfind(':'));
     Log(c, "info", "metrics on http://" + host + ":" + std::to_string(metrics.port()) + "/metrics");
   }
-  SpinService service(&sessions, fds.path(), &metrics);
+  std::string admin_token;
+  if (!c.admin_token_file.empty()) {
+    std::ifstream f(c.admin_token_file);
+    std::getline(f, admin_token);
+    if (admin_token.empty()) {
+      Log(c, "error", "--admin-token-file " + c.admin_token_file + " is empty");
+      return 1;
+    }
+  }
+  SpinService service(&sessions, fds.path(), &metrics, admin_token);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

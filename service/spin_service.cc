@@ -198,6 +198,19 @@ grpc::ServerWriteReactor<pb::GetBudgetsResponse>* SpinService::WatchBudgets(
   return w;
 }
 
+absl::Status SpinService::CheckAdmin(grpc::CallbackServerContext* ctx) const {
+  if (admin_token_.empty() || ctx->peer().rfind("unix:", 0) == 0) return absl::OkStatus();
+  const auto& md = ctx->client_metadata();
+  auto it = md.find("authorization");
+  if (it != md.end() &&
+      std::string(it->second.data(), it->second.size()) == "Bearer " + admin_token_) {
+    return absl::OkStatus();
+  }
+  return absl::PermissionDeniedError(
+      "mutating calls over TCP need spind's admin token: send metadata 'authorization: Bearer "
+      "<token>' (spinctl --admin-token-file)");
+}
+
 grpc::ServerUnaryReactor* SpinService::Done(grpc::CallbackServerContext* ctx, const char* method,
                                             std::chrono::steady_clock::time_point t0,
                                             const absl::Status& s) {
@@ -220,6 +233,7 @@ grpc::ServerUnaryReactor* SpinService::Attach(grpc::CallbackServerContext* ctx,
                                               const pb::AttachRequest* req,
                                               pb::AttachResponse* resp) {
   const auto t0 = Clock::now();
+  if (absl::Status a = CheckAdmin(ctx); !a.ok()) return Done(ctx, "Attach", t0, a);
   absl::StatusOr<Geometry> g = FromProto(req->geometry());
   if (!g.ok()) return Done(ctx, "Attach", t0, g.status());
   Policy p;  // defaults for what the request leaves at zero
@@ -250,6 +264,7 @@ grpc::ServerUnaryReactor* SpinService::Attach(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* SpinService::Detach(grpc::CallbackServerContext* ctx,
                                               const pb::DetachRequest* req, pb::DetachResponse*) {
   const auto t0 = Clock::now();
+  if (absl::Status a = CheckAdmin(ctx); !a.ok()) return Done(ctx, "Detach", t0, a);
   // Open WatchBudgets streams of the session end through the manager's free callback.
   return Done(ctx, "Detach", t0,
               sessions_->Detach(req->session().session_id(), req->session().token()));
@@ -271,6 +286,7 @@ grpc::ServerUnaryReactor* SpinService::SetPolicy(grpc::CallbackServerContext* ct
                                                  const pb::SetPolicyRequest* req,
                                                  pb::SetPolicyResponse* resp) {
   const auto t0 = Clock::now();
+  if (absl::Status a = CheckAdmin(ctx); !a.ok()) return Done(ctx, "SetPolicy", t0, a);
   auto s = sessions_->Get(req->session().session_id(), req->session().token());
   if (!s.ok()) return Done(ctx, "SetPolicy", t0, s.status());
   std::lock_guard<std::mutex> lock((*s)->mu);
@@ -304,6 +320,7 @@ grpc::ServerUnaryReactor* SpinService::OpenSequences(grpc::CallbackServerContext
                                                      const pb::OpenSequencesRequest* req,
                                                      pb::OpenSequencesResponse*) {
   const auto t0 = Clock::now();
+  if (absl::Status a = CheckAdmin(ctx); !a.ok()) return Done(ctx, "OpenSequences", t0, a);
   auto s = sessions_->Get(req->session().session_id(), req->session().token());
   if (!s.ok()) return Done(ctx, "OpenSequences", t0, s.status());
   std::lock_guard<std::mutex> lock((*s)->mu);
@@ -327,6 +344,7 @@ grpc::ServerUnaryReactor* SpinService::PredictMasks(grpc::CallbackServerContext*
                                                     const pb::PredictMasksRequest* req,
                                                     pb::PredictMasksResponse* resp) {
   const auto t0 = Clock::now();
+  if (absl::Status a = CheckAdmin(ctx); !a.ok()) return Done(ctx, "PredictMasks", t0, a);
   auto s = sessions_->Get(req->session().session_id(), req->session().token());
   if (!s.ok()) return Done(ctx, "PredictMasks", t0, s.status());
   Session& session = **s;
@@ -367,6 +385,7 @@ grpc::ServerUnaryReactor* SpinService::ObserveScores(grpc::CallbackServerContext
                                                      const pb::ObserveScoresRequest* req,
                                                      pb::ObserveScoresResponse* resp) {
   const auto t0 = Clock::now();
+  if (absl::Status a = CheckAdmin(ctx); !a.ok()) return Done(ctx, "ObserveScores", t0, a);
   auto s = sessions_->Get(req->session().session_id(), req->session().token());
   if (!s.ok()) return Done(ctx, "ObserveScores", t0, s.status());
   Session& session = **s;

@@ -37,9 +37,14 @@ grpc::Status ToGrpc(const absl::Status& s);
 class SpinService final : public spin::v1::Spin::CallbackService {
  public:
   /// `fd_socket` is the path clients fetch arena fds from (AttachResponse.fd_socket).
-  /// `metrics` may be null (no RPC metrics).
-  SpinService(SessionManager* sessions, std::string fd_socket, Metrics* metrics = nullptr)
-      : sessions_(sessions), fd_socket_(std::move(fd_socket)), metrics_(metrics) {
+  /// `metrics` may be null (no RPC metrics). A non-empty `admin_token` is required (metadata
+  /// "authorization: Bearer <token>") by mutating calls that arrive over TCP.
+  SpinService(SessionManager* sessions, std::string fd_socket, Metrics* metrics = nullptr,
+              std::string admin_token = "")
+      : sessions_(sessions),
+        fd_socket_(std::move(fd_socket)),
+        metrics_(metrics),
+        admin_token_(std::move(admin_token)) {
     // A freed session (Detach, or its client went away) ends its budget streams.
     sessions_->SetOnFree([this](const std::string& id) { hub_.EndAll(id, grpc::Status::OK); });
   }
@@ -82,9 +87,14 @@ class SpinService final : public spin::v1::Spin::CallbackService {
   grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const char* method,
                                  std::chrono::steady_clock::time_point t0, const absl::Status& s);
 
+  // OK for Unix-socket peers and when no admin token is set; PERMISSION_DENIED otherwise unless
+  // the call carries the admin token.
+  absl::Status CheckAdmin(grpc::CallbackServerContext* ctx) const;
+
   SessionManager* sessions_;
   std::string fd_socket_;
   Metrics* metrics_;
+  std::string admin_token_;
   BudgetHub hub_;
 };
 

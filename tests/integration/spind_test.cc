@@ -41,8 +41,11 @@ class Daemon {
                                     std::to_string(counter++) + ".sock";
     std::vector<std::string> args = {SPIND_PATH, "--listen", "unix://" + socket_};
     args.insert(args.end(), extra.begin(), extra.end());
+    log_ = socket_ + ".log";
     pid_ = fork();
     if (pid_ == 0) {
+      FILE* log = std::fopen(log_.c_str(), "w");
+      if (log) dup2(fileno(log), 2);
       std::vector<char*> argv;
       for (std::string& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
@@ -75,6 +78,11 @@ class Daemon {
   }
   bool ready() const { return ready_; }
   pid_t pid() const { return pid_; }
+  // What spind printed on stderr so far.
+  std::string log() const {
+    std::ifstream f(log_);
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  }
   // SIGKILL: a crash, no cleanup.
   void Kill() {
     if (pid_ > 0) {
@@ -88,7 +96,7 @@ class Daemon {
   const std::string& socket() const { return socket_; }
 
  private:
-  std::string socket_;
+  std::string socket_, log_;
   pid_t pid_ = -1;
   bool ready_ = false;
   std::shared_ptr<grpc::Channel> channel_;
@@ -567,6 +575,54 @@ TEST(Spind, KilledClientsSessionIsReclaimed) {
   EXPECT_LE(FdCount(d.pid()), fds_after_warmup);
   // Arenas are 128 KiB each here: 45 leaked ones would add ~1400 pages.
   EXPECT_LT(RssPages(d.pid()), rss_after_warmup + 256);
+}
+
+// Over TCP, mutating calls need the admin token; reads and Unix-socket callers do not.
+TEST(Spind, AdminTokenGuardsMutatingCallsOverTcp) {
+  const std::string token_file = ::testing::TempDir() + "/spind-admin-token";
+  std::ofstream(token_file) << "s3cret\n";
+  Daemon d({"--tcp-listen", "127.0.0.1:0", "--admin-token-file", token_file});
+  ASSERT_TRUE(d.ready());
+  const std::string log = d.log();
+  const size_t at = log.find("tcp port ");
+  ASSERT_NE(at, std::string::npos) << log;
+  const int port = std::atoi(log.c_str() + at + 9);
+  auto tcp = pb::Spin::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  pb::AttachResponse a;
+  {
+    grpc::ClientContext c;
+    EXPECT_EQ(tcp->Attach(&c, AttachReq(), &a).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  }
+  {
+    grpc::ClientContext c;
+    c.AddMetadata("authorization", "Bearer wrong");
+    EXPECT_EQ(tcp->Attach(&c, AttachReq(), &a).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  }
+  {
+    grpc::ClientContext c;
+    c.AddMetadata("authorization", "Bearer s3cret");
+    ASSERT_TRUE(tcp->Attach(&c, AttachReq(), &a).ok());
+  }
+  // Reads need only the session token; a mutation without the admin token changes nothing.
+  pb::GetPolicyRequest gp;
+  *gp.mutable_session() = Ref(a);
+  pb::GetPolicyResponse pol;
+  {
+    grpc::ClientContext c;
+    ASSERT_TRUE(tcp->GetPolicy(&c, gp, &pol).ok());
+  }
+  pb::SetPolicyRequest sp;
+  *sp.mutable_session() = Ref(a);
+  sp.set_target_sparsity(0.2);
+  pb::SetPolicyResponse spr;
+  {
+    grpc::ClientContext c;
+    EXPECT_EQ(tcp->SetPolicy(&c, sp, &spr).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  }
+  // The Unix socket (mode 0660) is trusted.
+  ASSERT_TRUE(CALL(d, SetPolicy, sp, &spr).ok());
+  EXPECT_DOUBLE_EQ(spr.policy().target_sparsity(), 0.2);
 }
 
 // WatchBudgets: the current table first, then one message per policy change (from another
