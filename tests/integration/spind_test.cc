@@ -572,7 +572,8 @@ TEST(Spind, KilledClientsSessionIsReclaimed) {
       rss_after_warmup = RssPages(d.pid());
     }
   }
-  EXPECT_LE(FdCount(d.pid()), fds_after_warmup);
+  // A leak would grow by one or more per cycle (45 more cycles); allow two transient sockets.
+  EXPECT_LE(FdCount(d.pid()), fds_after_warmup + 2);
   // Arenas are 128 KiB each here: 45 leaked ones would add ~1400 pages.
   EXPECT_LT(RssPages(d.pid()), rss_after_warmup + 256);
 }
