@@ -35,7 +35,6 @@ std::unique_ptr<pb::Spin::Stub> Stub(const ControlArgs& a) {
   return pb::Spin::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
 }
 
-
 pb::SessionRef Ref(const ControlArgs& a) {
   pb::SessionRef r;
   r.set_session_id(a.session_id);
