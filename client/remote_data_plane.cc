@@ -4,6 +4,7 @@
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
+#include "convert.h"
 #include "grpc_status.h"
 #include "grpcpp/grpcpp.h"
 
@@ -81,18 +82,7 @@ absl::Status RemoteDataPlane::RefreshStats() {
   if (!s.ok()) return s;
   for (const pb::LayerStats& l : resp.layers()) {
     if (l.layer() >= mirror_.geometry.layers) continue;
-    LayerStats& m = mirror_.stats[l.layer()];
-    m.steps = l.steps();
-    m.dense_steps = l.dense_steps();
-    m.probe_steps = l.probe_steps();
-    m.blocks_kept = l.blocks_kept();
-    m.blocks_total = l.blocks_total();
-    m.sparse_blocks_kept = l.sparse_blocks_kept();
-    m.sparse_blocks_total = l.sparse_blocks_total();
-    m.observed = l.observed();
-    m.bad_scores = l.bad_scores();
-    m.probe_topk = l.probe_topk();
-    m.probe_missed = l.probe_missed();
+    mirror_.stats[l.layer()] = FromProto(l);
   }
   return absl::OkStatus();
 }

@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "convert.h"
 #include "grpc_status.h"
 #include "grpcpp/grpcpp.h"
 
@@ -73,23 +74,9 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Attach(const std::string& targ
   s->channel_ = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
   s->stub_ = pb::Spin::NewStub(s->channel_);
   pb::AttachRequest req;
-  pb::Geometry* g = req.mutable_geometry();
-  g->set_layers(o.geometry.layers);
-  g->set_block_size(o.geometry.block_size);
-  g->set_topk(o.geometry.topk);
-  g->set_max_sequences(o.geometry.max_seqs);
-  g->set_max_slots(o.geometry.max_slots);
-  g->set_max_rows(o.geometry.max_rows);
-  g->set_state_dtype(o.geometry.dtype == StateDtype::kBf16 ? pb::STATE_DTYPE_BF16
-                                                           : pb::STATE_DTYPE_FP32);
+  *req.mutable_geometry() = ToProto(o.geometry);
   req.set_seed(o.seed);
-  pb::Policy* p = req.mutable_policy();
-  p->set_target_sparsity(o.policy.target_sparsity);
-  p->set_exploration(o.policy.exploration);
-  p->set_alpha(o.policy.alpha);
-  p->set_probe_period(o.policy.probe_period);
-  p->set_budget_mode(o.policy.budget_mode == BudgetMode::kPerLayer ? pb::BUDGET_MODE_PER_LAYER
-                                                                   : pb::BUDGET_MODE_UNIFORM);
+  *req.mutable_policy() = ToProto(o.policy);
   req.set_client_name(o.client_name);
   pb::AttachResponse resp;
   grpc::ClientContext ctx;

@@ -3,6 +3,7 @@
 #include <exception>
 
 #include "absl/strings/str_cat.h"
+#include "convert.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
 
@@ -21,15 +22,6 @@ const char* CodeName(grpc::StatusCode c) {
       "DataLoss", "Unauthenticated"};
   const int i = static_cast<int>(c);
   return i >= 0 && i < 17 ? kNames[i] : "Unknown";
-}
-
-double Ratio(uint64_t num, uint64_t den) {
-  return den == 0 ? 0.0 : static_cast<double>(num) / static_cast<double>(den);
-}
-
-// Skipped / total blocks; 0 before any block was counted.
-double Skipped(uint64_t kept, uint64_t total) {
-  return total == 0 ? 0.0 : 1.0 - Ratio(kept, total);
 }
 
 // Reads every session's arena at scrape time: the arenas are the source of truth, so nothing
@@ -94,9 +86,11 @@ class SessionCollector final : public prometheus::Collectable {
           x.counter.value = static_cast<double>(value);
           f.metric.push_back(x);
         };
-        gauge(realized, Skipped(st.sparse_blocks_kept, st.sparse_blocks_total));
-        gauge(effective, Skipped(st.blocks_kept, st.blocks_total));
-        gauge(miss, Ratio(st.probe_missed, st.probe_topk));
+        // The same derived ratios GetStats reports.
+        const spin::v1::LayerStats ratios = ToProto(l, st, v.sparsity[l]);
+        gauge(realized, ratios.realized_sparsity());
+        gauge(effective, ratios.effective_sparsity());
+        gauge(miss, ratios.miss_rate());
         gauge(budget, v.sparsity[l]);
         counter(steps, st.steps);
         counter(probes, st.probe_steps);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "convert.h"
 
 namespace spin::service {
 namespace {
@@ -14,75 +15,6 @@ namespace {
 namespace pb = spin::v1;
 
 using Clock = std::chrono::steady_clock;
-
-absl::StatusOr<Geometry> FromProto(const pb::Geometry& p) {
-  Geometry g;
-  g.layers = p.layers();
-  g.block_size = p.block_size();
-  g.topk = p.topk();
-  g.max_seqs = p.max_sequences();
-  g.max_slots = p.max_slots();
-  g.max_rows = p.max_rows();
-  switch (p.state_dtype()) {
-    case pb::STATE_DTYPE_FP32:
-      g.dtype = StateDtype::kFp32;
-      break;
-    case pb::STATE_DTYPE_BF16:
-      g.dtype = StateDtype::kBf16;
-      break;
-    default:
-      return absl::InvalidArgumentError("geometry.state_dtype must be FP32 or BF16");
-  }
-  if (absl::Status s = ValidateGeometry(g); !s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("geometry: ", s.message()));
-  }
-  return g;
-}
-
-pb::Geometry ToProto(const Geometry& g) {
-  pb::Geometry p;
-  p.set_layers(g.layers);
-  p.set_block_size(g.block_size);
-  p.set_topk(g.topk);
-  p.set_max_sequences(g.max_seqs);
-  p.set_max_slots(g.max_slots);
-  p.set_max_rows(g.max_rows);
-  p.set_state_dtype(g.dtype == StateDtype::kBf16 ? pb::STATE_DTYPE_BF16 : pb::STATE_DTYPE_FP32);
-  return p;
-}
-
-absl::StatusOr<BudgetMode> ModeFromProto(pb::BudgetMode m, BudgetMode keep) {
-  switch (m) {
-    case pb::BUDGET_MODE_UNSPECIFIED:
-      return keep;
-    case pb::BUDGET_MODE_UNIFORM:
-      return BudgetMode::kUniform;
-    case pb::BUDGET_MODE_PER_LAYER:
-      return BudgetMode::kPerLayer;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat("unknown budget mode ", m));
-  }
-}
-
-pb::Policy ToProto(const Policy& p) {
-  pb::Policy o;
-  o.set_target_sparsity(p.target_sparsity);
-  o.set_exploration(p.exploration);
-  o.set_alpha(p.alpha);
-  o.set_probe_period(p.probe_period);
-  o.set_budget_mode(p.budget_mode == BudgetMode::kPerLayer ? pb::BUDGET_MODE_PER_LAYER
-                                                           : pb::BUDGET_MODE_UNIFORM);
-  return o;
-}
-
-double Ratio(uint64_t num, uint64_t den) {
-  return den == 0 ? 0.0 : static_cast<double>(num) / static_cast<double>(den);
-}
-
-// Skipped / total blocks; 0 before any block was counted.
-double Skipped(uint64_t kept, uint64_t total) {
-  return total == 0 ? 0.0 : 1.0 - Ratio(kept, total);
-}
 
 // The budget table of a session (caller holds the session's lock).
 pb::GetBudgetsResponse Budgets(const Session& s) {
@@ -448,24 +380,7 @@ grpc::ServerUnaryReactor* SpinService::GetStats(grpc::CallbackServerContext* ctx
   std::lock_guard<std::mutex> lock((*s)->mu);
   const ArenaView& v = (*s)->view;
   for (uint32_t l = 0; l < v.geometry.layers; ++l) {
-    const LayerStats& st = v.stats[l];
-    pb::LayerStats* o = resp->add_layers();
-    o->set_layer(l);
-    o->set_steps(st.steps);
-    o->set_dense_steps(st.dense_steps);
-    o->set_probe_steps(st.probe_steps);
-    o->set_realized_sparsity(Skipped(st.sparse_blocks_kept, st.sparse_blocks_total));
-    o->set_effective_sparsity(Skipped(st.blocks_kept, st.blocks_total));
-    o->set_miss_rate(Ratio(st.probe_missed, st.probe_topk));
-    o->set_bad_scores(st.bad_scores);
-    o->set_observed(st.observed);
-    o->set_sparsity_budget(v.sparsity[l]);
-    o->set_blocks_kept(st.blocks_kept);
-    o->set_blocks_total(st.blocks_total);
-    o->set_sparse_blocks_kept(st.sparse_blocks_kept);
-    o->set_sparse_blocks_total(st.sparse_blocks_total);
-    o->set_probe_topk(st.probe_topk);
-    o->set_probe_missed(st.probe_missed);
+    *resp->add_layers() = ToProto(l, v.stats[l], v.sparsity[l]);
   }
   return Done(ctx, "GetStats", t0, absl::OkStatus());
 }
