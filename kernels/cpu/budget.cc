@@ -1,0 +1,330 @@
+#include "spin/budget.h"
+
+#include <algorithm>
+#include <cmath>
+#include <queue>
+#include <tuple>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "spin/numerics.h"
+
+namespace spin {
+namespace {
+
+// A layer's predicted miss as a function of its kept blocks, at B blocks.
+struct LayerCurve {
+  MissCurve monotone;
+  int32_t lo = 1;  // the floor ceil(K/b), capped at B
+  double Miss(int32_t m, int32_t num_blocks) const {
+    return CurveMiss(monotone, static_cast<double>(m) / num_blocks);
+  }
+  // Fewest blocks in [lo, B] whose predicted miss is at most `level` (B if none).
+  int32_t Need(double level, int32_t num_blocks) const {
+    int32_t a = lo, b = num_blocks;
+    if (Miss(b, num_blocks) > level) return b;
+    while (a < b) {  // Miss is non-increasing in m: find the first m with Miss(m) <= level
+      const int32_t mid = a + (b - a) / 2;
+      if (Miss(mid, num_blocks) <= level) {
+        b = mid;
+      } else {
+        a = mid + 1;
+      }
+    }
+    return a;
+  }
+};
+
+int64_t TotalNeed(const std::vector<LayerCurve>& layers, double level, int32_t num_blocks) {
+  int64_t total = 0;
+  for (const LayerCurve& c : layers) total += c.Need(level, num_blocks);
+  return total;
+}
+
+}  // namespace
+
+MissCurve MonotoneCurve(const MissCurve& c) {
+  // Pool adjacent violators for a non-increasing fit: blocks of (sum, count) whose means must
+  // not increase from left to right; merge while the last block's mean exceeds its
+  // predecessor's.
+  double sum[kCurvePoints];
+  int count[kCurvePoints];
+  int blocks = 0;
+  for (int p = 0; p < kCurvePoints; ++p) {
+    sum[blocks] = c[p];
+    count[blocks] = 1;
+    ++blocks;
+    while (blocks > 1 &&
+           sum[blocks - 1] * count[blocks - 2] > sum[blocks - 2] * count[blocks - 1]) {
+      sum[blocks - 2] += sum[blocks - 1];
+      count[blocks - 2] += count[blocks - 1];
+      --blocks;
+    }
+  }
+  MissCurve out;
+  int p = 0;
+  for (int k = 0; k < blocks; ++k) {
+    const double mean = std::clamp(sum[k] / count[k], 0.0, 1.0);
+    for (int j = 0; j < count[k]; ++j) out[p++] = mean;
+  }
+  return out;
+}
+
+double CurveMiss(const MissCurve& m, double keep) {
+  if (!(keep > 0)) return 1.0;
+  if (keep >= CurveKeepFraction(kCurvePoints - 1)) return m[kCurvePoints - 1];
+  // Grid point p sits at 0.05 (p + 1); segment [x0, x1] holds keep.
+  const double pos = keep / 0.05;                                   // in (0, 20)
+  const int p = std::min(static_cast<int>(pos), kCurvePoints - 1);  // x1 = grid point p
+  const double x0 = p == 0 ? 0.0 : CurveKeepFraction(p - 1);
+  const double y0 = p == 0 ? 1.0 : m[p - 1];
+  const double x1 = CurveKeepFraction(p), y1 = m[p];
+  const double w = std::clamp((keep - x0) / (x1 - x0), 0.0, 1.0);
+  return y0 + w * (y1 - y0);
+}
+
+absl::StatusOr<Allocation> AllocateBudgets(const AllocationInput& in) {
+  const int32_t L = static_cast<int32_t>(in.curves.size());
+  const int32_t B = in.num_blocks;
+  if (L < 1) return absl::InvalidArgumentError("budget allocation needs at least one layer");
+  if (B < 1 || in.topk < 1 || in.block_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("budget allocation needs num_blocks, topk and block_size >= 1; got ", B, ", ",
+                     in.topk, ", ", in.block_size));
+  }
+  if (!(in.target_sparsity >= 0 && in.target_sparsity < 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("target sparsity ", in.target_sparsity, " is out of range [0, 1)"));
+  }
+  for (int32_t l = 0; l < L; ++l) {
+    for (int p = 0; p < kCurvePoints; ++p) {
+      if (!std::isfinite(in.curves[l][p])) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("miss curve of layer ", l, " has a non-finite value at point ", p));
+      }
+    }
+  }
+  const int32_t floor_blocks =
+      static_cast<int32_t>(std::min<int64_t>(B, CeilDiv(in.topk, in.block_size)));
+  const int32_t uniform = KeptBlocks(B, in.topk, in.block_size, in.target_sparsity);
+  const int64_t budget = static_cast<int64_t>(uniform) * L;
+
+  std::vector<LayerCurve> layers(L);
+  double top = 0;
+  for (int32_t l = 0; l < L; ++l) {
+    layers[l].monotone = MonotoneCurve(in.curves[l]);
+    layers[l].lo = floor_blocks;
+    top = std::max(top, layers[l].Miss(floor_blocks, B));
+  }
+  // Smallest level whose per-layer needs fit the budget. Need(top) is the floor everywhere,
+  // which always fits (uniform >= floor).
+  std::vector<int32_t> blocks(L);
+  double lo = 0, hi = top;
+  if (TotalNeed(layers, 0.0, B) <= budget) {
+    hi = 0;
+  } else {
+    for (int it = 0; it < 64 && hi - lo > 1e-12; ++it) {
+      const double mid = 0.5 * (lo + hi);
+      (TotalNeed(layers, mid, B) <= budget ? hi : lo) = mid;
+    }
+  }
+  int64_t used = 0;
+  for (int32_t l = 0; l < L; ++l) {
+    blocks[l] = layers[l].Need(hi, B);
+    used += blocks[l];
+  }
+  // Blocks left over: one at a time to the largest predicted drop in miss; ties to fewer blocks,
+  // then the lower layer id. A layer at B takes no more.
+  using Entry = std::tuple<double, int32_t, int32_t>;  // gain, -blocks, -layer
+  std::priority_queue<Entry> heap;
+  auto push = [&](int32_t l) {
+    if (blocks[l] < B) {
+      heap.emplace(layers[l].Miss(blocks[l], B) - layers[l].Miss(blocks[l] + 1, B), -blocks[l], -l);
+    }
+  };
+  for (int32_t l = 0; l < L; ++l) push(l);
+  for (int64_t left = budget - used; left > 0 && !heap.empty(); --left) {
+    const int32_t l = -std::get<2>(heap.top());
+    heap.pop();
+    blocks[l] += 1;
+    push(l);
+  }
+
+  Allocation out;
+  out.blocks = blocks;
+  out.sparsity.resize(L);
+  for (int32_t l = 0; l < L; ++l) {
+    out.sparsity[l] = 1.0 - static_cast<double>(blocks[l]) / B;
+    out.total_blocks += blocks[l];
+    const double miss = layers[l].Miss(blocks[l], B), umiss = layers[l].Miss(uniform, B);
+    out.worst_miss = std::max(out.worst_miss, miss);
+    out.uniform_worst_miss = std::max(out.uniform_worst_miss, umiss);
+    out.mean_miss += miss / L;
+    out.uniform_mean_miss += umiss / L;
+  }
+  return out;
+}
+
+absl::Status ValidateBudgetTuning(const BudgetTuning& t) {
+  if (!(t.smoothing > 0 && t.smoothing <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("budget smoothing ", t.smoothing, " is out of range (0, 1]"));
+  }
+  if (!(t.drift_threshold >= 0 && t.drift_threshold <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("budget drift threshold ", t.drift_threshold, " is out of range [0, 1]"));
+  }
+  if (!(t.blocks_drift >= 0) || !std::isfinite(t.blocks_drift)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("budget blocks drift ", t.blocks_drift, " must be a finite value >= 0"));
+  }
+  if (t.min_probes < 1) {
+    return absl::InvalidArgumentError("budget min_probes must be >= 1");
+  }
+  return absl::OkStatus();
+}
+
+BudgetController::BudgetController(const Geometry& g, BudgetTuning tuning)
+    : layers_(static_cast<int32_t>(g.layers)),
+      topk_(static_cast<int32_t>(g.topk)),
+      block_size_(static_cast<int32_t>(std::max<uint32_t>(1, g.block_size))),
+      default_blocks_(static_cast<int32_t>(
+          std::max<int64_t>(1, CeilDiv(g.max_slots, std::max<uint32_t>(1, g.block_size))))),
+      tuning_(tuning) {
+  Reset();
+}
+
+void BudgetController::Reset() {
+  base_curves_.assign(static_cast<size_t>(layers_) * kCurvePoints, 0);
+  base_stats_.assign(layers_, LayerStats{});
+  smoothed_.assign(layers_, MissCurve{});
+  used_.assign(layers_, MissCurve{});
+  samples_.assign(layers_, 0);
+  num_blocks_ = default_blocks_;
+  used_blocks_ = 0;
+  used_target_ = -1;
+  recomputes_ = 0;
+}
+
+absl::StatusOr<std::optional<BudgetUpdate>> BudgetController::Update(const ProbeSnapshot& snap,
+                                                                     double target) {
+  if (snap.curves.size() != static_cast<size_t>(layers_) * kCurvePoints ||
+      snap.stats.size() != static_cast<size_t>(layers_)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("probe snapshot has ", snap.curves.size(), " curve counters and ",
+                     snap.stats.size(), " layer stats; the session has ", layers_, " layers (",
+                     layers_ * kCurvePoints, " counters)"));
+  }
+  if (!(target >= 0 && target < 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("target sparsity ", target, " is out of range [0, 1)"));
+  }
+  // Monotone counters that went backwards mean a new arena: measure from zero again.
+  bool backwards = false;
+  for (int32_t l = 0; l < layers_ && !backwards; ++l) {
+    const LayerStats &s = snap.stats[l], &b = base_stats_[l];
+    backwards = s.steps < b.steps || s.probe_steps < b.probe_steps || s.probe_topk < b.probe_topk ||
+                s.blocks_total < b.blocks_total;
+  }
+  for (size_t i = 0; i < base_curves_.size() && !backwards; ++i) {
+    backwards = snap.curves[i] < base_curves_[i];
+  }
+  if (backwards) {
+    std::fill(base_curves_.begin(), base_curves_.end(), 0);
+    std::fill(base_stats_.begin(), base_stats_.end(), LayerStats{});
+  }
+
+  uint64_t dsteps = 0, dblocks = 0;
+  for (int32_t l = 0; l < layers_; ++l) {
+    const LayerStats &s = snap.stats[l], &b = base_stats_[l];
+    dsteps += s.steps - b.steps;
+    dblocks += s.blocks_total - b.blocks_total;
+    const uint64_t probes = s.probe_steps - b.probe_steps;
+    const uint64_t topk = s.probe_topk - b.probe_topk;
+    if (probes == 0 || topk == 0) continue;
+    MissCurve x;
+    for (int p = 0; p < kCurvePoints; ++p) {
+      const size_t i = static_cast<size_t>(l) * kCurvePoints + p;
+      x[p] = static_cast<double>(snap.curves[i] - base_curves_[i]) / static_cast<double>(topk);
+    }
+    if (samples_[l] == 0) {
+      smoothed_[l] = x;
+    } else {
+      const double w = 1.0 - std::pow(1.0 - tuning_.smoothing, static_cast<double>(probes));
+      for (int p = 0; p < kCurvePoints; ++p) smoothed_[l][p] += w * (x[p] - smoothed_[l][p]);
+    }
+    samples_[l] += probes;
+  }
+  if (dsteps > 0) {
+    num_blocks_ = static_cast<int32_t>(std::max<int64_t>(
+        1, std::llround(static_cast<double>(dblocks) / static_cast<double>(dsteps))));
+  }
+  std::copy(snap.curves.begin(), snap.curves.end(), base_curves_.begin());
+  std::copy(snap.stats.begin(), snap.stats.end(), base_stats_.begin());
+
+  for (int32_t l = 0; l < layers_; ++l) {
+    if (samples_[l] < tuning_.min_probes) return std::optional<BudgetUpdate>();
+  }
+  std::string reason;
+  if (recomputes_ == 0) {
+    reason = "first";
+  } else if (target != used_target_) {
+    reason = "target";
+  } else {
+    double drift = 0;
+    int32_t where = 0;
+    for (int32_t l = 0; l < layers_; ++l) {
+      for (int p = 0; p < kCurvePoints; ++p) {
+        const double d = std::fabs(smoothed_[l][p] - used_[l][p]);
+        if (d > drift) {
+          drift = d;
+          where = l;
+        }
+      }
+    }
+    if (drift > tuning_.drift_threshold) {
+      reason = absl::StrFormat("drift %.3f (layer %d)", drift, where);
+    } else if (std::abs(num_blocks_ - used_blocks_) > tuning_.blocks_drift * used_blocks_) {
+      reason = "context";
+    } else {
+      return std::optional<BudgetUpdate>();
+    }
+  }
+  AllocationInput in;
+  in.curves = smoothed_;
+  in.num_blocks = num_blocks_;
+  in.topk = topk_;
+  in.block_size = block_size_;
+  in.target_sparsity = target;
+  absl::StatusOr<Allocation> a = AllocateBudgets(in);
+  if (!a.ok()) return a.status();
+  used_ = smoothed_;
+  used_blocks_ = num_blocks_;
+  used_target_ = target;
+  recomputes_ += 1;
+  BudgetUpdate u;
+  u.sparsity = a->sparsity;
+  u.allocation = *std::move(a);
+  u.num_blocks = num_blocks_;
+  u.reason = std::move(reason);
+  return std::optional<BudgetUpdate>(std::move(u));
+}
+
+absl::Status WriteBudgetTable(const ArenaView& a, std::span<const double> sparsity) {
+  if (sparsity.size() != a.geometry.layers) {
+    return absl::InvalidArgumentError(absl::StrCat("budget table has ", sparsity.size(),
+                                                   " entries; the arena has ", a.geometry.layers,
+                                                   " layers"));
+  }
+  for (size_t l = 0; l < sparsity.size(); ++l) {
+    if (!(sparsity[l] >= 0 && sparsity[l] < 1)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("budget of layer ", l, " is ", sparsity[l], "; must be in [0, 1)"));
+    }
+  }
+  std::copy(sparsity.begin(), sparsity.end(), a.sparsity);
+  a.policy->epoch += 1;
+  return absl::OkStatus();
+}
+
+}  // namespace spin

@@ -1,0 +1,413 @@
+// Per-layer budgets (kernels/include/spin/budget.h): curve shaping, the minimax allocator, the
+// probe controller's smoothing, drift rule and recompute count, and the host table write.
+#include "spin/budget.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "spin/numerics.h"
+#include "test_arena.h"
+
+namespace spin::testing {
+namespace {
+
+// miss(f) = scale * (1 - f)^power: smooth, decreasing, zero at keep 1.
+MissCurve PowerCurve(double scale, double power) {
+  MissCurve c;
+  for (int p = 0; p < kCurvePoints; ++p) c[p] = scale * std::pow(1 - CurveKeepFraction(p), power);
+  return c;
+}
+
+AllocationInput Input(std::vector<MissCurve> curves, int32_t blocks, double rho,
+                      int32_t topk = 256) {
+  AllocationInput in;
+  in.curves = std::move(curves);
+  in.num_blocks = blocks;
+  in.topk = topk;
+  in.block_size = 64;
+  in.target_sparsity = rho;
+  return in;
+}
+
+// Every invariant a table must satisfy, whatever the curves.
+void CheckInvariants(const AllocationInput& in, const Allocation& a) {
+  const int32_t L = static_cast<int32_t>(in.curves.size());
+  ASSERT_EQ(a.blocks.size(), static_cast<size_t>(L));
+  ASSERT_EQ(a.sparsity.size(), static_cast<size_t>(L));
+  const int32_t uniform = KeptBlocks(in.num_blocks, in.topk, in.block_size, in.target_sparsity);
+  const int32_t floor_blocks = std::min<int32_t>(in.num_blocks, CeilDiv(in.topk, in.block_size));
+  int64_t sum = 0;
+  for (int32_t l = 0; l < L; ++l) {
+    EXPECT_GE(a.blocks[l], floor_blocks) << "layer " << l;
+    EXPECT_LE(a.blocks[l], in.num_blocks) << "layer " << l;
+    EXPECT_GE(a.sparsity[l], 0.0);
+    EXPECT_LT(a.sparsity[l], 1.0);
+    // The kernels' budget formula gives back exactly the allocated blocks.
+    EXPECT_EQ(KeptBlocks(in.num_blocks, in.topk, in.block_size, a.sparsity[l]), a.blocks[l])
+        << "layer " << l;
+    sum += a.blocks[l];
+  }
+  EXPECT_EQ(sum, int64_t{uniform} * L);
+  EXPECT_EQ(a.total_blocks, sum);
+  EXPECT_LE(a.worst_miss, a.uniform_worst_miss + 1e-12);
+}
+
+TEST(MonotoneCurve, KeepsAMonotoneCurveAndPoolsViolators) {
+  const MissCurve c = PowerCurve(0.8, 2);
+  EXPECT_EQ(MonotoneCurve(c), c);
+  MissCurve noisy = c;
+  noisy[3] = noisy[2] + 0.1;  // a rise: pooled with its neighbours, not clipped
+  const MissCurve m = MonotoneCurve(noisy);
+  for (int p = 1; p < kCurvePoints; ++p) EXPECT_LE(m[p], m[p - 1]);
+  EXPECT_NEAR(m[2], (noisy[2] + noisy[3]) / 2, 1e-12);
+  EXPECT_NEAR(m[3], m[2], 1e-12);
+  // Mean preserved (isotonic regression with equal weights), values clamped to [0, 1].
+  EXPECT_NEAR(std::accumulate(m.begin(), m.end(), 0.0),
+              std::accumulate(noisy.begin(), noisy.end(), 0.0), 1e-9);
+  MissCurve wild;
+  wild.fill(2.0);
+  wild[19] = -1.0;
+  const MissCurve w = MonotoneCurve(wild);
+  for (double x : w) {
+    EXPECT_GE(x, 0.0);
+    EXPECT_LE(x, 1.0);
+  }
+}
+
+TEST(CurveMiss, InterpolatesBetweenGridPointsAndAnchorsAtZero) {
+  MissCurve c = PowerCurve(0.5, 1);
+  EXPECT_DOUBLE_EQ(CurveMiss(c, 0.0), 1.0);
+  EXPECT_NEAR(CurveMiss(c, 0.025), (1.0 + c[0]) / 2, 1e-12);
+  EXPECT_NEAR(CurveMiss(c, 0.05), c[0], 1e-12);
+  EXPECT_NEAR(CurveMiss(c, 0.125), (c[1] + c[2]) / 2, 1e-12);
+  EXPECT_NEAR(CurveMiss(c, 1.0), c[19], 1e-12);
+  EXPECT_NEAR(CurveMiss(c, 1.5), c[19], 1e-12);
+}
+
+TEST(AllocateBudgets, EqualCurvesGiveTheUniformBudget) {
+  for (double rho : {0.0, 0.2, 0.5, 0.7, 0.95}) {
+    const AllocationInput in = Input(std::vector<MissCurve>(6, PowerCurve(0.6, 3)), 250, rho);
+    absl::StatusOr<Allocation> a = AllocateBudgets(in);
+    ASSERT_TRUE(a.ok()) << a.status();
+    CheckInvariants(in, *a);
+    const int32_t u = KeptBlocks(250, 256, 64, rho);
+    for (int32_t m : a->blocks) EXPECT_EQ(m, u) << "rho " << rho;
+  }
+}
+
+TEST(AllocateBudgets, GivesHardLayersMoreAndLowersTheWorstMiss) {
+  std::vector<MissCurve> curves = {PowerCurve(0.1, 2), PowerCurve(0.9, 2), PowerCurve(0.3, 2),
+                                   PowerCurve(0.2, 4)};
+  const AllocationInput in = Input(curves, 400, 0.5);
+  absl::StatusOr<Allocation> a = AllocateBudgets(in);
+  ASSERT_TRUE(a.ok()) << a.status();
+  CheckInvariants(in, *a);
+  EXPECT_GT(a->blocks[1], a->blocks[0]);
+  EXPECT_GT(a->blocks[1], KeptBlocks(400, 256, 64, 0.5));
+  EXPECT_LT(a->worst_miss, 0.8 * a->uniform_worst_miss);
+  // Minimax: the predicted misses of layers above the floor are (nearly) level.
+  std::vector<double> miss;
+  for (int l = 0; l < 4; ++l) {
+    if (a->blocks[l] > 4) miss.push_back(CurveMiss(MonotoneCurve(curves[l]), a->blocks[l] / 400.0));
+  }
+  const auto [lo, hi] = std::minmax_element(miss.begin(), miss.end());
+  EXPECT_LT(*hi - *lo, 0.01);
+}
+
+TEST(AllocateBudgets, NoisyNonMonotoneCurves) {
+  std::mt19937_64 rng(91);
+  std::uniform_real_distribution<double> u(-0.08, 0.08);
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<MissCurve> curves;
+    const int L = 1 + trial % 9;
+    for (int l = 0; l < L; ++l) {
+      MissCurve c = PowerCurve(0.2 + 0.1 * (l % 5), 1 + l % 3);
+      for (double& x : c) x = std::clamp(x + u(rng), 0.0, 1.0);
+      curves.push_back(c);
+    }
+    const int32_t blocks = 5 + static_cast<int32_t>(rng() % 600);
+    const double rho = (rng() % 96) / 100.0;
+    const AllocationInput in = Input(curves, blocks, rho, 64 + static_cast<int32_t>(rng() % 512));
+    absl::StatusOr<Allocation> a = AllocateBudgets(in);
+    ASSERT_TRUE(a.ok()) << a.status();
+    CheckInvariants(in, *a);
+    if (::testing::Test::HasFailure()) FAIL() << "trial " << trial;
+  }
+}
+
+TEST(AllocateBudgets, RespectsTheTopKFloor) {
+  // K = 1024, b = 64: 16 blocks at least. B = 40 at 80% sparsity: uniform is 16 (the floor), so
+  // nothing can move even though layer 0 never misses.
+  std::vector<MissCurve> curves = {MissCurve{}, PowerCurve(1.0, 1), PowerCurve(0.5, 1)};
+  AllocationInput in = Input(curves, 40, 0.8, 1024);
+  absl::StatusOr<Allocation> a = AllocateBudgets(in);
+  ASSERT_TRUE(a.ok());
+  CheckInvariants(in, *a);
+  for (int32_t m : a->blocks) EXPECT_EQ(m, 16);
+  // At 50% (20 blocks each) the easy layer gives blocks away but never drops below 16.
+  in.target_sparsity = 0.5;
+  a = AllocateBudgets(in);
+  ASSERT_TRUE(a.ok());
+  CheckInvariants(in, *a);
+  EXPECT_EQ(a->blocks[0], 16);
+  EXPECT_GT(a->blocks[1], 20);
+  // A context shorter than the floor: every layer keeps every block.
+  in.num_blocks = 10;
+  a = AllocateBudgets(in);
+  ASSERT_TRUE(a.ok());
+  CheckInvariants(in, *a);
+  for (int32_t m : a->blocks) EXPECT_EQ(m, 10);
+}
+
+TEST(AllocateBudgets, DegenerateCurves) {
+  // All zero: nothing to gain anywhere; the leftover spreads evenly (uniform).
+  AllocationInput in = Input(std::vector<MissCurve>(5, MissCurve{}), 300, 0.6);
+  absl::StatusOr<Allocation> a = AllocateBudgets(in);
+  ASSERT_TRUE(a.ok());
+  CheckInvariants(in, *a);
+  for (int32_t m : a->blocks) EXPECT_EQ(m, KeptBlocks(300, 256, 64, 0.6));
+  EXPECT_EQ(a->worst_miss, 0.0);
+  // All one (flat, everything missed until every block is kept): uniform again.
+  MissCurve ones;
+  ones.fill(1.0);
+  ones[kCurvePoints - 1] = 0.0;
+  in.curves.assign(5, ones);
+  a = AllocateBudgets(in);
+  ASSERT_TRUE(a.ok());
+  CheckInvariants(in, *a);
+  // Sparsity 0: every block everywhere.
+  in.target_sparsity = 0.0;
+  in.curves = {PowerCurve(0.9, 1), MissCurve{}};
+  a = AllocateBudgets(in);
+  ASSERT_TRUE(a.ok());
+  CheckInvariants(in, *a);
+  for (int32_t m : a->blocks) EXPECT_EQ(m, 300);
+  for (double r : a->sparsity) EXPECT_EQ(r, 0.0);
+  // B = 1.
+  in.num_blocks = 1;
+  in.target_sparsity = 0.9;
+  a = AllocateBudgets(in);
+  ASSERT_TRUE(a.ok());
+  CheckInvariants(in, *a);
+}
+
+TEST(AllocateBudgets, SingleLayerIsTheUniformBudget) {
+  for (double rho : {0.1, 0.45, 0.9}) {
+    const AllocationInput in = Input({PowerCurve(0.7, 2)}, 777, rho);
+    absl::StatusOr<Allocation> a = AllocateBudgets(in);
+    ASSERT_TRUE(a.ok());
+    CheckInvariants(in, *a);
+    EXPECT_EQ(a->blocks[0], KeptBlocks(777, 256, 64, rho));
+    EXPECT_DOUBLE_EQ(a->worst_miss, a->uniform_worst_miss);
+  }
+}
+
+TEST(AllocateBudgets, RejectsBadInput) {
+  EXPECT_EQ(AllocateBudgets(Input({}, 10, 0.5)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(AllocateBudgets(Input({MissCurve{}}, 0, 0.5)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(AllocateBudgets(Input({MissCurve{}}, 10, 1.0)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(AllocateBudgets(Input({MissCurve{}}, 10, -0.1)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  MissCurve nan{};
+  nan[4] = std::nan("");
+  absl::Status s = AllocateBudgets(Input({MissCurve{}, nan}, 10, 0.5)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("layer 1"), std::string::npos) << s;
+}
+
+// A session's accumulated counters, advanced by hand: each probe adds `curve` * topk missed
+// slots per point, and every step adds `blocks` to blocks_total.
+struct FakeCounters {
+  int layers;
+  std::vector<uint64_t> curves;
+  std::vector<LayerStats> stats;
+  explicit FakeCounters(int l)
+      : layers(l), curves(static_cast<size_t>(l) * kCurvePoints, 0), stats(l, LayerStats{}) {}
+  void Steps(int n, uint64_t blocks) {
+    for (LayerStats& s : stats) {
+      s.steps += n;
+      s.blocks_total += n * blocks;
+    }
+  }
+  void Probe(int layer, const MissCurve& c, uint64_t topk = 1000) {
+    stats[layer].probe_steps += 1;
+    stats[layer].probe_topk += topk;
+    for (int p = 0; p < kCurvePoints; ++p) {
+      curves[static_cast<size_t>(layer) * kCurvePoints + p] +=
+          static_cast<uint64_t>(std::llround(c[p] * topk));
+    }
+  }
+  ProbeSnapshot Snap() const { return ProbeSnapshot{curves, stats}; }
+};
+
+Geometry Geo(int layers) {
+  Geometry g;
+  g.layers = layers;
+  g.max_seqs = 1;
+  g.max_slots = 64 * 256;
+  g.block_size = 64;
+  g.topk = 512;
+  return g;
+}
+
+TEST(BudgetController, WaitsForEveryLayerThenRecomputesOnlyOnDrift) {
+  BudgetTuning t;
+  t.smoothing = 0.5;
+  t.drift_threshold = 0.02;
+  BudgetController c(Geo(3), t);
+  FakeCounters f(3);
+  const std::vector<MissCurve> curves = {PowerCurve(0.2, 2), PowerCurve(0.6, 2),
+                                         PowerCurve(0.3, 2)};
+  f.Steps(8, 200);
+  f.Probe(0, curves[0]);
+  f.Probe(1, curves[1]);
+  absl::StatusOr<std::optional<BudgetUpdate>> u = c.Update(f.Snap(), 0.5);
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_FALSE(u->has_value()) << "layer 2 has no probe yet";
+  f.Probe(2, curves[2]);
+  u = c.Update(f.Snap(), 0.5);
+  ASSERT_TRUE(u.ok() && u->has_value());
+  EXPECT_EQ((*u)->reason, "first");
+  EXPECT_EQ((*u)->num_blocks, 200);
+  EXPECT_EQ(c.recomputes(), 1u);
+  EXPECT_GT((*u)->allocation.blocks[1], (*u)->allocation.blocks[0]);
+  // The same curves again: no drift, no recompute; a snapshot with nothing new: none either.
+  for (int k = 0; k < 5; ++k) {
+    f.Steps(8, 200);
+    for (int l = 0; l < 3; ++l) f.Probe(l, curves[l]);
+    u = c.Update(f.Snap(), 0.5);
+    ASSERT_TRUE(u.ok());
+    EXPECT_FALSE(u->has_value()) << "probe " << k;
+    u = c.Update(f.Snap(), 0.5);
+    ASSERT_TRUE(u.ok());
+    EXPECT_FALSE(u->has_value());
+  }
+  EXPECT_EQ(c.recomputes(), 1u);
+  // Layer 0 becomes hard: the EMA (weight 0.5 per probe) crosses the threshold at once.
+  f.Steps(8, 200);
+  for (int l = 0; l < 3; ++l) f.Probe(l, l == 0 ? PowerCurve(0.9, 1) : curves[l]);
+  u = c.Update(f.Snap(), 0.5);
+  ASSERT_TRUE(u.ok() && u->has_value());
+  EXPECT_NE((*u)->reason.find("drift"), std::string::npos) << (*u)->reason;
+  EXPECT_NE((*u)->reason.find("layer 0"), std::string::npos) << (*u)->reason;
+  EXPECT_EQ(c.recomputes(), 2u);
+  // The smoothed value is halfway between old and new.
+  EXPECT_NEAR(c.smoothed()[0][9], 0.5 * (curves[0][9] + PowerCurve(0.9, 1)[9]), 2e-3);
+  // A new target recomputes even without drift.
+  u = c.Update(f.Snap(), 0.6);
+  ASSERT_TRUE(u.ok() && u->has_value());
+  EXPECT_EQ((*u)->reason, "target");
+  // The context grows by more than 10%: recompute for the new B.
+  f.Steps(100, 240);
+  u = c.Update(f.Snap(), 0.6);
+  ASSERT_TRUE(u.ok() && u->has_value());
+  EXPECT_EQ((*u)->reason, "context");
+  EXPECT_EQ((*u)->num_blocks, 240);
+  EXPECT_EQ(c.recomputes(), 4u);
+}
+
+TEST(BudgetController, SmallChangesBelowTheThresholdAccumulateUntilTheyCount) {
+  BudgetTuning t;
+  t.smoothing = 1.0;  // no smoothing: the curve is the last probe window's
+  t.drift_threshold = 0.05;
+  BudgetController c(Geo(1), t);
+  FakeCounters f(1);
+  f.Steps(1, 100);
+  f.Probe(0, PowerCurve(0.3, 1));
+  ASSERT_TRUE(c.Update(f.Snap(), 0.5)->has_value());
+  // +0.03 at keep 5% each time, measured against the curves of the last recompute.
+  f.Probe(0, PowerCurve(0.33, 1));
+  EXPECT_FALSE(c.Update(f.Snap(), 0.5)->has_value());
+  f.Probe(0, PowerCurve(0.36, 1));
+  EXPECT_TRUE(c.Update(f.Snap(), 0.5)->has_value());
+  EXPECT_EQ(c.recomputes(), 2u);
+}
+
+TEST(BudgetController, SnapshotWithManyProbesWeighsThemAsManyEmaSteps) {
+  BudgetTuning t;
+  t.smoothing = 0.3;
+  t.drift_threshold = 1.0;
+  BudgetController one(Geo(1), t), many(Geo(1), t);
+  FakeCounters a(1), b(1);
+  a.Steps(1, 100);
+  b.Steps(1, 100);
+  a.Probe(0, MissCurve{});
+  b.Probe(0, MissCurve{});
+  ASSERT_TRUE(one.Update(a.Snap(), 0.5).ok());
+  ASSERT_TRUE(many.Update(b.Snap(), 0.5).ok());
+  MissCurve half;
+  half.fill(0.5);
+  for (int k = 0; k < 3; ++k) {
+    a.Probe(0, half);
+    ASSERT_TRUE(one.Update(a.Snap(), 0.5).ok());
+    b.Probe(0, half);
+  }
+  ASSERT_TRUE(many.Update(b.Snap(), 0.5).ok());
+  EXPECT_NEAR(one.smoothed()[0][0], 0.5 * (1 - std::pow(0.7, 3)), 1e-9);
+  EXPECT_NEAR(many.smoothed()[0][0], one.smoothed()[0][0], 1e-9);
+}
+
+TEST(BudgetController, CountersGoingBackwardsRestartTheBaseline) {
+  BudgetController c(Geo(2));
+  FakeCounters f(2);
+  f.Steps(4, 50);
+  for (int k = 0; k < 3; ++k) {
+    f.Probe(0, PowerCurve(0.2, 1));
+    f.Probe(1, PowerCurve(0.2, 1));
+  }
+  ASSERT_TRUE(c.Update(f.Snap(), 0.4)->has_value());
+  FakeCounters g(2);  // a new arena
+  g.Steps(1, 50);
+  g.Probe(0, PowerCurve(0.8, 1));
+  g.Probe(1, PowerCurve(0.2, 1));
+  absl::StatusOr<std::optional<BudgetUpdate>> u = c.Update(g.Snap(), 0.4);
+  ASSERT_TRUE(u.ok());
+  EXPECT_EQ(c.samples()[0], 4u);
+  EXPECT_GT(c.smoothed()[0][0], 0.25);  // the new arena's probe counted, not a negative delta
+  EXPECT_LE(c.smoothed()[0][0], 0.8);
+}
+
+TEST(BudgetController, RejectsBadSnapshots) {
+  BudgetController c(Geo(2));
+  FakeCounters f(3);
+  absl::StatusOr<std::optional<BudgetUpdate>> u = c.Update(f.Snap(), 0.5);
+  EXPECT_EQ(u.status().code(), absl::StatusCode::kInvalidArgument);
+  FakeCounters g(2);
+  EXPECT_EQ(c.Update(g.Snap(), 1.0).status().code(), absl::StatusCode::kInvalidArgument);
+  BudgetTuning t;
+  t.smoothing = 0;
+  EXPECT_FALSE(ValidateBudgetTuning(t).ok());
+  t = {};
+  t.drift_threshold = -1;
+  EXPECT_FALSE(ValidateBudgetTuning(t).ok());
+  t = {};
+  t.min_probes = 0;
+  EXPECT_FALSE(ValidateBudgetTuning(t).ok());
+  EXPECT_TRUE(ValidateBudgetTuning(BudgetTuning{}).ok());
+}
+
+TEST(WriteBudgetTable, WritesTheTableAndAdvancesTheEpoch) {
+  TestArena arena(Geo(3), Policy{});
+  const ArenaView& a = arena.view();
+  const uint64_t epoch = a.policy->epoch;
+  const std::vector<double> table = {0.1, 0.7, 0.45};
+  ASSERT_TRUE(WriteBudgetTable(a, table).ok());
+  EXPECT_EQ(a.policy->epoch, epoch + 1);
+  for (int l = 0; l < 3; ++l) EXPECT_EQ(a.sparsity[l], table[l]);
+  // Bad tables change nothing.
+  EXPECT_FALSE(WriteBudgetTable(a, std::vector<double>{0.1, 0.2}).ok());
+  EXPECT_FALSE(WriteBudgetTable(a, std::vector<double>{0.1, 1.0, 0.2}).ok());
+  EXPECT_FALSE(WriteBudgetTable(a, std::vector<double>{0.1, std::nan(""), 0.2}).ok());
+  EXPECT_EQ(a.policy->epoch, epoch + 1);
+  EXPECT_EQ(a.sparsity[1], 0.7);
+}
+
+}  // namespace
+}  // namespace spin::testing
