@@ -7,6 +7,7 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -169,6 +170,43 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
   auto fail = [](int t, int l, const absl::Status& s) {
     return absl::Status(s.code(), absl::StrCat("step ", t, " layer ", l, ": ", s.message()));
   };
+  ArenaPolicy policy;
+  if (absl::Status s = mem.Get(&policy, a.policy, sizeof(policy)); !s.ok()) return s;
+  const uint64_t start_epoch = policy.epoch;
+  const BudgetMode mode = static_cast<BudgetMode>(policy.budget_mode);
+
+  // Per-layer budgets run here: the controller reads host copies of the arena's counters after
+  // each probe step and its tables go to the arena with a new epoch, as spind's probe thread
+  // does (the table starts uniform at the target).
+  std::optional<BudgetController> budgets;
+  std::vector<uint64_t> curves;
+  std::vector<double> table(meta.layers, policy.target_sparsity);
+  auto write_table = [&]() -> absl::Status {
+    if (!dp.on_device()) return WriteBudgetTable(a, table);
+    absl::Status s = mem.Put(a.sparsity, table.data(), table.size() * sizeof(double));
+    if (s.ok()) s = mem.Get(&policy, a.policy, sizeof(policy));
+    policy.epoch += 1;
+    if (s.ok()) s = mem.Put(&a.policy->epoch, &policy.epoch, sizeof(policy.epoch));
+    return s;
+  };
+  if (mode == BudgetMode::kPerLayer && options.local_budgets) {
+    if (absl::Status s = ValidateBudgetTuning(options.budget_tuning); !s.ok()) return s;
+    budgets.emplace(g, options.budget_tuning);
+    curves.resize(static_cast<size_t>(meta.layers) * kCurvePoints);
+    if (absl::Status s = write_table(); !s.ok()) return s;
+  }
+  auto probe = [&](int t) -> absl::Status {
+    if (!budgets || policy.probe_period == 0 || t % policy.probe_period != 0) return {};
+    absl::Status s = mem.Get(curves.data(), a.curves, curves.size() * sizeof(uint64_t));
+    if (s.ok()) s = mem.Get(now.data(), a.stats, meta.layers * sizeof(LayerStats));
+    if (!s.ok()) return s;
+    absl::StatusOr<std::optional<BudgetUpdate>> u =
+        budgets->Update(ProbeSnapshot{curves, now}, policy.target_sparsity);
+    if (!u.ok()) return u.status();
+    if (!u->has_value()) return {};
+    table = (*u)->sparsity;
+    return write_table();
+  };
 
   for (int t = 0; t < meta.steps; ++t) {
     const int32_t ctx = meta.ctx_len[t];
@@ -229,6 +267,7 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
         *dump << line;
       }
     }
+    if (absl::Status s = probe(t); !s.ok()) return fail(t, -1, s);
     if (options.progress) options.progress(t + 1, meta.steps);
   }
   if (dump) {
@@ -242,9 +281,17 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
     return s;
   }
 
+  if (absl::Status s = mem.Get(table.data(), a.sparsity, table.size() * sizeof(double)); !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = mem.Get(&policy, a.policy, sizeof(policy)); !s.ok()) return s;
+
   ReplaySummary out;
   out.steps = meta.steps;
   out.layers = meta.layers;
+  out.budget_mode = mode;
+  out.budget_recomputes = budgets ? budgets->recomputes() : 0;
+  out.epoch_advance = policy.epoch - start_epoch;
   std::vector<double> all;
   uint64_t kept = 0, total = 0, skept = 0, stotal = 0;
   for (int l = 0; l < meta.layers; ++l) {
@@ -259,6 +306,7 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
                           s.sparse_blocks_total - s0.sparse_blocks_total);
     ls.effective_sparsity =
         Skipped(s.blocks_kept - s0.blocks_kept, s.blocks_total - s0.blocks_total);
+    ls.budget = table[l];
     ls.probe_steps = s.probe_steps - s0.probe_steps;
     ls.bad_scores = s.bad_scores - s0.bad_scores;
     kept += s.blocks_kept - s0.blocks_kept;
@@ -267,6 +315,10 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
     stotal += s.sparse_blocks_total - s0.sparse_blocks_total;
     out.dense_steps += s.dense_steps - s0.dense_steps;
     out.bad_scores += ls.bad_scores;
+    if (ls.mean_miss > out.worst_layer_mean_miss) {
+      out.worst_layer_mean_miss = ls.mean_miss;
+      out.worst_layer = l;
+    }
     out.per_layer.push_back(ls);
   }
   out.sparse_steps = all.size();
@@ -324,6 +376,11 @@ std::string SummaryJson(const ReplaySummary& s) {
   j["sparse_steps"] = s.sparse_steps;
   j["dense_steps"] = s.dense_steps;
   j["bad_scores"] = s.bad_scores;
+  j["worst_layer_mean_miss"] = s.worst_layer_mean_miss;
+  j["worst_layer"] = s.worst_layer;
+  j["budget_mode"] = s.budget_mode == BudgetMode::kPerLayer ? "per-layer" : "uniform";
+  j["budget_recomputes"] = s.budget_recomputes;
+  j["epoch_advance"] = s.epoch_advance;
   j["per_layer"] = nlohmann::json::array();
   for (const LayerSummary& l : s.per_layer) {
     j["per_layer"].push_back({{"layer", l.layer},
@@ -331,6 +388,7 @@ std::string SummaryJson(const ReplaySummary& s) {
                               {"p99_miss", l.p99_miss},
                               {"sparsity", l.sparsity},
                               {"effective_sparsity", l.effective_sparsity},
+                              {"budget", l.budget},
                               {"probe_steps", l.probe_steps},
                               {"bad_scores", l.bad_scores}});
   }
@@ -338,19 +396,28 @@ std::string SummaryJson(const ReplaySummary& s) {
 }
 
 std::string SummaryTable(const ReplaySummary& s) {
-  std::string out = absl::StrFormat("%5s  %9s  %8s  %8s  %9s  %6s  %5s\n", "layer", "mean_miss",
-                                    "p99_miss", "sparsity", "effective", "probes", "bad");
+  std::string out =
+      absl::StrFormat("%5s  %9s  %8s  %8s  %9s  %6s  %6s  %5s\n", "layer", "mean_miss", "p99_miss",
+                      "sparsity", "effective", "budget", "probes", "bad");
   for (const LayerSummary& l : s.per_layer) {
-    absl::StrAppendFormat(&out, "%5d  %9.4f  %8.4f  %8.4f  %9.4f  %6d  %5d\n", l.layer, l.mean_miss,
-                          l.p99_miss, l.sparsity, l.effective_sparsity, l.probe_steps,
-                          l.bad_scores);
+    absl::StrAppendFormat(&out, "%5d  %9.4f  %8.4f  %8.4f  %9.4f  %6.4f  %6d  %5d\n", l.layer,
+                          l.mean_miss, l.p99_miss, l.sparsity, l.effective_sparsity, l.budget,
+                          l.probe_steps, l.bad_scores);
   }
-  absl::StrAppendFormat(&out, "%5s  %9.4f  %8.4f  %8.4f  %9.4f  %6s  %5d\n", "all", s.mean_miss,
-                        s.p99_miss, s.realized_sparsity, s.effective_sparsity, "", s.bad_scores);
+  absl::StrAppendFormat(&out, "%5s  %9.4f  %8.4f  %8.4f  %9.4f  %6s  %6s  %5d\n", "all",
+                        s.mean_miss, s.p99_miss, s.realized_sparsity, s.effective_sparsity, "", "",
+                        s.bad_scores);
   absl::StrAppendFormat(&out,
                         "%d steps x %d layers: %d sparse and %d dense (fresh or probe) "
                         "layer-steps\n",
                         s.steps, s.layers, s.sparse_steps, s.dense_steps);
+  absl::StrAppendFormat(&out, "worst layer %d: mean miss %.4f; %s budgets", s.worst_layer,
+                        s.worst_layer_mean_miss,
+                        s.budget_mode == BudgetMode::kPerLayer ? "per-layer" : "uniform");
+  if (s.budget_mode == BudgetMode::kPerLayer) {
+    absl::StrAppendFormat(&out, ", %d recomputes", s.budget_recomputes);
+  }
+  absl::StrAppendFormat(&out, ", epoch +%d\n", s.epoch_advance);
   return out;
 }
 

@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "spin/arena.h"
+#include "spin/budget.h"
 #include "spin/data_plane.h"
 #include "trace.h"
 
@@ -29,6 +30,12 @@ struct ReplayOptions {
   uint64_t sequence_key = 0;  ///< the trace's sequence key
   StateDtype dtype = StateDtype::kFp32;
   std::string dump_path;  ///< JSONL, one line per (step, layer); empty = none
+  /// Per-layer budgets (the arena's policy in kPerLayer mode): run the daemon's
+  /// BudgetController in process, fed after every probe step, writing the budget table and
+  /// advancing the epoch when it recomputes; the table starts uniform at the target. False: the
+  /// arena's owner (spind) writes the table and replay only reads it.
+  bool local_budgets = true;
+  BudgetTuning budget_tuning;  ///< smoothing and drift rule of the local controller
   /// Called after each step with (steps done, steps total).
   std::function<void(int, int)> progress;
 };
@@ -40,6 +47,7 @@ struct LayerSummary {
   double p99_miss = 0;
   double sparsity = 0;            ///< realized: skipped / total blocks over non-dense steps
   double effective_sparsity = 0;  ///< over all steps, dense ones included
+  double budget = 0;              ///< the layer's budget table entry (rho_l) at the end
   uint64_t probe_steps = 0;
   uint64_t bad_scores = 0;
 };
@@ -50,11 +58,16 @@ struct ReplaySummary {
   int layers = 0;
   double mean_miss = 0;  ///< over all non-dense (step, layer) pairs
   double p99_miss = 0;
-  double realized_sparsity = 0;   ///< skipped / total blocks over non-dense steps
-  double effective_sparsity = 0;  ///< skipped / total blocks, dense steps counted as dense
-  uint64_t sparse_steps = 0;      ///< non-dense (step, layer) pairs
-  uint64_t dense_steps = 0;       ///< dense (step, layer) pairs (fresh or probe)
-  uint64_t bad_scores = 0;        ///< non-finite scores skipped by Observe
+  double realized_sparsity = 0;      ///< skipped / total blocks over non-dense steps
+  double effective_sparsity = 0;     ///< skipped / total blocks, dense steps counted as dense
+  uint64_t sparse_steps = 0;         ///< non-dense (step, layer) pairs
+  uint64_t dense_steps = 0;          ///< dense (step, layer) pairs (fresh or probe)
+  uint64_t bad_scores = 0;           ///< non-finite scores skipped by Observe
+  double worst_layer_mean_miss = 0;  ///< the highest per-layer mean miss
+  int worst_layer = 0;               ///< the layer that has it (lowest id on ties)
+  BudgetMode budget_mode = BudgetMode::kUniform;
+  uint64_t budget_recomputes = 0;  ///< tables written by the local controller
+  uint64_t epoch_advance = 0;      ///< how far the arena's epoch moved during the replay
   std::vector<LayerSummary> per_layer;
 };
 

@@ -136,8 +136,16 @@ int main(int argc, char** argv) {
   r->add_option("--probe-period", ro.policy.probe_period,
                 "Every P-th step is a dense probe step (0: none)")
       ->capture_default_str();
-  r->add_option("--budget", budget, "Budget mode")
-      ->check(CLI::IsMember({"uniform"}))
+  r->add_option("--budget", budget,
+                "Budget mode: uniform, or per-layer (keep fractions from the probe steps' miss "
+                "curves, recomputed in process when they drift; needs --probe-period)")
+      ->check(CLI::IsMember({"uniform", "per-layer"}))
+      ->capture_default_str();
+  r->add_option("--budget-smoothing", ro.budget_tuning.smoothing,
+                "per-layer: EMA weight of one probe step's miss curve, in (0, 1]")
+      ->capture_default_str();
+  r->add_option("--budget-drift", ro.budget_tuning.drift_threshold,
+                "per-layer: recompute when a smoothed curve moved by more than this, in [0, 1]")
       ->capture_default_str();
   r->add_option("--seed", ro.seed, "Session seed of the exploration draws")->capture_default_str();
   r->add_option("--key", ro.sequence_key, "Sequence key of the exploration draws")
@@ -233,8 +241,17 @@ int main(int argc, char** argv) {
   // replay
   ro.dtype = state == "bf16" ? StateDtype::kBf16 : StateDtype::kFp32;
   ro.backend = backend == "cuda" ? ReplayBackend::kCuda : ReplayBackend::kCpu;
-  ro.policy.budget_mode = BudgetMode::kUniform;
+  ro.policy.budget_mode = budget == "per-layer" ? BudgetMode::kPerLayer : BudgetMode::kUniform;
   if (absl::Status s = ValidatePolicy(ro.policy); !s.ok()) return Fail(s);
+  if (ro.policy.budget_mode == BudgetMode::kPerLayer) {
+    if (ro.policy.probe_period == 0) {
+      return Fail(absl::InvalidArgumentError(
+          "--budget per-layer needs --probe-period > 0 (probe steps measure the miss curves)"));
+    }
+    if (absl::Status s = ValidateBudgetTuning(ro.budget_tuning); !s.ok()) return Fail(s);
+  }
+  // Through spind the daemon's probe thread owns the table.
+  ro.local_budgets = target.empty();
   absl::StatusOr<Trace> t = LoadTrace(trace_dir);
   if (!t.ok()) return Fail(t.status());
   Progress progress("replay", quiet);
@@ -253,9 +270,10 @@ int main(int argc, char** argv) {
   } else {
     std::printf(
         "replay of %s: sparsity %.2f, exploration %.2f, alpha %.2f, probe period %u, "
-        "%s state, %s backend\n%s",
+        "%s budgets, %s state, %s backend\n%s",
         trace_dir.c_str(), ro.policy.target_sparsity, ro.policy.exploration, ro.policy.alpha,
-        ro.policy.probe_period, state.c_str(), backend.c_str(), SummaryTable(*sum).c_str());
+        ro.policy.probe_period, budget.c_str(), state.c_str(), backend.c_str(),
+        SummaryTable(*sum).c_str());
     if (!where.empty()) std::printf("%s\n", where.c_str());
   }
   return 0;
