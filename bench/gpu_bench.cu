@@ -1,7 +1,9 @@
 // SPIN on the GPU, measured side by side in one process under CUDA graphs:
 //   floor   - time to stream the dense indexer's bytes (132 B/slot) at the read bandwidth
 //             measured in this run;
-//   dense   - the reference paged indexer over every block;
+//   dense   - the reference paged indexer over every block, both kernels (mma.sync, wgmma):
+//             the wgmma logits are checked against mma.sync's, and the faster kernel that
+//             agrees is the one the sparse stage uses;
 //   spin    - SPIN's own per-step work (BeginStep + per layer Select + Observe);
 //   sparse  - the sparse stage: SPIN + the indexer over SPIN's compacted table.
 // Inputs rotate over several "layers" (separate KV caches and state) so that every timed pass
@@ -116,11 +118,27 @@ struct Point {
 struct Result {
   Point p;
   int layers;
-  double floor_us, dense_us, spin_us, sparse_us, select_us, kept;
+  double floor_us, spin_us, sparse_us, select_us, kept;
+  double mma_us = 0, wg_us = 0;  // dense, each kernel (0: not measured)
+  double dense_us = 0;           // dense, the kernel used for the sparse stage
+  IndexerKernel used = IndexerKernel::kMmaSync;
+  bool wg_ok = false;  // wgmma ran and agreed with mma.sync
+  double wg_dev = 0;   // worst |wgmma - mma.sync| over the row's largest |logit|
+};
+
+// wgmma accumulates fp8 products with fewer bits than fp32; a wrong layout gives differences
+// of the order of the logits themselves.
+constexpr double kAgreeLimit = 1e-2;
+
+// Which kernels to time (stages; 0: not timed) and whether to time SPIN and the sparse stage.
+struct Plan {
+  int mma_stages = 8;
+  int wg_stages = 7;
+  bool full = true;
 };
 
 // Measures one point; times are per layer.
-Result Measure(const Point& pt, double read_bw, int tiles, cudaStream_t stream, int reps) {
+Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t stream, int reps) {
   const int B = pt.batch, N = pt.slots, P = N / kPageSlots;
   const double kv_layer = static_cast<double>(B) * N * kSlotBytes;
   const int L = std::clamp(static_cast<int>(std::ceil(240e6 / kv_layer)), 1, 48);
@@ -186,14 +204,77 @@ Result Measure(const Point& pt, double read_bw, int tiles, cudaStream_t stream, 
   dense.logits_stride = N;
   dense.batch = B;
   dense.max_pages = P;
-  dense.stages = tiles;
+  dense.table = d_table;
+
+  auto layer_table = [&](int l) { return d_table + static_cast<size_t>(l) * B * P; };
+  Result r;
+  r.p = pt;
+  r.layers = L;
+  r.floor_us = kv_layer / read_bw * 1e6;
+  // Dense, each kernel; the last layer's logits of each are compared.
+  std::vector<float> mma_out, wg_out;
+  auto time_dense = [&](IndexerKernel k, int stages, std::vector<float>* out) {
+    PagedIndexerArgs base = dense;
+    base.kernel = k;
+    base.stages = stages;
+    const absl::Status probe = LaunchPagedIndexer(base, stream);
+    if (!probe.ok()) {
+      std::fprintf(stderr, "%s indexer unavailable: %s\n", IndexerKernelName(k),
+                   std::string(probe.message()).c_str());
+      return 0.0;
+    }
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    cudaGraphExec_t exec = Capture(stream, [&] {
+      for (int l = 0; l < L; ++l) {
+        PagedIndexerArgs a = base;
+        a.table = layer_table(l);
+        CHECK_OK(LaunchPagedIndexer(a, stream));
+      }
+    });
+    const double us = MedianGraphMs(exec, stream, reps) * 1e3 / L;
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    out->resize(static_cast<size_t>(B) * N);
+    CHECK_CUDA(cudaMemcpy(out->data(), logits, out->size() * 4, cudaMemcpyDeviceToHost));
+    cudaGraphExecDestroy(exec);
+    return us;
+  };
+  if (plan.mma_stages > 0)
+    r.mma_us = time_dense(IndexerKernel::kMmaSync, plan.mma_stages, &mma_out);
+  if (plan.wg_stages > 0) r.wg_us = time_dense(IndexerKernel::kWgmma, plan.wg_stages, &wg_out);
+  if (r.wg_us > 0 && r.mma_us > 0) {
+    double dev = 0;
+    for (int b = 0; b < B; ++b) {
+      double top = 0, diff = 0;
+      for (int s = 0; s < N; ++s) {
+        const size_t i = static_cast<size_t>(b) * N + s;
+        top = std::max(top, std::fabs(static_cast<double>(mma_out[i])));
+        const double d = std::fabs(static_cast<double>(mma_out[i]) - wg_out[i]);
+        diff = std::isnan(d) ? 1e30 : std::max(diff, d);
+      }
+      dev = std::max(dev, diff / std::max(top, 1e-30));
+    }
+    r.wg_dev = dev;
+    r.wg_ok = dev <= kAgreeLimit;
+  } else {
+    r.wg_ok = r.wg_us > 0;  // nothing to compare against: timed alone
+  }
+  int sparse_stages = plan.mma_stages;
+  if (r.wg_ok && (r.mma_us <= 0 || r.wg_us < r.mma_us)) {
+    r.used = IndexerKernel::kWgmma;
+    r.dense_us = r.wg_us;
+    sparse_stages = plan.wg_stages;
+  } else {
+    r.used = IndexerKernel::kMmaSync;
+    r.dense_us = r.mma_us;
+  }
   PagedIndexerArgs sparse = dense;
+  sparse.kernel = r.used;
+  sparse.stages = sparse_stages;
   sparse.table = view->phys;
   sparse.table_stride = view->max_blocks;
   sparse.lens = view->compact_len;
   sparse.lens_stride = g.max_rows;
   const StepBatch batch{d_seq, d_ctx, d_q, B, 1};
-  auto layer_table = [&](int l) { return d_table + static_cast<size_t>(l) * B * P; };
   auto sparse_step = [&] {
     CHECK_OK(dp.BeginStep(batch, stream));
     for (int l = 0; l < L; ++l) {
@@ -202,17 +283,23 @@ Result Measure(const Point& pt, double read_bw, int tiles, cudaStream_t stream, 
       CHECK_OK(dp.Observe(l, logits, N, nullptr, stream));
     }
   };
+  auto release = [&] {
+    dpr->reset();
+    for (void* p : {static_cast<void*>(kv), static_cast<void*>(d_table), static_cast<void*>(q),
+                    static_cast<void*>(w), static_cast<void*>(logits), static_cast<void*>(d_seq),
+                    static_cast<void*>(d_ctx), static_cast<void*>(d_q), arena}) {
+      CHECK_CUDA(cudaFree(p));
+    }
+  };
+  if (!plan.full || r.dense_us <= 0) {
+    r.spin_us = r.sparse_us = r.select_us = r.kept = 0;
+    release();
+    return r;
+  }
   // Warm-up: the first step is dense (fresh state), later ones select.
   for (int i = 0; i < 3; ++i) sparse_step();
   CHECK_CUDA(cudaStreamSynchronize(stream));
 
-  cudaGraphExec_t g_dense = Capture(stream, [&] {
-    for (int l = 0; l < L; ++l) {
-      PagedIndexerArgs a = dense;
-      a.table = layer_table(l);
-      CHECK_OK(LaunchPagedIndexer(a, stream));
-    }
-  });
   cudaGraphExec_t g_spin = Capture(stream, [&] {
     CHECK_OK(dp.BeginStep(batch, stream));
     for (int l = 0; l < L; ++l) {
@@ -226,11 +313,6 @@ Result Measure(const Point& pt, double read_bw, int tiles, cudaStream_t stream, 
     for (int l = 0; l < L; ++l) CHECK_OK(dp.Select(l, layer_table(l), P, stream));
   });
 
-  Result r;
-  r.p = pt;
-  r.layers = L;
-  r.floor_us = kv_layer / read_bw * 1e6;
-  r.dense_us = MedianGraphMs(g_dense, stream, reps) * 1e3 / L;
   r.spin_us = MedianGraphMs(g_spin, stream, reps) * 1e3 / L;
   r.sparse_us = MedianGraphMs(g_sparse, stream, reps) * 1e3 / L;
   r.select_us = MedianGraphMs(g_select, stream, reps) * 1e3 / L;
@@ -245,13 +327,8 @@ Result Measure(const Point& pt, double read_bw, int tiles, cudaStream_t stream, 
     std::fprintf(stderr, "arena error %u at batch %d slots %d\n", *err, B, N);
     std::exit(1);
   }
-  for (cudaGraphExec_t e : {g_dense, g_spin, g_sparse, g_select}) cudaGraphExecDestroy(e);
-  dpr->reset();
-  for (void* p : {static_cast<void*>(kv), static_cast<void*>(d_table), static_cast<void*>(q),
-                  static_cast<void*>(w), static_cast<void*>(logits), static_cast<void*>(d_seq),
-                  static_cast<void*>(d_ctx), static_cast<void*>(d_q), arena}) {
-    CHECK_CUDA(cudaFree(p));
-  }
+  for (cudaGraphExec_t e : {g_spin, g_sparse, g_select}) cudaGraphExecDestroy(e);
+  release();
   return r;
 }
 
@@ -310,10 +387,13 @@ int main(int argc, char** argv) {
   const int reps = quick ? 5 : 15;
   if (pb > 0) {
     const StateDtype dt = std::strcmp(pdt, "fp32") == 0 ? StateDtype::kFp32 : StateDtype::kBf16;
-    const Result r = Measure({pb, pn, prho, dt}, 4.5e12, 8, stream, 3);
-    std::printf("point: dense %.1f us, spin %.1f us (select %.1f), sparse %.1f us per layer\n",
-                r.dense_us, r.spin_us, r.select_us, r.sparse_us);
-    return 0;
+    const Result r = Measure({pb, pn, prho, dt}, 4.5e12, Plan{}, stream, 3);
+    std::printf(
+        "point: dense mma.sync %.1f us, wgmma %.1f us (%s, worst deviation %.2g of the row "
+        "max), sparse stage on %s; spin %.1f us (select %.1f), sparse %.1f us per layer\n",
+        r.mma_us, r.wg_us, r.wg_ok ? "agrees" : "DISAGREES or unavailable", r.wg_dev,
+        IndexerKernelName(r.used), r.spin_us, r.select_us, r.sparse_us);
+    return r.wg_ok ? 0 : 3;
   }
   const double bw = MeasureReadBandwidth(stream);
   std::string md;
@@ -322,43 +402,57 @@ int main(int argc, char** argv) {
                 "Device: %s (%d SMs). Read-stream bandwidth measured in this run: %.0f GB/s.\n\n",
                 prop.name, prop.multiProcessorCount, bw / 1e9);
   md += line;
-  // Indexer variant: loads in flight per warp.
-  int best_tiles = 8;
+  // Loads in flight for each kernel: 8-slot tiles per warp (mma.sync), pages per CTA (wgmma).
+  Plan plan;
+  const Point sweep_at{64, 128 << 10, 0.5, StateDtype::kBf16};
+  md += "Indexer variants (batch 64, 128K slots, dense, us per layer): mma.sync ";
   double best = 1e30;
-  md += "Indexer variants (batch 64, 128K slots, dense, us per layer): ";
   for (int tiles : {4, 8, 12}) {
-    const Result r = Measure({64, 128 << 10, 0.5, StateDtype::kBf16}, bw, tiles, stream, reps);
-    std::snprintf(line, sizeof(line), "%d stages %.1f; ", tiles, r.dense_us);
+    const Result r = Measure(sweep_at, bw, Plan{tiles, 0, false}, stream, reps);
+    std::snprintf(line, sizeof(line), "%d stages %.1f; ", tiles, r.mma_us);
     md += line;
-    if (r.dense_us < best) {
-      best = r.dense_us;
-      best_tiles = tiles;
-    }
+    if (r.mma_us > 0 && r.mma_us < best) best = r.mma_us, plan.mma_stages = tiles;
   }
-  std::snprintf(line, sizeof(line), "using %d.\n\n", best_tiles);
+  md += "wgmma ";
+  best = 1e30;
+  for (int stages : {4, 5, 7}) {
+    const Result r = Measure(sweep_at, bw, Plan{plan.mma_stages, stages, false}, stream, reps);
+    std::snprintf(line, sizeof(line), "%d pages %.1f (%s, deviation %.2g); ", stages, r.wg_us,
+                  r.wg_ok ? "agrees" : "FAILED", r.wg_dev);
+    md += line;
+    if (r.wg_ok && r.wg_us > 0 && r.wg_us < best) best = r.wg_us, plan.wg_stages = stages;
+  }
+  std::snprintf(line, sizeof(line),
+                "using mma.sync %d, wgmma %d. Per point, the sparse stage runs the faster dense "
+                "kernel whose logits agree with mma.sync's (worst |difference| at most %.0e of "
+                "the row's largest |logit|).\n\n",
+                plan.mma_stages, plan.wg_stages, kAgreeLimit);
   md += line;
   std::fprintf(stderr, "%s", md.c_str());
   md +=
-      "| batch | slots | sparsity | state | layers rotated | floor us | dense us | dense/floor BW "
-      "| "
+      "| batch | slots | sparsity | state | layers rotated | floor us | dense mma.sync us | "
+      "dense wgmma us (deviation) | indexer used | dense us | dense/floor BW | "
       "SPIN us (select + observe) | SPIN/dense | sparse stage us | sparse/dense | kept |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   std::vector<int> batches = {1, 16, 64, 128}, slots = {32 << 10, 128 << 10, 256 << 10};
   if (quick) {
     batches = {1, 64};
     slots = {128 << 10};
   }
+  bool wg_failed = false;
   for (int b : batches) {
     for (int n : slots) {
       for (double rho : {0.3, 0.5}) {
         for (StateDtype dt : {StateDtype::kFp32, StateDtype::kBf16}) {
-          const Result r = Measure({b, n, rho, dt}, bw, best_tiles, stream, reps);
+          const Result r = Measure({b, n, rho, dt}, bw, plan, stream, reps);
+          if (!r.wg_ok) wg_failed = true;
           std::snprintf(line, sizeof(line),
-                        "| %d | %dK | %.1f | %s | %d | %.1f | %.1f | %.2f | %.1f (%.1f + %.1f) | "
-                        "%.3f | %.1f | %.3f | %.3f |\n",
+                        "| %d | %dK | %.1f | %s | %d | %.1f | %.1f | %.1f (%.1e%s) | %s | %.1f | "
+                        "%.2f | %.1f (%.1f + %.1f) | %.3f | %.1f | %.3f | %.3f |\n",
                         b, n >> 10, rho, dt == StateDtype::kFp32 ? "fp32" : "bf16", r.layers,
-                        r.floor_us, r.dense_us, r.floor_us / r.dense_us, r.spin_us, r.select_us,
-                        r.spin_us - r.select_us, r.spin_us / r.dense_us, r.sparse_us,
+                        r.floor_us, r.mma_us, r.wg_us, r.wg_dev, r.wg_ok ? "" : " FAILED",
+                        IndexerKernelName(r.used), r.dense_us, r.floor_us / r.dense_us, r.spin_us,
+                        r.select_us, r.spin_us - r.select_us, r.spin_us / r.dense_us, r.sparse_us,
                         r.sparse_us / r.dense_us, r.kept);
           md += line;
           std::fprintf(stderr, "%s", line);
@@ -366,7 +460,8 @@ int main(int argc, char** argv) {
       }
     }
   }
+  if (wg_failed) md += "\nwgmma FAILED (disagreed with mma.sync or did not run) at some points.\n";
   std::printf("%s", md.c_str());
   if (!out_path.empty()) std::ofstream(out_path) << md;
-  return 0;
+  return wg_failed ? 3 : 0;
 }

@@ -1,4 +1,5 @@
 // Reference paged indexer: fp8 e4m3 keys and queries on the tensor cores (mma.sync f16).
+// (The kWgmma variant is in paged_indexer_wgmma.cu; LaunchPagedIndexer below dispatches.)
 //
 // One CTA per (query row, chunk of pages); each warp streams its 8-slot tiles through a
 // cp.async ring of `stages` tiles and computes each: 64 heads x 8 slots
@@ -17,6 +18,11 @@
 #include "spin/paged_indexer.h"
 
 namespace spin {
+namespace internal {
+// The wgmma variant (paged_indexer_wgmma.cu, built for sm_90a).
+absl::Status LaunchPagedIndexerWgmma(const PagedIndexerArgs& a, cudaStream_t stream);
+}  // namespace internal
+
 namespace {
 
 constexpr int kWarps = 8;
@@ -203,8 +209,10 @@ absl::Status Launch(const PagedIndexerArgs& a, cudaStream_t stream) {
   }();
   const int64_t rows = static_cast<int64_t>(a.batch) * a.next_n;
   const int64_t want_ctas = 4LL * sms;
-  const int chunk = static_cast<int>(
-      std::clamp<int64_t>((rows * a.max_pages + want_ctas - 1) / want_ctas, 1, 32));
+  const int chunk = a.chunk_pages > 0
+                        ? a.chunk_pages
+                        : static_cast<int>(std::clamp<int64_t>(
+                              (rows * a.max_pages + want_ctas - 1) / want_ctas, 1, 32));
   const dim3 grid((a.max_pages + chunk - 1) / chunk, static_cast<unsigned>(rows));
   PagedIndexerKernel<kStages><<<grid, kWarps * 32, kSmem, stream>>>(a, chunk);
   return absl::OkStatus();
@@ -217,24 +225,27 @@ absl::Status LaunchPagedIndexer(const PagedIndexerArgs& a, cudaStream_t stream) 
   if (!a.q || !a.weights || !a.kv || !a.table || !a.lens || !a.logits) {
     return absl::InvalidArgumentError("paged indexer: every pointer argument is required");
   }
-  absl::Status s;
-  switch (a.stages) {
-    case 8:
-      s = Launch<8>(a, stream);
-      break;
-    case 12:
-      s = Launch<12>(a, stream);
-      break;
-    default:
-      s = Launch<4>(a, stream);
-      break;
-  }
+  const absl::Status s = [&] {
+    if (a.kernel == IndexerKernel::kWgmma) return internal::LaunchPagedIndexerWgmma(a, stream);
+    switch (a.stages) {
+      case 8:
+        return Launch<8>(a, stream);
+      case 12:
+        return Launch<12>(a, stream);
+      default:
+        return Launch<4>(a, stream);
+    }
+  }();
   if (!s.ok()) return s;
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) {
     return absl::InternalError(absl::StrCat("paged indexer launch: ", cudaGetErrorString(e)));
   }
   return absl::OkStatus();
+}
+
+const char* IndexerKernelName(IndexerKernel k) {
+  return k == IndexerKernel::kWgmma ? "wgmma" : "mma.sync";
 }
 
 float Fp8E4m3ToFloat(uint8_t v) {

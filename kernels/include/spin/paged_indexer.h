@@ -25,6 +25,16 @@ inline constexpr int kSlotBytes = kIndexerDim + 4;
 /// Bytes of one page: 64 key rows of 128 bytes, then 64 fp32 scales.
 inline constexpr int kPageBytes = kPageSlots * kSlotBytes;
 
+/// Which kernel computes the logits. Both give the same logits up to the accumulation order and
+/// precision of the tensor cores (see docs/cuda-backend.md); each is deterministic, so a slot's
+/// logit depends only on its key, scale, q and weights, never on where its page sits.
+enum class IndexerKernel {
+  /// mma.sync f16 m16n8k16 on fp8 converted to f16 (exact products, fp32 accumulation).
+  kMmaSync,
+  /// Hopper wgmma with native fp8 e4m3 operands from shared memory (sm_90a only).
+  kWgmma,
+};
+
 /// Arguments of one launch (device pointers).
 struct PagedIndexerArgs {
   const uint8_t* q = nullptr;      ///< [batch * next_n][64][128] fp8 e4m3
@@ -39,11 +49,20 @@ struct PagedIndexerArgs {
   int32_t batch = 0;
   int32_t next_n = 1;
   int32_t max_pages = 0;  ///< upper bound on pages per row (fixes the grid)
-  int32_t stages = 8;     ///< 8-slot tiles each warp keeps in flight: 4, 8 or 12
+  /// Loads in flight. kMmaSync: 8-slot tiles per warp, 4, 8 or 12. kWgmma: pages in each
+  /// CTA's ring, clamped to [4, 7] (4 and 5 fit 4 CTAs per SM, 6 and 7 fit 3).
+  int32_t stages = 8;
+  IndexerKernel kernel = IndexerKernel::kMmaSync;
+  /// Pages per CTA; 0 chooses from the problem size and the GPU (tests set it to exercise
+  /// long rings). kWgmma takes at most 64.
+  int32_t chunk_pages = 0;
 };
 
 /// Launches the indexer on `stream` (no synchronisation; graph-capturable).
 absl::Status LaunchPagedIndexer(const PagedIndexerArgs& args, cudaStream_t stream);
+
+/// Name of a kernel variant ("mma.sync", "wgmma").
+const char* IndexerKernelName(IndexerKernel k);
 
 /// Decodes one fp8 e4m3 byte (for host-side references).
 float Fp8E4m3ToFloat(uint8_t v);

@@ -1,0 +1,262 @@
+// Reference paged indexer on Hopper's warpgroup MMA: native fp8 e4m3 operands from shared memory.
+//
+// One CTA (one warpgroup, 128 threads) per (query row, chunk of pages). q for the row is copied
+// to shared memory once; the chunk's pages stream through a cp.async ring of `kStages` pages.
+// Per page the warpgroup computes D[64 slots][64 heads] = K_page (64 x 128, K-major) x q^T
+// (128 x 64, q stored as 64 heads x 128 dims, K-major) with four wgmma m64n64k32 e4m3 steps into
+// fp32 registers, then ReLU, the head weights, the reduction over heads and the slot's scale.
+//
+// Both tiles use the 128-byte swizzle: a 128-byte row (one key or one head) is one swizzle row,
+// and its 16-byte chunk c lives at chunk c ^ (row % 8) of that row; tiles start 1024-aligned.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+#include "spin/paged_indexer.h"
+
+namespace spin::internal {
+namespace {
+
+constexpr int kThreads = 128;                         // one warpgroup
+constexpr int kTileBytes = kPageSlots * kIndexerDim;  // 8 KB: 64 rows of 128 bytes
+constexpr int kScaleBytes = kPageSlots * 4;           // 256 B
+constexpr int kMaxChunk = 64;                         // pages per CTA (the table copy in smem)
+constexpr int kChunkTarget = 48;                      // automatic chunks stay at or below this
+
+template <int kStages>
+constexpr size_t SmemBytes() {
+  // q tile, key tiles, scales, the chunk's page ids, and up to 1 KB to align the tiles.
+  return kTileBytes * (1 + kStages) + kScaleBytes * kStages + kMaxChunk * 4 + 1024;
+}
+
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Shared-memory matrix descriptor for a K-major tile with the 128-byte swizzle: start address
+// (bits 0-13, in 16-byte units), leading byte offset (bits 16-29; not used by this layout, 1),
+// stride byte offset (bits 32-45: 1024 bytes between groups of 8 rows), layout 1 = 128B swizzle
+// (bits 62-63), base offset 0 (the tiles are 1024-aligned).
+__device__ __forceinline__ uint64_t Desc(uint32_t smem_addr) {
+  return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) |
+         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+}
+
+// d (+)= A x B for m64n64k32, e4m3 x e4m3 -> f32. kAccumulate = 0 overwrites d.
+template <int kAccumulate>
+__device__ __forceinline__ void WgmmaM64N64K32(float (&d)[32], uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+      "%32, %33, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "n"(kAccumulate));
+}
+
+// Keeps the compiler from moving reads or writes of the accumulators across the asynchronous
+// MMA's fence and wait (the registers are the MMA's until wait_group returns).
+__device__ __forceinline__ void FenceOperands(float (&d)[32]) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+template <int kStages>
+__global__ void __launch_bounds__(kThreads) PagedIndexerWgmmaKernel(PagedIndexerArgs a, int chunk) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ uint8_t smem_raw[];
+  const int row = blockIdx.y;
+  const int seq = row / a.next_n, r = row % a.next_n;
+  const int len = a.lens[seq * a.lens_stride + r];
+  // Never past the row's table, whatever the length says.
+  const int pages = min((len + kPageSlots - 1) / kPageSlots, a.max_pages);
+  const int p0 = blockIdx.x * chunk;
+  if (len <= 0 || p0 >= pages) return;
+  const int n = min(p0 + chunk, pages) - p0;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+
+  // Layout: [q tile][kStages key tiles] (1024-aligned), [kStages x 64 scales], [chunk page ids].
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t q_s = (raw + 1023u) & ~1023u;
+  const uint32_t k_s = q_s + kTileBytes;
+  uint8_t* const base = smem_raw + (q_s - raw);
+  float* const scale_s = reinterpret_cast<float*>(base + kTileBytes * (1 + kStages));
+  int32_t* const page_s = reinterpret_cast<int32_t*>(scale_s + kStages * kPageSlots);
+  const uint32_t scale_a = q_s + kTileBytes * (1 + kStages);
+
+  const int32_t* table = a.table + seq * a.table_stride + p0;
+  if (tid < n) page_s[tid] = table[tid];
+  // q: 512 chunks of 16 bytes, 4 per thread, into the swizzled layout (head h = chunk / 8).
+  const uint8_t* q = a.q + static_cast<int64_t>(row) * kIndexerHeads * kIndexerDim;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int x = tid + j * kThreads, h = x / 8, c = x % 8;
+    CpAsync16(q_s + h * 128 + ((c ^ (h % 8)) << 4), q + x * 16);
+  }
+  CpAsyncCommit();
+  // This thread's 16 head weights: heads 8j + 2t + {0, 1} (its accumulator columns).
+  float w[8][2];
+  const float* wr = a.weights + static_cast<int64_t>(row) * kIndexerHeads;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float2 v = *reinterpret_cast<const float2*>(wr + 8 * j + 2 * t);
+    w[j][0] = v.x;
+    w[j][1] = v.y;
+  }
+  float* out = a.logits + static_cast<int64_t>(row) * a.logits_stride;
+  __syncthreads();  // page ids visible
+
+  auto issue = [&](int i) {
+    if (i < n) {
+      const uint8_t* page = a.kv + static_cast<int64_t>(page_s[i]) * kPageBytes;
+      const int s = i % kStages;
+      const uint32_t dst = k_s + s * kTileBytes;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int x = tid + j * kThreads, kr = x / 8, c = x % 8;
+        CpAsync16(dst + kr * 128 + ((c ^ (kr % 8)) << 4), page + x * 16);
+      }
+      if (tid < kScaleBytes / 16) {
+        CpAsync16(scale_a + s * kScaleBytes + tid * 16, page + kTileBytes + tid * 16);
+      }
+    }
+    CpAsyncCommit();  // an empty group past the end keeps the wait count uniform
+  };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue(i);
+
+  const uint64_t desc_q = Desc(q_s);
+  const int r0 = warp * 16 + g;  // this thread's slots in the page: r0 and r0 + 8
+  for (int i = 0; i < n; ++i) {
+    CpAsyncWait<kStages - 2>();  // this thread's copies of q and page i have landed
+    // cp.async writes are generic-proxy; wgmma reads shared memory through the async proxy.
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    // Everyone's copies of page i are visible, and everyone is done with page i - 1, whose
+    // stage the next copy reuses.
+    __syncthreads();
+    issue(i + kStages - 1);
+    const int s = i % kStages;
+    const uint64_t desc_k = Desc(k_s + s * kTileBytes);
+    float d[32];
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    // k-step j: 32 bytes further along each 128-byte row (start address + 2 x 16 bytes).
+    WgmmaM64N64K32<0>(d, desc_k, desc_q);
+    WgmmaM64N64K32<1>(d, desc_k + 2, desc_q + 2);
+    WgmmaM64N64K32<1>(d, desc_k + 4, desc_q + 4);
+    WgmmaM64N64K32<1>(d, desc_k + 6, desc_q + 6);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    FenceOperands(d);
+    // d[4j + 2i + c]: slot r0 + 8i, head 8j + 2t + c.
+    float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      s0 = __fmaf_rn(w[j][0], fmaxf(d[4 * j + 0], 0.0f), s0);
+      s0 = __fmaf_rn(w[j][1], fmaxf(d[4 * j + 1], 0.0f), s0);
+      s1 = __fmaf_rn(w[j][0], fmaxf(d[4 * j + 2], 0.0f), s1);
+      s1 = __fmaf_rn(w[j][1], fmaxf(d[4 * j + 3], 0.0f), s1);
+    }
+    // The quad (t = 0..3) holds all 64 heads of slots r0 and r0 + 8.
+    s0 += __shfl_xor_sync(0xFFFFFFFFu, s0, 1);
+    s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, 1);
+    s0 += __shfl_xor_sync(0xFFFFFFFFu, s0, 2);
+    s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, 2);
+    if (t < 2) {
+      const int kr = r0 + 8 * t;
+      const int slot = (p0 + i) * kPageSlots + kr;
+      if (slot < len) out[slot] = (t == 0 ? s0 : s1) * scale_s[s * kPageSlots + kr];
+    }
+  }
+  CpAsyncWait<0>();
+#else
+  // Built without sm_90a (kernels/CMakeLists.txt builds this file for 90a only).
+  __trap();
+#endif
+}
+
+template <int kStages>
+absl::Status Launch(const PagedIndexerArgs& a, cudaStream_t stream) {
+  constexpr size_t kSmem = SmemBytes<kStages>();
+  struct Config {
+    cudaError_t err;
+    int resident;  // CTAs resident on the whole GPU
+  };
+  static const Config cfg = [] {
+    Config c{cudaSuccess, 0};
+    c.err = cudaFuncSetAttribute(PagedIndexerWgmmaKernel<kStages>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (c.err == cudaSuccess) {
+      c.err = cudaFuncSetAttribute(PagedIndexerWgmmaKernel<kStages>,
+                                   cudaFuncAttributePreferredSharedMemoryCarveout,
+                                   cudaSharedmemCarveoutMaxShared);
+    }
+    int sms = 0, per_sm = 0;
+    if (c.err == cudaSuccess)
+      c.err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+    if (c.err == cudaSuccess) {
+      c.err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &per_sm, PagedIndexerWgmmaKernel<kStages>, kThreads, kSmem);
+    }
+    c.resident = std::max(1, sms * per_sm);
+    return c;
+  }();
+  if (cfg.err != cudaSuccess) {
+    return absl::InternalError(
+        absl::StrCat("paged indexer (wgmma): ", cudaGetErrorString(cfg.err)));
+  }
+  const int64_t rows = static_cast<int64_t>(a.batch) * a.next_n;
+  const int64_t P = a.max_pages;
+  int64_t chunk = a.chunk_pages;
+  if (chunk <= 0) {
+    // CTAs per row: enough that chunks stay at most kChunkTarget pages, then rounded up so the
+    // grid is close to a whole number of waves of resident CTAs.
+    int64_t per_row = (P + kChunkTarget - 1) / kChunkTarget;
+    const int64_t waves = std::max<int64_t>(1, (rows * per_row + cfg.resident - 1) / cfg.resident);
+    per_row = std::clamp<int64_t>(waves * cfg.resident / rows, per_row, P);
+    chunk = (P + per_row - 1) / per_row;
+  }
+  chunk = std::clamp<int64_t>(chunk, 1, kMaxChunk);
+  const dim3 grid(static_cast<unsigned>((P + chunk - 1) / chunk), static_cast<unsigned>(rows));
+  PagedIndexerWgmmaKernel<kStages><<<grid, kThreads, kSmem, stream>>>(a, static_cast<int>(chunk));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status LaunchPagedIndexerWgmma(const PagedIndexerArgs& a, cudaStream_t stream) {
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+    return absl::InternalError("paged indexer (wgmma): no CUDA device");
+  }
+  if (major != 9 || minor != 0) {
+    return absl::UnimplementedError(
+        absl::StrCat("paged indexer (wgmma): needs compute capability 9.0 (sm_90a), device is ",
+                     major, ".", minor));
+  }
+  switch (std::clamp(a.stages, 4, 7)) {
+    case 4:
+      return Launch<4>(a, stream);
+    case 5:
+      return Launch<5>(a, stream);
+    case 6:
+      return Launch<6>(a, stream);
+    default:
+      return Launch<7>(a, stream);
+  }
+}
+
+}  // namespace spin::internal
