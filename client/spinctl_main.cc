@@ -3,13 +3,16 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <string>
 
 #include "CLI/CLI.hpp"
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "control.h"
+#include "eval.h"
 #include "gen_trace.h"
 #include "replay.h"
 #include "trace.h"
@@ -58,6 +61,35 @@ class Progress {
   bool quiet_, tty_, printed_ = false;
   Clock::time_point start_, last_;
 };
+
+int CmdEval(EvalOptions eo, const std::string& out, bool quiet) {
+  if (absl::Status s = ValidateGenTraceOptions(eo.gen); !s.ok()) return Fail(s);
+  if (!(eo.budget_exploration >= 0 && eo.budget_exploration < 1)) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--exploration ", eo.budget_exploration, " is out of range [0, 1)")));
+  }
+  std::error_code ec;
+  std::filesystem::create_directories(out + "/traces", ec);
+  if (ec) {
+    return Fail(
+        absl::InvalidArgumentError(absl::StrCat("cannot create ", out, "/traces: ", ec.message())));
+  }
+  eo.work_dir = out + "/traces";
+  if (!quiet) eo.log = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
+  absl::StatusOr<EvalResult> r = RunEval(eo);
+  if (!r.ok()) return Fail(r.status());
+  const std::string md = EvalMarkdown(eo, *r);
+  for (const auto& [name, text] :
+       {std::pair{"results.json", EvalJson(eo, *r) + "\n"}, std::pair{"results.md", md}}) {
+    std::ofstream f(out + "/" + name, std::ios::trunc);
+    f << text;
+    f.flush();
+    if (!f) return Fail(absl::InvalidArgumentError(absl::StrCat("cannot write ", out, "/", name)));
+  }
+  if (absl::Status s = WriteEvalData(*r, out); !s.ok()) return Fail(s);
+  std::printf("%s", md.c_str());
+  return 0;
+}
 
 }  // namespace
 }  // namespace spin
@@ -165,6 +197,42 @@ int main(int argc, char** argv) {
   r->add_flag("--json", json, "Print the summary as one JSON object");
   r->add_flag("--quiet", quiet, "No progress on stderr");
 
+  // eval: the quality study
+  EvalOptions eo;
+  std::string eval_out;
+  bool eval_quiet = false;
+  CLI::App* ev = app.add_subcommand(
+      "eval",
+      "Quality study on generated traces: prediction signals, SPIN with and without "
+      "exploration, uniform against per-layer budgets, over a range of sparsities");
+  ev->add_option("--out", eval_out,
+                 "Output directory: results.json, results.md, gnuplot data (*.dat), traces/")
+      ->required();
+  ev->add_option("--seeds", eo.seeds, "Trace seeds (one trace each)")->capture_default_str();
+  ev->add_option("--sparsities", eo.sparsities, "Target sparsities, each in [0, 1)")
+      ->capture_default_str();
+  ev->add_option("--layers", eo.gen.layers, "Indexer layers of the traces")->capture_default_str();
+  ev->add_option("--slots", eo.gen.slots, "Slots per trace")->capture_default_str();
+  ev->add_option("--steps", eo.gen.steps, "Decode steps per trace")->capture_default_str();
+  ev->add_option("--topk", eo.gen.topk, "The indexer's top-K")->capture_default_str();
+  ev->add_option("--shifts", eo.gen.shifts, "Sudden shifts per trace")->capture_default_str();
+  ev->add_option("--noise", eo.gen.noise_scale, "Scale of the per-step noise")
+      ->capture_default_str();
+  ev->add_option("--drift", eo.gen.drift_scale, "Scale of the slow drift")->capture_default_str();
+  ev->add_option("--probe-period", eo.probe_period,
+                 "Probe period of the uniform / per-layer budget comparison (> 0)")
+      ->capture_default_str();
+  ev->add_option("--exploration", eo.budget_exploration,
+                 "Exploration share of the budget comparison, in [0, 1)")
+      ->capture_default_str();
+  ev->add_option("--budget-smoothing", eo.tuning.smoothing,
+                 "EMA weight of one probe step's miss curve, in (0, 1]")
+      ->capture_default_str();
+  ev->add_option("--budget-drift", eo.tuning.drift_threshold,
+                 "Recompute when a smoothed curve moved by more than this, in [0, 1]")
+      ->capture_default_str();
+  ev->add_flag("--quiet", eval_quiet, "No progress on stderr");
+
   // Control commands (need --target).
   std::string session_id, token;
   auto session_opts = [&](CLI::App* c) {
@@ -230,6 +298,7 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
+  if (ev->parsed()) return CmdEval(eo, eval_out, eval_quiet);
   if (ts->parsed()) {
     absl::StatusOr<Trace> t = LoadTrace(stats_dir);
     if (!t.ok()) return Fail(t.status());
