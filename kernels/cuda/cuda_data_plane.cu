@@ -23,9 +23,13 @@ namespace spin {
 namespace {
 
 constexpr int kSelectThreads = 1024;
+// SelectRows keeps a row's keys in registers up to this many per thread (4096 blocks: 256K
+// slots at b = 64), and in the private scratch beyond.
+constexpr int kSelectRegRounds = 4;
 constexpr int kScoreThreads = 256;
 constexpr int kBlocksPerScoreCta = 32;  // 8 warps x 4 blocks
 constexpr int kEmaThreads = 256;
+constexpr int kEmaSlots = 8;  // compacted slots per thread per round
 
 absl::Status CudaStatus(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return absl::OkStatus();
@@ -88,9 +92,27 @@ __device__ void RecordError(uint32_t* error, uint32_t code) { atomicCAS(error, 0
 
 // ---------------------------------------------------------------------------------------------
 // CTA-wide exact top-t by key, ties to the lower index, among candidates [0, n) with
-// cand(j) true. Calls take(j) for each chosen j. All threads of the CTA must call it.
+// cand(u, j) true. Calls take(u, j) for each chosen j. All threads of the CTA must call it.
+//
+// Element j is visited in round u = j / blockDim.x by thread j % blockDim.x (ForRounds). With
+// KPT > 0 the rounds are unrolled (n <= KPT * blockDim.x), so a caller can keep its per-element
+// keys in registers indexed by the constant u; KPT == 0 loops over any n and the caller indexes
+// memory by j. Either way each thread sees only its own elements, in increasing j.
 // ---------------------------------------------------------------------------------------------
-template <typename Key, typename KeyFn, typename CandFn, typename TakeFn>
+template <int KPT, typename F>
+__device__ __forceinline__ void ForRounds(int n, F f) {
+  const int nt = static_cast<int>(blockDim.x);
+  if constexpr (KPT > 0) {
+#pragma unroll
+    for (int u = 0; u < KPT; ++u) {
+      if (u * nt < n) f(u, u * nt + static_cast<int>(threadIdx.x));  // uniform over the CTA
+    }
+  } else {
+    for (int u = 0; u * nt < n; ++u) f(u, u * nt + static_cast<int>(threadIdx.x));
+  }
+}
+
+template <typename Key, int KPT, typename KeyFn, typename CandFn, typename TakeFn>
 __device__ void CtaTopT(int n, int t, KeyFn key, CandFn cand, TakeFn take) {
   using Scan = cub::BlockScan<int, kSelectThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
@@ -112,16 +134,15 @@ __device__ void CtaTopT(int n, int t, KeyFn key, CandFn cand, TakeFn take) {
     // Every lane takes part in each round so equal digits can be counted once per warp: keys
     // cluster in few buckets (the top byte of nearby floats), where one atomic per key would
     // serialise.
-    for (int base = 0; base < n; base += blockDim.x) {
-      const int j = base + threadIdx.x;
+    ForRounds<KPT>(n, [&](int u, int j) {
       int digit = 256;
-      if (j < n && cand(j)) {
-        const unsigned long long k = static_cast<unsigned long long>(key(j));
+      if (j < n && cand(u, j)) {
+        const unsigned long long k = static_cast<unsigned long long>(key(u, j));
         if ((k & mask) == prefix) digit = static_cast<int>((k >> shift) & 0xFF);
       }
       const unsigned peers = __match_any_sync(0xFFFFFFFFu, digit);
       if (digit < 256 && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], __popc(peers));
-    }
+    });
     __syncthreads();
     if (threadIdx.x < 32) {
       // Lane l owns digits 8l .. 8l+7; find the digit holding the remaining-th largest key.
@@ -163,19 +184,18 @@ __device__ void CtaTopT(int n, int t, KeyFn key, CandFn cand, TakeFn take) {
   const int ties = s_remaining;  // how many keys equal to thr to take, lowest index first
   if (threadIdx.x == 0) s_running = 0;
   __syncthreads();
-  for (int base = 0; base < n; base += blockDim.x) {
-    const int j = base + threadIdx.x;
-    bool c = j < n && cand(j);
-    const unsigned long long k = c ? static_cast<unsigned long long>(key(j)) : 0;
+  ForRounds<KPT>(n, [&](int u, int j) {
+    const bool c = j < n && cand(u, j);
+    const unsigned long long k = c ? static_cast<unsigned long long>(key(u, j)) : 0;
     const int eq = (c && k == thr) ? 1 : 0;
     int before, total;
     Scan(scan_tmp).ExclusiveSum(eq, before, total);
     const int running = s_running;
-    if (c && (k > thr || (eq && running + before < ties))) take(j);
+    if (c && (k > thr || (eq && running + before < ties))) take(u, j);
     __syncthreads();
     if (threadIdx.x == 0) s_running = running + total;
     __syncthreads();
-  }
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -258,8 +278,10 @@ __global__ void BeginStepKernel(Dev d, const int32_t* seq, const int32_t* ctx, c
 template <typename T>
 __global__ void ScoresKernel(Dev d, int layer) {
   const int e = blockIdx.z, r = blockIdx.y;
-  if (e >= d.batch->n || r >= d.batch->rows) return;
+  // Independent loads first (e < the host's n <= max_seqs, so the entry is in bounds).
+  const int batch_n = d.batch->n, batch_rows = d.batch->rows;
   const StepEntry en = d.entries[e];
+  if (e >= batch_n || r >= batch_rows) return;
   const int j0 = blockIdx.x * kBlocksPerScoreCta;
   if (r == 0) {
     uint8_t* mask = d.mask + static_cast<int64_t>(e) * d.max_blocks;
@@ -296,11 +318,78 @@ __global__ void ScoresKernel(Dev d, int layer) {
   if (j < nb && sub == 0) out[j] = best;
 }
 
+// One (entry, row) selection after the query block: top by score, then exploration by draw.
+// Per block: a key and a state (0 = candidate, 1 = query block, 2 = chosen by score). With
+// KPT > 0 (nb <= KPT * kSelectThreads) they live in registers, element u * blockDim.x + tid in
+// slot u, so the radix passes never go back to memory; KPT == 0 keeps them in the private
+// scratch (any nb). Both visit the same elements in the same order, so they choose the same set.
+template <int KPT>
+__device__ __forceinline__ void SelectRow(const Dev& d, int layer, int e, int r,
+                                          const StepEntry& en, int nb, int qb, int top, int explore,
+                                          uint8_t* mask) {
+  constexpr int kRegs = KPT > 0 ? KPT : 1;
+  unsigned long long rkey[kRegs];
+  uint8_t rsel[kRegs];
+#pragma unroll
+  for (int u = 0; u < kRegs; ++u) {
+    rkey[u] = 0;
+    rsel[u] = 1;
+  }
+  const int64_t row_off = (static_cast<int64_t>(e) * d.max_rows + r) * d.max_blocks;
+  uint8_t* gsel = d.sel + row_off;
+  unsigned long long* gkey = d.keys + row_off;
+  auto key_of = [&](int u, int j) -> unsigned long long& {
+    if constexpr (KPT > 0) {
+      return rkey[u];
+    } else {
+      return gkey[j];
+    }
+  };
+  auto sel_of = [&](int u, int j) -> uint8_t& {
+    if constexpr (KPT > 0) {
+      return rsel[u];
+    } else {
+      return gsel[j];
+    }
+  };
+  const float* s = d.Scores(e, r);
+  ForRounds<KPT>(nb, [&](int u, int j) {
+    if (j < nb) {
+      sel_of(u, j) = j == qb ? 1 : 0;
+      key_of(u, j) = FloatKey(s[j]);
+    }
+  });
+  if (threadIdx.x == 0) mask[qb] = 1;
+  __syncthreads();
+  CtaTopT<uint32_t, KPT>(
+      nb, top, [&](int u, int j) { return static_cast<uint32_t>(key_of(u, j)); },
+      [&](int u, int j) { return sel_of(u, j) == 0; },
+      [&](int u, int j) {
+        sel_of(u, j) = 2;  // no longer an exploration candidate
+        mask[j] = 1;
+      });
+  __syncthreads();
+  if (explore <= 0) return;
+  const uint64_t key = ExplorationKey(d.seed, d.seqs[en.seq].key);
+  ForRounds<KPT>(nb, [&](int u, int j) {
+    if (j < nb && sel_of(u, j) == 0) {
+      key_of(u, j) = ~ExplorationDraw(key, en.step, static_cast<uint32_t>(layer),
+                                      static_cast<uint32_t>(r), static_cast<uint32_t>(j));
+    }
+  });
+  __syncthreads();
+  CtaTopT<unsigned long long, KPT>(
+      nb, explore, [&](int u, int j) { return key_of(u, j); },
+      [&](int u, int j) { return sel_of(u, j) == 0; }, [&](int, int j) { mask[j] = 1; });
+}
+
 // One (entry, row) selection: query block, top by score, exploration by draw.
 __global__ void __launch_bounds__(kSelectThreads) SelectRowsKernel(Dev d, int layer) {
   const int e = blockIdx.y, r = blockIdx.x;
-  if (e >= d.batch->n || r >= d.batch->rows) return;
+  // Independent loads first (e < the host's n <= max_seqs, so the entry is in bounds).
+  const int batch_n = d.batch->n, batch_rows = d.batch->rows;
   const StepEntry en = d.entries[e];
+  if (e >= batch_n || r >= batch_rows) return;
   if (en.seq < 0) return;
   const bool fresh = d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] != 0;
   if (fresh || en.probe) return;  // dense: Union keeps every block
@@ -315,36 +404,11 @@ __global__ void __launch_bounds__(kSelectThreads) SelectRowsKernel(Dev d, int la
   const int qb = min(q / d.block, nb - 1);
   const int explore = ExplorationBlocks(m, d.policy->exploration);
   const int top = m - 1 - explore;
-  const int64_t row_off = (static_cast<int64_t>(e) * d.max_rows + r) * d.max_blocks;
-  uint8_t* sel = d.sel + row_off;
-  unsigned long long* keys = d.keys + row_off;
-  const float* s = d.Scores(e, r);
-  for (int j = threadIdx.x; j < nb; j += blockDim.x) {
-    sel[j] = j == qb ? 1 : 0;
-    keys[j] = FloatKey(s[j]);
+  if (nb <= kSelectRegRounds * kSelectThreads) {
+    SelectRow<kSelectRegRounds>(d, layer, e, r, en, nb, qb, top, explore, mask);
+  } else {
+    SelectRow<0>(d, layer, e, r, en, nb, qb, top, explore, mask);
   }
-  if (threadIdx.x == 0) mask[qb] = 1;
-  __syncthreads();
-  CtaTopT<uint32_t>(
-      nb, top, [&](int j) { return static_cast<uint32_t>(keys[j]); },
-      [&](int j) { return sel[j] == 0; },
-      [&](int j) {
-        sel[j] = 2;  // chosen this pass; still a candidate for the tie scan's reads
-        mask[j] = 1;
-      });
-  __syncthreads();
-  if (explore <= 0) return;
-  const uint64_t key = ExplorationKey(d.seed, d.seqs[en.seq].key);
-  for (int j = threadIdx.x; j < nb; j += blockDim.x) {
-    if (sel[j] == 0) {
-      keys[j] = ~ExplorationDraw(key, en.step, static_cast<uint32_t>(layer),
-                                 static_cast<uint32_t>(r), static_cast<uint32_t>(j));
-    }
-  }
-  __syncthreads();
-  CtaTopT<unsigned long long>(
-      nb, explore, [&](int j) { return keys[j]; }, [&](int j) { return sel[j] == 0; },
-      [&](int j) { mask[j] = 1; });
 }
 
 // Union of the rows, ascending; compacted table and lengths; statistics.
@@ -354,9 +418,10 @@ __global__ void __launch_bounds__(kSelectThreads)
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int s_count;
   const int e = blockIdx.x;
-  if (e >= d.batch->n) return;
-  const int rows = d.batch->rows;
+  // Independent loads first (e < the host's n <= max_seqs, so the entry is in bounds).
+  const int batch_n = d.batch->n, rows = d.batch->rows;
   const StepEntry en = d.entries[e];
+  if (e >= batch_n) return;
   if (blockIdx.x == 0 && threadIdx.x == 0) d.batch->selected_layer = layer;
   int32_t* clen = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
   if (en.seq < 0) {
@@ -375,6 +440,8 @@ __global__ void __launch_bounds__(kSelectThreads)
   __syncthreads();
   for (int base = 0; base < widest; base += blockDim.x) {
     const int j = base + threadIdx.x;
+    // The engine's entry is read ahead of the scan (j < widest <= max_blocks <= the stride).
+    const int32_t tj = table && j < widest ? table[e * table_stride + j] : 0;
     const int on = j < widest && (dense || mask[j]) ? 1 : 0;
     if (dense && j < widest) mask[j] = 1;
     int before, total;
@@ -382,7 +449,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     const int at = s_count + before;
     if (on) {
       ids[at] = j;
-      if (table) phys[at] = table[e * table_stride + j];
+      if (table) phys[at] = tj;
     }
     __syncthreads();
     if (threadIdx.x == 0) s_count += total;
@@ -484,9 +551,10 @@ __global__ void __launch_bounds__(kSelectThreads)
   const int k = min(d.topk, s_finite);
   if (k == 0) return;
   // Dense top-K of row 0 (ties to the lower slot), counted per block.
-  CtaTopT<uint32_t>(
-      n, k, [&](int i) { return FloatKey(z[i]); }, [&](int i) { return isfinite(z[i]) != 0; },
-      [&](int i) { atomicAdd(&hits[i / b], 1); });
+  CtaTopT<uint32_t, 0>(
+      n, k, [&](int, int i) { return FloatKey(z[i]); },
+      [&](int, int i) { return isfinite(z[i]) != 0; },
+      [&](int, int i) { atomicAdd(&hits[i / b], 1); });
   __syncthreads();
   // Rank blocks as the selector does: query block first, then by predicted score.
   const int qb = min(en.q_pos / b, nb - 1);
@@ -497,9 +565,9 @@ __global__ void __launch_bounds__(kSelectThreads)
     const int m = KeptBlocks(nb, d.topk, b, rho);
     if (threadIdx.x == 0) s_covered = hits[qb];
     __syncthreads();
-    CtaTopT<uint32_t>(
-        nb, m - 1, [&](int j) { return FloatKey(s[j]); }, [&](int j) { return j != qb; },
-        [&](int j) { atomicAdd(&s_covered, hits[j]); });
+    CtaTopT<uint32_t, 0>(
+        nb, m - 1, [&](int, int j) { return FloatKey(s[j]); }, [&](int, int j) { return j != qb; },
+        [&](int, int j) { atomicAdd(&s_covered, hits[j]); });
     __syncthreads();
     if (threadIdx.x == 0) s_missed[p] = static_cast<unsigned long long>(k - s_covered);
     __syncthreads();
@@ -515,77 +583,107 @@ __global__ void __launch_bounds__(kSelectThreads)
   }
 }
 
-// EMA update of row r for every entry. Thread 0 reads the entry once per CTA; the CTAs of an
-// entry then stride over its union's slots (one slot per thread per round).
+// EMA update of row r for every entry; one launch per row, in row order (the prefix-valid
+// replay). Within a row the compacted slots x < len_r are exactly the union's slots i < N_r,
+// each once, so every V[i] and D[q - i] belongs to one thread and any schedule gives the
+// reference result. Each warp takes 32 * kEmaSlots consecutive compacted slots, lane l the
+// slots l, l + 32, ...: every load and store instruction of a warp covers 32 consecutive
+// elements (logits 128 bytes, V and D 64 or 128), and a thread issues all its loads (block ids
+// and logits, then V and D) before its first store, so kEmaSlots slots are in flight per thread.
 template <typename T>
-__global__ void EmaKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
-                          const int32_t* accepted) {
-  __shared__ int s_active, s_count, s_n, s_q, s_seq;
-  __shared__ unsigned long long s_obs, s_bad;
+__global__ void __launch_bounds__(kEmaThreads)
+    EmaKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
+              const int32_t* accepted) {
+  constexpr int kWarps = kEmaThreads / 32;
+  __shared__ unsigned s_obs[kWarps], s_bad[kWarps];
   const int e = blockIdx.y;
-  if (threadIdx.x == 0) {
-    int active = 0;
-    const int rows = d.batch->rows;
-    if (e < d.batch->n && r < rows) {
-      const StepEntry en = d.entries[e];
-      if (en.seq >= 0) {
-        const int acc = accepted ? accepted[e] : rows;
-        const int32_t* clen = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
-        bool stride_ok = true;
-        for (int rr = 0; rr < rows; ++rr) stride_ok = stride_ok && clen[rr] <= stride;
-        active = acc >= 0 && acc <= rows && r < acc && stride_ok;
-        s_count = d.union_count[e];
-        s_n = en.ctx_len + r;
-        s_q = en.q_pos + r;
-        s_seq = en.seq;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  // Every warp reads the entry itself with independent loads (e < the host's n <= max_seqs, so
+  // they are in bounds), so the CTA waits for one memory latency and no barrier.
+  const int batch_n = d.batch->n, rows = d.batch->rows;
+  const StepEntry en = d.entries[e];
+  const int acc_in = accepted ? accepted[e] : 0;
+  const int lane_len =
+      lane < d.max_rows ? d.compact_len[static_cast<int64_t>(e) * d.max_rows + lane] : 0;
+  const float alpha = d.policy->alpha, beta = d.policy->beta;
+  // rows <= kMaxRows <= 32: lane rr checks row rr's compacted length against the stride.
+  const bool stride_ok = __all_sync(0xFFFFFFFFu, lane >= rows || lane_len <= stride);
+  const int len = __shfl_sync(0xFFFFFFFFu, lane_len, r % 32);
+  const int acc = accepted ? acc_in : rows;
+  const bool active =
+      e < batch_n && r < rows && en.seq >= 0 && acc >= 0 && acc <= rows && r < acc && stride_ok;
+  if (!active) return;  // uniform over the CTA
+  // At least one row is applied: the (sequence, layer) is no longer fresh. Only the Probe
+  // kernel, which ran before this launch, reads the flag during Observe.
+  if (r == 0 && blockIdx.x == 0 && threadIdx.x == 0) {
+    d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] = 0;
+  }
+  const int b = d.block, shift = d.block_shift, q = en.q_pos + r;
+  const int32_t* ids = d.union_ids + static_cast<int64_t>(e) * d.max_blocks;
+  const float* z = logits + (static_cast<int64_t>(e) * rows + r) * stride;
+  T* v = reinterpret_cast<T*>(d.Record(en.seq, layer));
+  T* dd = v + d.max_slots;
+  unsigned obs = 0, bad = 0;
+  const int step = gridDim.x * kEmaThreads * kEmaSlots;
+  for (int x0 = (blockIdx.x * kWarps + warp) * (32 * kEmaSlots) + lane; x0 < len; x0 += step) {
+    int slot[kEmaSlots];
+    float zv[kEmaSlots], vv[kEmaSlots], dv[kEmaSlots];
+#pragma unroll
+    for (int u = 0; u < kEmaSlots; ++u) {
+      const int x = x0 + u * 32;
+      slot[u] = -1;
+      zv[u] = 0.0f;
+      if (x < len) {  // x < len_r <=> its slot is below N_r
+        const int k = shift >= 0 ? x >> shift : x / b;
+        slot[u] = ids[k] * b + (x - k * b);
+        zv[u] = z[x];
       }
     }
-    s_active = active;
-    s_obs = 0;
-    s_bad = 0;
-    // At least one row is applied: the (sequence, layer) is no longer fresh. Only the Probe
-    // kernel, which ran before this launch, reads the flag during Observe.
-    if (active && r == 0 && blockIdx.x == 0) {
-      d.fresh[static_cast<int64_t>(s_seq) * d.layers + layer] = 0;
+#pragma unroll
+    for (int u = 0; u < kEmaSlots; ++u) {
+      const int i = slot[u];
+      vv[u] = 0.0f;
+      dv[u] = 0.0f;
+      if (i >= 0) {
+        vv[u] = LoadT(v, i);
+        if (i <= q) dv[u] = LoadT(dd, q - i);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kEmaSlots; ++u) {
+      const int i = slot[u];
+      if (i < 0) continue;
+      if (!isfinite(zv[u])) {
+        ++bad;
+        continue;
+      }
+      ++obs;
+      StoreT(v, i, EmaUpdate(vv[u], zv[u], alpha, beta));
+      if (i <= q) StoreT(dd, q - i, EmaUpdate(dv[u], zv[u], alpha, beta));
     }
   }
-  __syncthreads();
-  if (!s_active) return;
-  const int b = d.block, n = s_n, q = s_q, total = s_count * b;
-  const int32_t* ids = d.union_ids + static_cast<int64_t>(e) * d.max_blocks;
-  const float* z = logits + (static_cast<int64_t>(e) * d.batch->rows + r) * stride;
-  T* v = reinterpret_cast<T*>(d.Record(s_seq, layer));
-  T* dd = v + d.max_slots;
-  const float alpha = d.policy->alpha, beta = d.policy->beta;
-  const int shift = d.block_shift;
-  unsigned obs = 0, bad = 0;
-  // One slot per thread per round. (Four per round with all loads ahead of the stores measured
-  // slower at batch 64 on the H200: 43.8 us against 36.4 us per layer at 128K slots.)
-  for (int x = blockIdx.x * blockDim.x + threadIdx.x; x < total; x += gridDim.x * blockDim.x) {
-    const int k = shift >= 0 ? x >> shift : x / b;
-    const int i = ids[k] * b + (x - k * b);
-    if (i >= n) continue;
-    const float zi = z[x];
-    if (!isfinite(zi)) {
-      ++bad;
-      continue;
-    }
-    ++obs;
-    StoreT(v, i, EmaUpdate(LoadT(v, i), zi, alpha, beta));
-    if (i <= q) StoreT(dd, q - i, EmaUpdate(LoadT(dd, q - i), zi, alpha, beta));
-  }
-  // One shared atomic per warp instead of one per slot.
+  // Counts: warp sums, then one global atomic per CTA and counter (only when non-zero).
   obs = __reduce_add_sync(0xFFFFFFFFu, obs);
   bad = __reduce_add_sync(0xFFFFFFFFu, bad);
-  if (threadIdx.x % 32 == 0 && (obs | bad)) {
-    atomicAdd(&s_obs, static_cast<unsigned long long>(obs));
-    atomicAdd(&s_bad, static_cast<unsigned long long>(bad));
+  if (lane == 0) {
+    s_obs[warp] = obs;
+    s_bad[warp] = bad;
   }
   __syncthreads();
-  if (threadIdx.x == 0 && (s_obs | s_bad)) {
-    LayerStats* st = d.stats + layer;
-    atomicAdd(reinterpret_cast<unsigned long long*>(&st->observed), s_obs);
-    atomicAdd(reinterpret_cast<unsigned long long*>(&st->bad_scores), s_bad);
+  if (warp == 0) {
+    obs = __reduce_add_sync(0xFFFFFFFFu, lane < kWarps ? s_obs[lane] : 0u);
+    bad = __reduce_add_sync(0xFFFFFFFFu, lane < kWarps ? s_bad[lane] : 0u);
+    if (lane == 0) {
+      LayerStats* st = d.stats + layer;
+      if (obs) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(&st->observed),
+                  static_cast<unsigned long long>(obs));
+      }
+      if (bad) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(&st->bad_scores),
+                  static_cast<unsigned long long>(bad));
+      }
+    }
   }
 }
 
@@ -750,9 +848,10 @@ class CudaDataPlane final : public DataPlane {
       return absl::InvalidArgumentError("logits are required");
     }
     ProbeKernel<<<n_, kSelectThreads, 0, stream>>>(d_, layer, logits, logits_stride, accepted);
-    // About 8 slots per thread when the whole context is kept.
+    // One round of kEmaSlots slots per thread when the whole context is kept (up to 128K slots;
+    // beyond, the CTAs stride).
     const unsigned chunks = static_cast<unsigned>(std::clamp<int64_t>(
-        CeilDiv(static_cast<int64_t>(a_.max_blocks) * d_.block, kEmaThreads * 8), 1, 64));
+        CeilDiv(static_cast<int64_t>(a_.max_blocks) * d_.block, kEmaThreads * kEmaSlots), 1, 64));
     for (int r = 0; r < rows_; ++r) {
       if (d_.dtype_bytes == 4) {
         EmaKernel<float><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(d_, layer, r, logits,
