@@ -161,9 +161,6 @@ absl::StatusOr<ReplaySummary> ReplayThroughDaemon(const std::string& target, con
                                                   const ReplayOptions& options, bool remote,
                                                   const std::string& admin_token,
                                                   std::string* where) {
-  if (options.backend != ReplayBackend::kCpu) {
-    return absl::InvalidArgumentError("replay through spind uses the daemon's CPU arenas");
-  }
   client::AttachOptions ao;
   ao.geometry = TraceGeometry(trace.meta(), trace.n_max(), options.dtype);
   ao.policy = options.policy;
@@ -172,6 +169,14 @@ absl::StatusOr<ReplaySummary> ReplayThroughDaemon(const std::string& target, con
   ao.admin_token = admin_token;
   absl::StatusOr<std::unique_ptr<client::Session>> s = client::Session::Attach(target, ao);
   if (!s.ok()) return s.status();
+  // The daemon decides where the arena lives; --backend cuda insists on a GPU arena.
+  if (options.backend == ReplayBackend::kCuda && !(*s)->on_device()) {
+    (void)(*s)->Detach();
+    return absl::FailedPreconditionError(
+        absl::StrCat("--backend cuda: spind at ", target,
+                     " keeps arenas in host memory (start it with --backend cuda, or drop "
+                     "--backend)"));
+  }
   absl::StatusOr<ReplaySummary> out;
   if (remote) {
     auto rdp =
@@ -182,7 +187,8 @@ absl::StatusOr<ReplaySummary> ReplayThroughDaemon(const std::string& target, con
     out = ReplayOn((*s)->data_plane(), trace, options);
   }
   *where = absl::StrCat("through spind at ", target, ", session ", (*s)->id(),
-                        remote ? " (remote mode)" : " (mapped arena)", ", detached");
+                        remote ? " (remote mode" : " (mapped arena",
+                        (*s)->on_device() ? ", GPU " : "", (*s)->device_uuid(), "), detached");
   if (absl::Status d = (*s)->Detach(); !d.ok() && out.ok()) return d;
   return out;
 }

@@ -13,6 +13,10 @@
 #include "convert.h"
 #include "grpc_status.h"
 #include "grpcpp/grpcpp.h"
+#if SPIN_HAVE_CUDA
+#include "spin/cuda_data_plane.h"
+#include "spin/shared_device_memory.h"
+#endif
 
 namespace spin::client {
 namespace {
@@ -95,29 +99,82 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Attach(const std::string& targ
     (void)s->Detach();
     return st;
   }
-  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (resp.arena_header().size() != sizeof(ArenaHeader) || bytes != resp.arena_bytes()) {
+    close(fd);
+    (void)s->Detach();
+    return absl::DataLossError("spind sent an arena that does not match the layout it described");
+  }
+  ArenaHeader header;
+  std::memcpy(&header, resp.arena_header().data(), sizeof(header));
+  absl::StatusOr<ArenaView> view = resp.backend() == pb::BACKEND_CUDA
+                                       ? s->MapDevice(fd, bytes, resp.device_uuid(), header)
+                                       : s->MapHost(fd, bytes, header);
   close(fd);  // the mapping keeps the memory
-  if (base == MAP_FAILED) {
-    (void)s->Detach();
-    return absl::ResourceExhaustedError(absl::StrCat("cannot map the ", bytes, "-byte arena"));
-  }
-  s->base_ = base;
-  s->bytes_ = bytes;
-  // What was mapped must be exactly the arena the daemon described.
-  if (resp.arena_header().size() != sizeof(ArenaHeader) ||
-      std::memcmp(base, resp.arena_header().data(), sizeof(ArenaHeader)) != 0 ||
-      bytes != resp.arena_bytes()) {
-    (void)s->Detach();
-    return absl::DataLossError("the mapped arena does not match the layout spind sent");
-  }
-  absl::StatusOr<ArenaView> view = ViewArena(base, bytes);
   if (!view.ok()) {
     (void)s->Detach();
     return view.status();
   }
   s->view_ = *view;
-  s->dp_ = MakeCpuDataPlane(s->view_);
+  if (s->device_ != nullptr) {
+#if SPIN_HAVE_CUDA
+    absl::StatusOr<std::unique_ptr<DataPlane>> dp = MakeCudaDataPlane(s->view_);
+    if (!dp.ok()) {
+      (void)s->Detach();
+      return dp.status();
+    }
+    s->dp_ = std::move(*dp);
+#endif
+  } else {
+    s->dp_ = MakeCpuDataPlane(s->view_);
+  }
   return s;
+}
+
+absl::StatusOr<ArenaView> Session::MapHost(int fd, uint64_t bytes, const ArenaHeader& header) {
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot map the ", bytes, "-byte arena"));
+  }
+  base_ = base;
+  bytes_ = bytes;
+  // What was mapped must be exactly the arena the daemon described.
+  if (std::memcmp(base, &header, sizeof(header)) != 0) {
+    return absl::DataLossError("the mapped arena does not match the layout spind sent");
+  }
+  return ViewArena(base, bytes);
+}
+
+absl::StatusOr<ArenaView> Session::MapDevice(int fd, uint64_t bytes, const std::string& uuid,
+                                             const ArenaHeader& header) {
+#if SPIN_HAVE_CUDA
+  absl::StatusOr<int> ordinal = CudaOrdinalOfUuid(uuid);
+  if (!ordinal.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("spind keeps this session's arena on GPU ", uuid,
+                     ", which this process cannot use: ", ordinal.status().message()));
+  }
+  if (absl::Status st = CudaSetDevice(*ordinal); !st.ok()) return st;
+  absl::StatusOr<std::unique_ptr<SharedDeviceMemory>> mem =
+      SharedDeviceMemory::Import(fd, *ordinal, bytes);
+  if (!mem.ok()) return mem.status();
+  ArenaHeader mapped;
+  if (absl::Status st = CopyToHost(&mapped, (*mem)->ptr(), sizeof(mapped)); !st.ok()) return st;
+  if (std::memcmp(&mapped, &header, sizeof(header)) != 0) {
+    return absl::DataLossError("the mapped device arena does not match the layout spind sent");
+  }
+  absl::StatusOr<ArenaView> view = ViewArenaWithHeader((*mem)->ptr(), bytes, header);
+  if (!view.ok()) return view.status();
+  device_uuid_ = uuid;
+  device_ = std::shared_ptr<SharedDeviceMemory>(std::move(*mem));
+  return view;
+#else
+  (void)fd;
+  (void)bytes;
+  (void)header;
+  return absl::FailedPreconditionError(
+      absl::StrCat("spind keeps this session's arena on GPU ", uuid,
+                   " but this client was built without the CUDA backend"));
+#endif
 }
 
 absl::Status Session::Detach() {
@@ -140,6 +197,7 @@ bool Session::alive() const {
 
 Session::~Session() {
   dp_.reset();
+  device_.reset();
   if (base_ != nullptr) munmap(base_, bytes_);
   if (conn_ >= 0) close(conn_);
 }

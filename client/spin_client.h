@@ -22,7 +22,9 @@ struct AttachOptions {
   std::string admin_token;  ///< spind's admin token, needed for Attach/Detach over TCP
 };
 
-/// An attached session with its arena mapped here (CPU backend: the daemon's memfd).
+/// An attached session with its arena mapped here: the daemon's memfd (CPU backend), or its
+/// CUDA VMM allocation imported and mapped on the same GPU (CUDA backend; that GPU becomes the
+/// calling thread's current device, and the data plane then takes device pointers).
 class Session {
  public:
   /// Attaches over gRPC at `target` (e.g. "unix:///run/spin/spind.sock"), fetches the arena fd
@@ -44,15 +46,23 @@ class Session {
   absl::Status Detach();
   /// False once spind closed the session's fd connection (it exited or freed the session).
   bool alive() const;
+  /// True when the arena is in GPU memory (spind runs the CUDA backend).
+  bool on_device() const { return device_ != nullptr; }
+  /// The GPU's UUID on the CUDA backend, else empty.
+  const std::string& device_uuid() const { return device_uuid_; }
 
  private:
   Session() = default;
-  std::string id_, token_, admin_token_;
+  absl::StatusOr<ArenaView> MapHost(int fd, uint64_t bytes, const ArenaHeader& header);
+  absl::StatusOr<ArenaView> MapDevice(int fd, uint64_t bytes, const std::string& uuid,
+                                      const ArenaHeader& header);
+  std::string id_, token_, admin_token_, device_uuid_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<spin::v1::Spin::Stub> stub_;
   int conn_ = -1;  // fd-socket connection: held open as the liveness signal
   void* base_ = nullptr;
   uint64_t bytes_ = 0;
+  std::shared_ptr<void> device_;  // the imported VMM mapping (CUDA backend)
   ArenaView view_;
   std::unique_ptr<DataPlane> dp_;
 };

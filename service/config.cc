@@ -26,9 +26,15 @@ ParseResult ParseConfig(int argc, const char* const* argv) {
       ->envname("SPIND_ADMIN_TOKEN_FILE")
       ->check(CLI::ExistingFile);
   app.add_option("--backend", c.backend,
-                 "Where arenas live: auto (cpu until the CUDA sessions land), cpu")
+                 "Where session arenas live: cuda (device memory shared with the engine by CUDA "
+                 "VMM), cpu (a memfd), or auto (cuda when a GPU is usable, else cpu)")
       ->envname("SPIND_BACKEND")
-      ->check(CLI::IsMember({"auto", "cpu"}))
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
+      ->capture_default_str();
+  app.add_option("--device", c.device,
+                 "CUDA device ordinal of this daemon's GPU (one spind per GPU)")
+      ->envname("SPIND_DEVICE")
+      ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--max-arena-bytes", c.max_arena_bytes, "Arena bytes over all sessions")
       ->envname("SPIND_MAX_ARENA_BYTES")

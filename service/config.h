@@ -15,6 +15,7 @@ struct Config {
   std::string admin_token_file;            ///< its content is required by mutating calls over TCP
   std::string metrics_address;             ///< Prometheus /metrics on HOST:PORT; empty = off
   std::string backend = "auto";            ///< auto | cpu | cuda
+  int device = 0;                          ///< CUDA device ordinal for the cuda backend
   uint64_t max_arena_bytes = 64ull << 30;  ///< over all sessions
   uint32_t max_sessions = 64;
   std::string log_format = "text";   ///< text | json

@@ -102,7 +102,19 @@ void FdServer::Handshake(int conn) {
     close(conn);
     return;
   }
-  if (!reply(absl::StrCat("OK ", (*s)->bytes, "\n"), (*s)->memfd)) {
+  absl::StatusOr<int> fd;
+  {
+    std::lock_guard<std::mutex> lock((*s)->mu);
+    fd = (*s)->arena->ExportFd();
+  }
+  if (!fd.ok()) {
+    reply(absl::StrCat("ERR cannot export the arena: ", fd.status().message(), "\n"));
+    close(conn);
+    return;
+  }
+  const bool sent = reply(absl::StrCat("OK ", (*s)->bytes, "\n"), *fd);
+  close(*fd);  // the client holds its own reference now
+  if (!sent) {
     close(conn);
     return;
   }

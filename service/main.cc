@@ -56,13 +56,29 @@ int main(int argc, char** argv) {
 
   const std::string socket_path = UnixSocketPath(c.listen);
   unlink(socket_path.c_str());  // a stale socket from a previous run
-  SessionManager sessions(Limits{c.max_sessions, c.max_arena_bytes});
+  // Where arenas live: a GPU when asked for (or, with auto, when one is usable), else host memory.
+  Limits limits{c.max_sessions, c.max_arena_bytes, Backend::kCpu, c.device};
+  std::string why_not_cuda;
+  const bool cuda = CudaBackendUsable(c.device, &why_not_cuda);
+  if (c.backend == "cuda" && !cuda) {
+    Log(c, "error", "--backend cuda: " + why_not_cuda + " (use --backend cpu or auto)");
+    return 1;
+  }
+  if (c.backend == "cuda" || (c.backend == "auto" && cuda)) limits.backend = Backend::kCuda;
+  const std::string uuid =
+      limits.backend == Backend::kCuda ? CudaDeviceUuidOrEmpty(c.device) : std::string();
+  const std::string backend_text =
+      limits.backend == Backend::kCuda
+          ? "backend cuda, device " + std::to_string(c.device) + " " + uuid
+          : "backend cpu" + (c.backend == "auto" ? " (" + why_not_cuda + ")" : std::string());
+  SessionManager sessions(limits);
   FdServer fds(&sessions, FdSocketPath(socket_path), std::chrono::milliseconds(c.client_grace_ms));
   if (absl::Status s = fds.Start(); !s.ok()) {
     Log(c, "error", std::string(s.message()) + ": check that the directory exists and is writable");
     return 1;
   }
-  Metrics metrics(&sessions);
+  Metrics metrics(&sessions, limits.backend == Backend::kCuda ? std::to_string(c.device) : "",
+                  uuid);
   if (!c.metrics_address.empty()) {
     if (absl::Status s = metrics.Start(c.metrics_address); !s.ok()) {
       Log(c, "error", std::string(s.message()) + ": pick a free port with --metrics-address");
@@ -101,7 +117,7 @@ int main(int argc, char** argv) {
   server->GetHealthCheckService()->SetServingStatus(true);
   std::string where = c.listen;
   if (!c.tcp_listen.empty()) where += " and tcp port " + std::to_string(tcp_port);
-  Log(c, "info", "serving spin.v1.Spin on " + where + " (backend cpu)");
+  Log(c, "info", "serving spin.v1.Spin on " + where + " (" + backend_text + ")");
 
   std::thread waiter([&] {
     int sig = 0;

@@ -28,7 +28,10 @@ const char* CodeName(grpc::StatusCode c) {
 // is copied on the data path.
 class SessionCollector final : public prometheus::Collectable {
  public:
-  explicit SessionCollector(SessionManager* sessions) : sessions_(sessions) {}
+  SessionCollector(SessionManager* sessions, std::string gpu, std::string uuid)
+      : sessions_(sessions) {
+    if (!gpu.empty()) device_ = {{"gpu", gpu}, {"UUID", uuid}};
+  }
 
   std::vector<MetricFamily> Collect() const override {
     auto family = [](const char* name, const char* help, MetricType type) {
@@ -40,7 +43,8 @@ class SessionCollector final : public prometheus::Collectable {
     };
     MetricFamily info = family("spin_build_info", "spind build; always 1", MetricType::Gauge);
     ClientMetric im;
-    im.label = {{"version", "0.1.0"}, {"backend", "cpu"}};
+    im.label = {{"version", "0.1.0"},
+                {"backend", sessions_->backend() == Backend::kCuda ? "cuda" : "cpu"}};
     im.gauge.value = 1;
     info.metric.push_back(im);
     MetricFamily count = family("spin_sessions", "Attached sessions", MetricType::Gauge);
@@ -71,7 +75,8 @@ class SessionCollector final : public prometheus::Collectable {
     for (const std::shared_ptr<Session>& s : all) {
       total += s->bytes;
       std::lock_guard<std::mutex> lock(s->mu);
-      const ArenaView& v = s->view;
+      if (!s->arena->PullControl().ok()) continue;  // a device error: skip, scrape the rest
+      const ArenaView& v = s->arena->host();
       for (uint32_t l = 0; l < v.geometry.layers; ++l) {
         const LayerStats& st = v.stats[l];
         ClientMetric m;
@@ -100,18 +105,27 @@ class SessionCollector final : public prometheus::Collectable {
     ClientMetric b;
     b.gauge.value = static_cast<double>(total);
     bytes.metric.push_back(b);
-    return {info, count, bytes, realized, effective, miss, budget, steps, probes, bad};
+    std::vector<MetricFamily> out = {info, count,  bytes, realized, effective,
+                                     miss, budget, steps, probes,   bad};
+    // Every series carries the GPU labels, so they join dcgm-exporter's.
+    for (MetricFamily& f : out) {
+      for (ClientMetric& m : f.metric) {
+        for (const ClientMetric::Label& l : device_) m.label.push_back(l);
+      }
+    }
+    return out;
   }
 
  private:
   SessionManager* sessions_;
+  std::vector<ClientMetric::Label> device_;
 };
 
 }  // namespace
 
-Metrics::Metrics(SessionManager* sessions)
+Metrics::Metrics(SessionManager* sessions, std::string gpu, std::string uuid)
     : registry_(std::make_shared<prometheus::Registry>()),
-      sessions_(std::make_shared<SessionCollector>(sessions)) {
+      sessions_(std::make_shared<SessionCollector>(sessions, std::move(gpu), std::move(uuid))) {
   handled_ = &prometheus::BuildCounter()
                   .Name("grpc_server_handled_total")
                   .Help("RPCs completed on the server, by method and status code")

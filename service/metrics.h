@@ -20,7 +20,9 @@ namespace spin::service {
 /// The metrics endpoint and the RPC instruments.
 class Metrics {
  public:
-  explicit Metrics(SessionManager* sessions);
+  /// `gpu` and `uuid` (the device ordinal and UUID on the CUDA backend, as dcgm-exporter
+  /// labels them) go on every spin_ series; empty on the CPU backend.
+  Metrics(SessionManager* sessions, std::string gpu = "", std::string uuid = "");
   ~Metrics();
 
   /// Serves /metrics on HOST:PORT (port 0 picks one). UNAVAILABLE if it cannot bind.

@@ -1,6 +1,5 @@
 #include "session_manager.h"
 
-#include <sys/mman.h>
 #include <sys/random.h>
 #include <unistd.h>
 
@@ -31,12 +30,6 @@ absl::StatusOr<std::string> RandomHex(size_t bytes) {
 }
 
 }  // namespace
-
-Session::~Session() {
-  dp.reset();
-  if (base != nullptr) munmap(base, bytes);
-  if (memfd >= 0) close(memfd);
-}
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const Geometry& g, uint64_t seed,
                                                                 const Policy& policy,
@@ -74,28 +67,18 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const Geometry& 
   }
   s->id = "s-" + *id;
   s->token = *token;
-  // The arena is a memfd so that a client can map the same pages (fd passing over a Unix
-  // socket), and it survives this process only as long as a mapping holds it.
-  s->memfd = memfd_create("spin-arena", MFD_CLOEXEC);
-  if (s->memfd < 0 || ftruncate(s->memfd, static_cast<off_t>(bytes)) != 0) {
+  absl::StatusOr<std::unique_ptr<ArenaStorage>> arena =
+      limits_.backend == Backend::kCuda ? MakeCudaArenaStorage(limits_.device, g, seed, policy)
+                                        : MakeCpuArenaStorage(g, seed, policy);
+  if (!arena.ok()) {
     release();
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot create a ", bytes, "-byte arena (memfd): out of memory?"));
+    return arena.status();
   }
-  s->base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, s->memfd, 0);
-  if (s->base == MAP_FAILED) {
-    s->base = nullptr;
-    release();
-    return absl::ResourceExhaustedError(absl::StrCat("cannot map a ", bytes, "-byte arena"));
-  }
-  absl::StatusOr<ArenaView> view = InitArena(s->base, bytes, g, seed, policy);
-  if (!view.ok()) {
-    release();
-    return view.status();
-  }
-  s->view = *view;
-  s->dp = MakeCpuDataPlane(s->view);
+  s->arena = std::move(*arena);
+  // A CUDA allocation is rounded up to the allocation granularity: hold what was mapped.
+  s->bytes = s->arena->mapping_bytes();
   std::lock_guard<std::mutex> lock(mu_);
+  bytes_ += s->bytes - bytes;
   sessions_[s->id] = s;
   order_.push_back(s->id);
   return s;

@@ -12,32 +12,29 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "arena_storage.h"
 #include "spin/arena.h"
-#include "spin/data_plane.h"
 
 namespace spin::service {
 
-/// One attached session. `mu` serialises data-plane and policy calls on its arena.
+/// One attached session. `mu` serialises every use of its arena.
 struct Session {
   std::string id;
   std::string token;
   std::string client_name;
   Geometry geometry;
   int64_t created_unix_seconds = 0;
-  int memfd = -1;        ///< the arena's memory (CPU backend): shareable by fd
-  void* base = nullptr;  ///< the daemon's mapping of it
-  uint64_t bytes = 0;    ///< mapping size
-  ArenaView view;
-  std::unique_ptr<DataPlane> dp;  ///< remote-mode data plane on the arena
+  uint64_t bytes = 0;  ///< bytes held against --max-arena-bytes (the client's mapping size)
+  std::unique_ptr<ArenaStorage> arena;
   std::mutex mu;
-
-  ~Session();
 };
 
-/// Operator limits.
+/// Operator limits and where arenas live.
 struct Limits {
   uint32_t max_sessions = 64;
   uint64_t max_arena_bytes = 64ull << 30;  ///< over all sessions
+  Backend backend = Backend::kCpu;
+  int device = 0;  ///< CUDA device ordinal (CUDA backend)
 };
 
 /// Creates, finds and frees sessions.
@@ -70,6 +67,10 @@ class SessionManager {
 
   /// Arena bytes held by all sessions.
   uint64_t arena_bytes() const;
+
+  /// Where arenas are allocated.
+  Backend backend() const { return limits_.backend; }
+  int device() const { return limits_.device; }
 
  private:
   Limits limits_;

@@ -16,10 +16,15 @@ namespace pb = spin::v1;
 
 using Clock = std::chrono::steady_clock;
 
-// The budget table of a session (caller holds the session's lock).
+pb::Backend BackendProto(Backend b) {
+  return b == Backend::kCuda ? pb::BACKEND_CUDA : pb::BACKEND_CPU;
+}
+
+// The budget table of a session (caller holds the session's lock and pulled the control
+// region).
 pb::GetBudgetsResponse Budgets(const Session& s) {
   pb::GetBudgetsResponse r;
-  const ArenaView& v = s.view;
+  const ArenaView& v = s.arena->host();
   for (uint32_t l = 0; l < v.geometry.layers; ++l) r.add_layer_sparsity(v.sparsity[l]);
   r.set_epoch(v.policy->epoch);
   r.set_budget_mode(ToProto(ReadPolicy(v)).budget_mode());
@@ -123,6 +128,10 @@ grpc::ServerWriteReactor<pb::GetBudgetsResponse>* SpinService::WatchBudgets(
   pb::GetBudgetsResponse first;
   {
     std::lock_guard<std::mutex> lock((*s)->mu);
+    if (absl::Status st = (*s)->arena->PullControl(); !st.ok()) {
+      w->End(ToGrpc(st));
+      return w;
+    }
     first = Budgets(**s);
     hub_.Add((*s)->id, w);  // under the session lock: no update can slip between the two
   }
@@ -184,10 +193,11 @@ grpc::ServerUnaryReactor* SpinService::Attach(grpc::CallbackServerContext* ctx,
   const Session& session = **s;
   resp->set_session_id(session.id);
   resp->set_token(session.token);
-  resp->set_backend(pb::BACKEND_CPU);
+  resp->set_backend(BackendProto(session.arena->backend()));
   resp->set_arena_bytes(session.bytes);
-  resp->set_arena_header(
-      std::string(reinterpret_cast<const char*>(session.view.header), sizeof(ArenaHeader)));
+  resp->set_device_uuid(session.arena->device_uuid());
+  resp->set_arena_header(std::string(reinterpret_cast<const char*>(session.arena->host().header),
+                                     sizeof(ArenaHeader)));
   *resp->mutable_policy() = ToProto(p);
   resp->set_fd_socket(fd_socket_);
   return Done(ctx, "Attach", t0, absl::OkStatus());
@@ -209,8 +219,10 @@ grpc::ServerUnaryReactor* SpinService::GetPolicy(grpc::CallbackServerContext* ct
   auto s = sessions_->Get(req->session().session_id(), req->session().token());
   if (!s.ok()) return Done(ctx, "GetPolicy", t0, s.status());
   std::lock_guard<std::mutex> lock((*s)->mu);
-  *resp->mutable_policy() = ToProto(ReadPolicy((*s)->view));
-  resp->set_epoch((*s)->view.policy->epoch);
+  ArenaStorage& arena = *(*s)->arena;
+  if (absl::Status st = arena.PullControl(); !st.ok()) return Done(ctx, "GetPolicy", t0, st);
+  *resp->mutable_policy() = ToProto(ReadPolicy(arena.host()));
+  resp->set_epoch(arena.host().policy->epoch);
   return Done(ctx, "GetPolicy", t0, absl::OkStatus());
 }
 
@@ -222,7 +234,9 @@ grpc::ServerUnaryReactor* SpinService::SetPolicy(grpc::CallbackServerContext* ct
   auto s = sessions_->Get(req->session().session_id(), req->session().token());
   if (!s.ok()) return Done(ctx, "SetPolicy", t0, s.status());
   std::lock_guard<std::mutex> lock((*s)->mu);
-  Policy p = ReadPolicy((*s)->view);
+  ArenaStorage& arena = *(*s)->arena;
+  if (absl::Status st = arena.PullControl(); !st.ok()) return Done(ctx, "SetPolicy", t0, st);
+  Policy p = ReadPolicy(arena.host());
   if (req->has_target_sparsity()) p.target_sparsity = req->target_sparsity();
   if (req->has_exploration()) p.exploration = req->exploration();
   if (req->has_alpha()) p.alpha = req->alpha();
@@ -230,9 +244,9 @@ grpc::ServerUnaryReactor* SpinService::SetPolicy(grpc::CallbackServerContext* ct
   absl::StatusOr<BudgetMode> m = ModeFromProto(req->budget_mode(), p.budget_mode);
   if (!m.ok()) return Done(ctx, "SetPolicy", t0, m.status());
   p.budget_mode = *m;
-  if (absl::Status st = WritePolicy((*s)->view, p); !st.ok()) return Done(ctx, "SetPolicy", t0, st);
+  if (absl::Status st = arena.WritePolicy(p); !st.ok()) return Done(ctx, "SetPolicy", t0, st);
   *resp->mutable_policy() = ToProto(p);
-  resp->set_epoch((*s)->view.policy->epoch);
+  resp->set_epoch(arena.host().policy->epoch);
   hub_.Notify((*s)->id, Budgets(**s));
   return Done(ctx, "SetPolicy", t0, absl::OkStatus());
 }
@@ -244,6 +258,8 @@ grpc::ServerUnaryReactor* SpinService::GetBudgets(grpc::CallbackServerContext* c
   auto s = sessions_->Get(req->session().session_id(), req->session().token());
   if (!s.ok()) return Done(ctx, "GetBudgets", t0, s.status());
   std::lock_guard<std::mutex> lock((*s)->mu);
+  if (absl::Status st = (*s)->arena->PullControl(); !st.ok())
+    return Done(ctx, "GetBudgets", t0, st);
   *resp = Budgets(**s);
   return Done(ctx, "GetBudgets", t0, absl::OkStatus());
 }
@@ -265,7 +281,7 @@ grpc::ServerUnaryReactor* SpinService::OpenSequences(grpc::CallbackServerContext
     }
   }
   for (const pb::SequenceOpen& o : req->sequences()) {
-    if (absl::Status st = (*s)->dp->ResetSequence(o.sequence(), o.key()); !st.ok()) {
+    if (absl::Status st = (*s)->arena->ResetSequence(o.sequence(), o.key()); !st.ok()) {
       return Done(ctx, "OpenSequences", t0, st);
     }
   }
@@ -296,12 +312,14 @@ grpc::ServerUnaryReactor* SpinService::PredictMasks(grpc::CallbackServerContext*
     }
     const StepBatch batch{seq.data(), ctx_len.data(), q_pos.data(),
                           static_cast<int32_t>(seq.size()), static_cast<int32_t>(req->rows())};
-    if (absl::Status st = session.dp->BeginStep(batch); !st.ok())
+    if (absl::Status st = session.arena->BeginStep(batch); !st.ok())
       return Done(ctx, "PredictMasks", t0, st);
   }
-  if (absl::Status st = session.dp->Select(req->layer()); !st.ok())
+  if (absl::Status st = session.arena->Select(req->layer()); !st.ok())
     return Done(ctx, "PredictMasks", t0, st);
-  const ArenaView& v = session.view;
+  if (absl::Status st = session.arena->PullOutputs(); !st.ok())
+    return Done(ctx, "PredictMasks", t0, st);
+  const ArenaView& v = session.arena->host();
   const int32_t n = v.batch->n, rows = v.batch->rows;
   for (int32_t e = 0; e < n; ++e) {
     pb::EntryMask* m = resp->add_masks();
@@ -322,7 +340,11 @@ grpc::ServerUnaryReactor* SpinService::ObserveScores(grpc::CallbackServerContext
   if (!s.ok()) return Done(ctx, "ObserveScores", t0, s.status());
   Session& session = **s;
   std::lock_guard<std::mutex> lock(session.mu);
-  const ArenaView& v = session.view;
+  ArenaStorage& arena = *session.arena;
+  absl::Status pulled = arena.PullOutputs();
+  if (pulled.ok()) pulled = arena.PullControl();
+  if (!pulled.ok()) return Done(ctx, "ObserveScores", t0, pulled);
+  const ArenaView& v = arena.host();
   const int32_t n = v.batch->n, rows = v.batch->rows;
   if (req->scores_size() != n * rows) {
     return Done(ctx, "ObserveScores", t0,
@@ -360,11 +382,12 @@ grpc::ServerUnaryReactor* SpinService::ObserveScores(grpc::CallbackServerContext
     for (uint32_t l = 0; l < v.geometry.layers; ++l) b += v.stats[l].bad_scores;
     return b;
   }();
-  if (absl::Status st = session.dp->Observe(req->layer(), logits.data(), stride,
-                                            accepted.empty() ? nullptr : accepted.data());
+  if (absl::Status st = arena.Observe(req->layer(), logits.data(), stride,
+                                      accepted.empty() ? nullptr : accepted.data());
       !st.ok()) {
     return Done(ctx, "ObserveScores", t0, st);
   }
+  if (absl::Status st = arena.PullControl(); !st.ok()) return Done(ctx, "ObserveScores", t0, st);
   uint64_t bad_after = 0;
   for (uint32_t l = 0; l < v.geometry.layers; ++l) bad_after += v.stats[l].bad_scores;
   resp->set_bad_scores(bad_after - bad_before);
@@ -378,7 +401,8 @@ grpc::ServerUnaryReactor* SpinService::GetStats(grpc::CallbackServerContext* ctx
   auto s = sessions_->Get(req->session().session_id(), req->session().token());
   if (!s.ok()) return Done(ctx, "GetStats", t0, s.status());
   std::lock_guard<std::mutex> lock((*s)->mu);
-  const ArenaView& v = (*s)->view;
+  if (absl::Status st = (*s)->arena->PullControl(); !st.ok()) return Done(ctx, "GetStats", t0, st);
+  const ArenaView& v = (*s)->arena->host();
   for (uint32_t l = 0; l < v.geometry.layers; ++l) {
     *resp->add_layers() = ToProto(l, v.stats[l], v.sparsity[l]);
   }
@@ -395,7 +419,8 @@ grpc::ServerUnaryReactor* SpinService::ListSessions(grpc::CallbackServerContext*
     o->set_client_name(s->client_name);
     *o->mutable_geometry() = ToProto(s->geometry);
     o->set_arena_bytes(s->bytes);
-    o->set_backend(pb::BACKEND_CPU);
+    o->set_backend(BackendProto(s->arena->backend()));
+    o->set_device_uuid(s->arena->device_uuid());
     o->set_created_unix_seconds(s->created_unix_seconds);
   }
   return Done(ctx, "ListSessions", t0, absl::OkStatus());

@@ -1,0 +1,113 @@
+#include "arena_storage.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace spin::service {
+
+absl::Status CheckBudgets(const ArenaView& v, const double* sparsity) {
+  for (uint32_t l = 0; l < v.geometry.layers; ++l) {
+    if (!std::isfinite(sparsity[l]) || sparsity[l] < 0.0 || sparsity[l] >= 1.0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("budget of layer ", l, " is ", sparsity[l], "; it must be in [0, 1)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// The CPU backend: the arena is a memfd mapped here and in the client; the daemon's view is
+// the arena itself, so pulls are no-ops.
+class CpuArenaStorage final : public ArenaStorage {
+ public:
+  ~CpuArenaStorage() override {
+    dp_.reset();
+    if (base_ != nullptr) munmap(base_, bytes_);
+    if (memfd_ >= 0) close(memfd_);
+  }
+
+  absl::Status Init(const Geometry& g, uint64_t seed, const Policy& policy) {
+    bytes_ = ArenaBytes(g);
+    // A memfd so that a client can map the same pages (fd passing over a Unix socket); it
+    // lives as long as a mapping or descriptor holds it.
+    memfd_ = memfd_create("spin-arena", MFD_CLOEXEC);
+    if (memfd_ < 0 || ftruncate(memfd_, static_cast<off_t>(bytes_)) != 0) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot create a ", bytes_, "-byte arena (memfd): out of memory?"));
+    }
+    void* base = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, memfd_, 0);
+    if (base == MAP_FAILED) {
+      return absl::ResourceExhaustedError(absl::StrCat("cannot map a ", bytes_, "-byte arena"));
+    }
+    base_ = base;
+    absl::StatusOr<ArenaView> view = InitArena(base_, bytes_, g, seed, policy);
+    if (!view.ok()) return view.status();
+    host_ = *view;
+    dp_ = MakeCpuDataPlane(host_);
+    return absl::OkStatus();
+  }
+
+  Backend backend() const override { return Backend::kCpu; }
+  uint64_t mapping_bytes() const override { return bytes_; }
+  absl::StatusOr<int> ExportFd() const override {
+    const int fd = fcntl(memfd_, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return absl::ResourceExhaustedError("cannot duplicate the arena's memfd");
+    return fd;
+  }
+  absl::Status PullControl() override { return absl::OkStatus(); }
+  absl::Status PullOutputs() override { return absl::OkStatus(); }
+  absl::Status WritePolicy(const Policy& p) override { return spin::WritePolicy(host_, p); }
+  absl::Status WriteBudgets(const double* sparsity) override {
+    if (absl::Status s = CheckBudgets(host_, sparsity); !s.ok()) return s;
+    for (uint32_t l = 0; l < host_.geometry.layers; ++l) host_.sparsity[l] = sparsity[l];
+    // The table before the epoch, for a reader that checks the epoch first.
+    std::atomic_thread_fence(std::memory_order_release);
+    host_.policy->epoch += 1;
+    return absl::OkStatus();
+  }
+  absl::Status ResetSequence(int32_t seq, uint64_t key) override {
+    return dp_->ResetSequence(seq, key);
+  }
+  absl::Status BeginStep(const StepBatch& b) override { return dp_->BeginStep(b); }
+  absl::Status Select(int32_t layer) override { return dp_->Select(layer); }
+  absl::Status Observe(int32_t layer, const float* logits, int64_t stride,
+                       const int32_t* accepted) override {
+    return dp_->Observe(layer, logits, stride, accepted);
+  }
+
+ private:
+  int memfd_ = -1;
+  void* base_ = nullptr;
+  uint64_t bytes_ = 0;
+  std::unique_ptr<DataPlane> dp_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ArenaStorage>> MakeCpuArenaStorage(const Geometry& g, uint64_t seed,
+                                                                  const Policy& policy) {
+  auto s = std::make_unique<CpuArenaStorage>();
+  if (absl::Status st = s->Init(g, seed, policy); !st.ok()) return st;
+  return std::unique_ptr<ArenaStorage>(std::move(s));
+}
+
+#ifndef SPIN_HAVE_CUDA
+bool CudaBackendUsable(int, std::string* why) {
+  *why = "this spind was built without the CUDA backend (the CUDA toolkit was not found)";
+  return false;
+}
+absl::StatusOr<std::unique_ptr<ArenaStorage>> MakeCudaArenaStorage(int, const Geometry&, uint64_t,
+                                                                   const Policy&) {
+  return absl::FailedPreconditionError("this spind was built without the CUDA backend");
+}
+std::string CudaDeviceUuidOrEmpty(int) { return ""; }
+#endif
+
+}  // namespace spin::service

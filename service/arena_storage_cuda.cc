@@ -1,0 +1,215 @@
+// The CUDA backend of ArenaStorage: the arena is a VMM allocation on the daemon's GPU, exported
+// as a POSIX file descriptor; the daemon keeps a host mirror for reads (built only with
+// SPIN_HAVE_CUDA).
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "arena_storage.h"
+#include "spin/cuda_data_plane.h"
+#include "spin/shared_device_memory.h"
+
+namespace spin::service {
+namespace {
+
+// Device staging for remote-mode inputs, grown on demand (remote mode is a tool path, never
+// the engine's hot path, so allocating here is fine).
+class Staging {
+ public:
+  ~Staging() {
+    if (p_ != nullptr) DeviceFree(p_);
+  }
+  absl::StatusOr<void*> Put(const void* host, uint64_t bytes) {
+    if (bytes > cap_) {
+      if (p_ != nullptr) DeviceFree(p_);
+      p_ = nullptr;
+      cap_ = 0;
+      absl::StatusOr<void*> m = DeviceAlloc(bytes);
+      if (!m.ok()) return m.status();
+      p_ = *m;
+      cap_ = bytes;
+    }
+    if (bytes > 0) {
+      if (absl::Status s = CopyToDevice(p_, host, bytes); !s.ok()) return s;
+    }
+    return p_;
+  }
+
+ private:
+  void* p_ = nullptr;
+  uint64_t cap_ = 0;
+};
+
+class CudaArenaStorage final : public ArenaStorage {
+ public:
+  ~CudaArenaStorage() override {
+    dp_.reset();
+    mem_.reset();
+    if (mirror_ != nullptr) munmap(mirror_, bytes_);
+  }
+
+  absl::Status Init(int ordinal, const Geometry& g, uint64_t seed, const Policy& policy) {
+    if (absl::Status s = CudaSetDevice(ordinal); !s.ok()) return s;
+    absl::StatusOr<std::string> uuid = CudaDeviceUuid(ordinal);
+    if (!uuid.ok()) return uuid.status();
+    uuid_ = *uuid;
+    bytes_ = ArenaBytes(g);
+    absl::StatusOr<std::unique_ptr<SharedDeviceMemory>> mem =
+        SharedDeviceMemory::Create(ordinal, bytes_);
+    if (!mem.ok()) {
+      return absl::ResourceExhaustedError(absl::StrCat("cannot allocate a ", bytes_,
+                                                       "-byte arena on GPU ", ordinal, " (", uuid_,
+                                                       "): ", mem.status().message()));
+    }
+    mem_ = std::move(*mem);
+    absl::StatusOr<ArenaView> view = InitDeviceArena(mem_->ptr(), bytes_, g, seed, policy);
+    if (!view.ok()) return view.status();
+    view_ = *view;
+    absl::StatusOr<std::unique_ptr<DataPlane>> dp = MakeCudaDataPlane(view_);
+    if (!dp.ok()) return dp.status();
+    dp_ = std::move(*dp);
+    // The mirror has the arena's layout but only the pages a pull touches are ever backed.
+    void* m = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) return absl::ResourceExhaustedError("cannot reserve the arena mirror");
+    mirror_ = m;
+    if (absl::Status s = CopyToHost(mirror_, mem_->ptr(), sizeof(ArenaHeader)); !s.ok()) return s;
+    absl::StatusOr<ArenaView> host = ViewArena(mirror_, bytes_);
+    if (!host.ok()) return host.status();
+    host_ = *host;
+    return PullControl();
+  }
+
+  Backend backend() const override { return Backend::kCuda; }
+  uint64_t mapping_bytes() const override { return mem_->bytes(); }
+  std::string device_uuid() const override { return uuid_; }
+  absl::StatusOr<int> ExportFd() const override { return mem_->ExportFd(); }
+
+  absl::Status PullControl() override {
+    // Header, policy, budget table, statistics and curves are contiguous up to the sequences.
+    return Pull(0, host_.header->off_seqs);
+  }
+  absl::Status PullOutputs() override {
+    // Batch header and entries, union counts and ids, compacted table and lengths.
+    const ArenaHeader& h = *host_.header;
+    return Pull(h.off_batch, h.off_scratch);
+  }
+
+  absl::Status WritePolicy(const Policy& p) override {
+    if (absl::Status s = WriteDevicePolicy(view_, p); !s.ok()) return s;
+    return PullControl();
+  }
+  absl::Status WriteBudgets(const double* sparsity) override {
+    if (absl::Status s = CheckBudgets(host_, sparsity); !s.ok()) return s;
+    const uint32_t L = host_.geometry.layers;
+    ArenaPolicy ap{};
+    absl::Status s = CopyToDevice(view_.sparsity, sparsity, L * sizeof(double));
+    if (s.ok()) s = CopyToHost(&ap, view_.policy, sizeof(ap));
+    ap.epoch += 1;
+    if (s.ok()) s = CopyToDevice(&view_.policy->epoch, &ap.epoch, sizeof(ap.epoch));
+    if (!s.ok()) return s;
+    return PullControl();
+  }
+
+  absl::Status ResetSequence(int32_t seq, uint64_t key) override {
+    if (absl::Status s = dp_->ResetSequence(seq, key); !s.ok()) return s;
+    return CheckDeviceError("OpenSequences");
+  }
+  absl::Status BeginStep(const StepBatch& b) override {
+    const uint64_t n = static_cast<uint64_t>(std::max(b.n, 0));
+    std::vector<int32_t> packed(3 * n);
+    std::copy(b.seq, b.seq + n, packed.begin());
+    std::copy(b.ctx_len, b.ctx_len + n, packed.begin() + n);
+    std::copy(b.q_pos, b.q_pos + n, packed.begin() + 2 * n);
+    absl::StatusOr<void*> d = batch_.Put(packed.data(), packed.size() * sizeof(int32_t));
+    if (!d.ok()) return d.status();
+    const auto* base = static_cast<const int32_t*>(*d);
+    const StepBatch db{base, base + n, base + 2 * n, b.n, b.rows};
+    if (absl::Status s = dp_->BeginStep(db); !s.ok()) return s;
+    return CheckDeviceError("BeginStep");
+  }
+  absl::Status Select(int32_t layer) override {
+    if (absl::Status s = dp_->Select(layer); !s.ok()) return s;
+    return CheckDeviceError("Select");
+  }
+  absl::Status Observe(int32_t layer, const float* logits, int64_t stride,
+                       const int32_t* accepted) override {
+    if (absl::Status s = PullOutputs(); !s.ok()) return s;
+    const uint64_t rows = static_cast<uint64_t>(host_.batch->n) * host_.batch->rows;
+    absl::StatusOr<void*> dl = logits_.Put(logits, rows * stride * sizeof(float));
+    if (!dl.ok()) return dl.status();
+    const int32_t* da = nullptr;
+    if (accepted != nullptr) {
+      absl::StatusOr<void*> d = accepted_.Put(accepted, host_.batch->n * sizeof(int32_t));
+      if (!d.ok()) return d.status();
+      da = static_cast<const int32_t*>(*d);
+    }
+    if (absl::Status s = dp_->Observe(layer, static_cast<const float*>(*dl), stride, da); !s.ok())
+      return s;
+    return CheckDeviceError("ObserveScores");
+  }
+
+ private:
+  absl::Status Pull(uint64_t from, uint64_t to) {
+    return CopyToHost(static_cast<uint8_t*>(mirror_) + from,
+                      static_cast<const uint8_t*>(mem_->ptr()) + from, to - from);
+  }
+  // Remote mode waits for its work anyway: a bounds error the kernels recorded becomes the
+  // call's status (and the word is cleared for the next call).
+  absl::Status CheckDeviceError(const char* what) {
+    absl::StatusOr<uint32_t> e = ReadDeviceError(view_);
+    if (!e.ok()) return e.status();
+    if (*e == kArenaOk) return absl::OkStatus();
+    const uint32_t zero = 0;
+    (void)CopyToDevice(view_.error, &zero, sizeof(zero));
+    const char* why = *e == kArenaBadBatch ? "an entry failed validation (sequence out of range, "
+                                             "not open or repeated, or ctx_len / q_pos out of "
+                                             "range); the step has no entries"
+                      : *e == kArenaBadAccepted ? "accepted outside [0, rows]"
+                      : *e == kArenaBadStride   ? "logits shorter than a row's compacted length"
+                      : *e == kArenaNoSelect    ? "no Select in this step"
+                                                : "unknown device error";
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", why, " (arena error ", *e, ")"));
+  }
+
+  std::unique_ptr<SharedDeviceMemory> mem_;
+  uint64_t bytes_ = 0;
+  std::string uuid_;
+  ArenaView view_;
+  std::unique_ptr<DataPlane> dp_;
+  void* mirror_ = nullptr;
+  Staging batch_, logits_, accepted_;
+};
+
+}  // namespace
+
+bool CudaBackendUsable(int ordinal, std::string* why) {
+  const int n = CudaDeviceCount();
+  if (n == 0) {
+    *why = "no CUDA device is usable (no NVIDIA driver or no GPU visible)";
+    return false;
+  }
+  if (ordinal < 0 || ordinal >= n) {
+    *why = absl::StrCat("--device ", ordinal, " does not exist: this process sees ", n,
+                        " CUDA device(s)");
+    return false;
+  }
+  return true;
+}
+
+absl::StatusOr<std::unique_ptr<ArenaStorage>> MakeCudaArenaStorage(int ordinal, const Geometry& g,
+                                                                   uint64_t seed,
+                                                                   const Policy& policy) {
+  auto s = std::make_unique<CudaArenaStorage>();
+  if (absl::Status st = s->Init(ordinal, g, seed, policy); !st.ok()) return st;
+  return std::unique_ptr<ArenaStorage>(std::move(s));
+}
+
+std::string CudaDeviceUuidOrEmpty(int ordinal) {
+  absl::StatusOr<std::string> u = CudaDeviceUuid(ordinal);
+  return u.ok() ? *u : "";
+}
+
+}  // namespace spin::service
