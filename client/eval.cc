@@ -487,7 +487,7 @@ absl::Status WriteEvalData(const EvalResult& r, const std::string& dir) {
                                     std::pair{"worst.dat", &MethodPoint::worst_layer_miss}}) {
     const std::string path = absl::StrCat(dir, "/", file);
     std::ofstream f(path, std::ios::trunc);
-    f << "# target_sparsity";
+    f << "\"target sparsity\"";
     for (const std::string& n : names) f << "\t\"" << n << "\"";
     f << "\n";
     for (double t : targets) {

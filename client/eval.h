@@ -72,8 +72,9 @@ std::string EvalJson(const EvalOptions& options, const EvalResult& r);
 /// Markdown tables: Table 1 analogue, then miss per method and sparsity, then the budget
 /// comparison with the worst-layer reduction.
 std::string EvalMarkdown(const EvalOptions& options, const EvalResult& r);
-/// Writes gnuplot data files into `dir`: mean.dat, p99.dat, worst.dat (one row per sparsity,
-/// one column per method, header comment naming them).
+/// Writes gnuplot data files into `dir`: mean.dat, p99.dat, worst.dat (tab-separated, one row
+/// per sparsity, one column per method, a header row of quoted names), and budgets.dat (the
+/// budget comparison against effective sparsity, one data set per budget mode).
 absl::Status WriteEvalData(const EvalResult& r, const std::string& dir);
 
 }  // namespace spin

@@ -112,5 +112,47 @@ else
   fail "non-finite scores: $(cat "$work/json")"
 fi
 
+# Per-layer budgets: the replay runs the controller in process and reports it.
+"$spinctl" gen-trace "$work/pl" --layers 3 --slots 2048 --steps 24 --topk 128 --seed 60631 \
+  >/dev/null 2>&1
+"$spinctl" replay --trace "$work/pl" --budget per-layer --probe-period 4 --sparsity 0.6 --json \
+  --quiet >"$work/json" 2>"$work/err"
+if [ $? -eq 0 ] && grep -q '"budget_mode":"per-layer"' "$work/json" \
+  && grep -qE '"budget_recomputes":[1-9]' "$work/json" \
+  && grep -q '"worst_layer_mean_miss"' "$work/json" && grep -q '"budget":' "$work/json"; then
+  pass "replay --budget per-layer"
+else
+  fail "replay --budget per-layer: $(cat "$work/json" "$work/err")"
+fi
+"$spinctl" replay --trace "$work/pl" --budget per-layer --probe-period 4 --quiet \
+  >"$work/table" 2>&1 && grep -qE "^worst layer [0-9]+: mean miss .*per-layer budgets, [0-9]+ recomputes" \
+  "$work/table" && pass "replay --budget per-layer table" \
+  || fail "replay --budget per-layer table: $(cat "$work/table")"
+expect_error "per-layer without probes" "--budget per-layer needs --probe-period > 0" \
+  "$spinctl" replay --trace "$work/pl" --budget per-layer
+expect_error "per-layer probe period 0" "--budget per-layer needs --probe-period > 0" \
+  "$spinctl" replay --trace "$work/pl" --budget per-layer --probe-period 0
+expect_error "budget smoothing 0" "budget smoothing 0 is out of range \(0, 1\]" \
+  "$spinctl" replay --trace "$work/pl" --budget per-layer --probe-period 4 --budget-smoothing 0
+expect_error "budget smoothing above 1" "budget smoothing 1.5 is out of range" \
+  "$spinctl" replay --trace "$work/pl" --budget per-layer --probe-period 4 --budget-smoothing 1.5
+expect_error "budget drift negative" "budget drift threshold -0.1 is out of range \[0, 1\]" \
+  "$spinctl" replay --trace "$work/pl" --budget per-layer --probe-period 4 --budget-drift -0.1
+expect_error "budget smoothing not a number" "budget-smoothing" \
+  "$spinctl" replay --trace "$work/pl" --budget per-layer --probe-period 4 --budget-smoothing x
+expect_error "budget mode typo" "budget" \
+  "$spinctl" replay --trace "$work/pl" --budget perlayer --probe-period 4
+
+# eval: bad inputs are one line each.
+expect_error "eval without --out" "--out" "$spinctl" eval
+expect_error "eval sparsity out of range" "sparsity 1.2 is out of range \[0, 1\)" \
+  "$spinctl" eval --out "$work/ev" --sparsities 0.3 1.2 --quiet
+expect_error "eval probe period 0" "probe period > 0" \
+  "$spinctl" eval --out "$work/ev" --probe-period 0 --quiet
+expect_error "eval exploration out of range" "--exploration 1 is out of range" \
+  "$spinctl" eval --out "$work/ev" --exploration 1 --quiet
+expect_error "eval bad trace shape" "layers is 0" "$spinctl" eval --out "$work/ev" --layers 0 --quiet
+expect_error "eval unwritable out" "/proc/nope" "$spinctl" eval --out /proc/nope --quiet
+
 echo "spinctl cli: $fails failed"
 exit $((fails > 0))
