@@ -74,13 +74,15 @@ int CmdSessions(const ControlArgs& a) {
   pb::ListSessionsResponse r;
   grpc::Status s = stub->ListSessions(&c, pb::ListSessionsRequest(), &r);
   if (!s.ok()) return Fail("ListSessions", s);
-  std::printf("%-20s %-16s %6s %5s %9s %5s %12s\n", "session", "client", "layers", "seqs", "slots",
-              "rows", "arena_bytes");
+  std::printf("%-20s %-16s %6s %5s %9s %5s %12s %s\n", "session", "client", "layers", "seqs",
+              "slots", "rows", "arena_bytes", "backend");
   for (const auto& x : r.sessions()) {
-    std::printf("%-20s %-16s %6u %5u %9u %5u %12llu\n", x.session_id().c_str(),
+    const std::string where =
+        x.backend() == pb::BACKEND_CUDA ? "cuda " + x.device_uuid() : std::string("cpu");
+    std::printf("%-20s %-16s %6u %5u %9u %5u %12llu %s\n", x.session_id().c_str(),
                 x.client_name().c_str(), x.geometry().layers(), x.geometry().max_sequences(),
                 x.geometry().max_slots(), x.geometry().max_rows(),
-                static_cast<unsigned long long>(x.arena_bytes()));
+                static_cast<unsigned long long>(x.arena_bytes()), where.c_str());
   }
   return 0;
 }

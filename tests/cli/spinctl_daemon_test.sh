@@ -40,5 +40,20 @@ rc=$?
 rc=$?
 [ "$rc" -ne 0 ] && grep -q "not answering" "$work/err" && pass "no daemon" \
   || fail "no daemon: $(cat "$work/err")"
+# spind's own flags: --help names the backends; a bad --backend or (without a GPU) --backend
+# cuda exits non-zero with one line.
+"$spind" --help | grep -q -- "--device" && "$spind" --help | grep -q "cuda" && pass "spind --help" \
+  || fail "spind --help"
+"$spind" --listen "unix://$work/x.sock" --backend tpu 2>"$work/err"
+rc=$?
+[ "$rc" -eq 2 ] && [ "$(wc -l <"$work/err")" -eq 1 ] && pass "spind --backend tpu" \
+  || fail "spind --backend tpu: rc $rc $(cat "$work/err")"
+if ! nvidia-smi -L >/dev/null 2>&1; then
+  "$spind" --listen "unix://$work/x.sock" --backend cuda 2>"$work/err"
+  rc=$?
+  [ "$rc" -eq 1 ] && [ "$(wc -l <"$work/err")" -eq 1 ] && grep -q "backend cuda" "$work/err" \
+    && pass "spind --backend cuda without a GPU: $(cat "$work/err")" \
+    || fail "spind --backend cuda without a GPU: rc $rc $(cat "$work/err")"
+fi
 echo "spinctl daemon: $fails failed"
 exit $((fails > 0))

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Two processes on one GPU: spind --backend cuda allocates each session's arena with CUDA VMM
+# and hands it out as a POSIX fd; spinctl (libspin_client) imports it, maps it on the same GPU
+# and runs the CUDA data plane on it. Checks: replay through the daemon's GPU arena and through
+# remote mode (staged to the device by the daemon) equal offline CPU replay byte for byte;
+# SIGKILLed clients' GPU arenas are reclaimed with no device-memory growth; metrics carry the
+# GPU's UUID. Exits 77 (skipped) without a GPU.
+# Usage: spind_cuda_test.sh SPINCTL SPIND ATTACH_HELPER
+set -uo pipefail
+spinctl="$1"
+spind="$2"
+helper="$3"
+if ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "SKIP: no GPU"
+  exit 77
+fi
+work="$(mktemp -d)"
+sock="$work/spind.sock"
+"$spind" --listen "unix://$sock" --backend cuda --metrics-address 127.0.0.1:0 \
+  --client-grace-ms 200 2>"$work/spind.log" &
+pid=$!
+trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$work"' EXIT
+fails=0
+pass() { echo "ok   $1"; }
+fail() { echo "FAIL $1"; fails=$((fails + 1)); }
+ctl() { "$spinctl" --target "unix://$sock" "$@"; }
+for _ in $(seq 100); do
+  ctl status >/dev/null 2>&1 && break
+  sleep 0.2
+done
+ctl status || { cat "$work/spind.log"; exit 1; }
+grep -q "backend cuda, device 0 GPU-" "$work/spind.log" && pass "spind on the GPU" \
+  || fail "spind backend: $(cat "$work/spind.log")"
+port=$(sed -n 's/.*metrics on http:\/\/127.0.0.1:\([0-9]*\)\/metrics.*/\1/p' "$work/spind.log")
+scrape() {
+  python3 -c "import urllib.request,sys; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:$port/metrics').read().decode())"
+}
+gpu_mib() {  # device memory spind holds, MiB
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits \
+    | awk -F', *' -v p="$pid" '$1 == p {print $2}'
+}
+
+"$spinctl" gen-trace "$work/t1" --layers 4 --slots 8192 --steps 64 --topk 512 --seed 31 \
+  >/dev/null 2>&1
+"$spinctl" gen-trace "$work/t3" --layers 3 --slots 6000 --steps 48 --topk 256 --rows 3 \
+  --seed 32 >/dev/null 2>&1
+for cfg in "fp32 t1" "bf16 t1" "fp32 t3" "bf16 t3"; do
+  set -- $cfg
+  args=(--trace "$work/$2" --state "$1" --sparsity 0.5 --exploration 0.1 --probe-period 8
+    --quiet)
+  "$spinctl" replay "${args[@]}" --dump "$work/off" >/dev/null
+  ctl replay "${args[@]}" --backend cuda --dump "$work/loc" >"$work/loc.out" 2>&1
+  ctl replay "${args[@]}" --remote --dump "$work/rem" >"$work/rem.out" 2>&1
+  if cmp -s "$work/off" "$work/loc" && [ -s "$work/off" ] \
+    && grep -q "mapped arena, GPU GPU-" "$work/loc.out"; then
+    pass "$cfg: replay on the daemon's GPU arena (client CUDA kernels) = offline CPU"
+  else
+    fail "$cfg: mapped GPU arena replay: $(tail -2 "$work/loc.out")"
+  fi
+  if cmp -s "$work/off" "$work/rem" && grep -q "remote mode, GPU GPU-" "$work/rem.out"; then
+    pass "$cfg: remote mode on the GPU arena = offline CPU"
+  else
+    fail "$cfg: remote replay: $(tail -2 "$work/rem.out")"
+  fi
+done
+
+# An attached session shows up with its GPU; metrics carry the gpu and UUID labels.
+"$helper" "unix://$sock" >"$work/id" 2>"$work/helper.err" &
+hp=$!
+for _ in $(seq 50); do [ -s "$work/id" ] && break; sleep 0.1; done
+ctl sessions | grep -q "cuda" && pass "sessions lists a cuda session" \
+  || fail "sessions: $(ctl sessions 2>&1)"
+scrape >"$work/metrics"
+grep -q '^spin_sessions{.*UUID="GPU-' "$work/metrics" && grep -q 'gpu="0"' "$work/metrics" \
+  && grep -q 'backend="cuda"' "$work/metrics" && pass "metrics carry gpu and UUID labels" \
+  || fail "metrics labels: $(grep '^spin_sessions' "$work/metrics")"
+kill -9 $hp
+wait $hp 2>/dev/null
+
+# Crashed engines: 20 clients attach (1+ MiB of GPU arena each) and are SIGKILLed; every arena
+# is freed after the grace period and spind's device memory does not grow.
+sleep 1
+base=$(gpu_mib)
+for i in $(seq 20); do
+  : >"$work/id"
+  "$helper" "unix://$sock" >"$work/id" 2>>"$work/helper.err" &
+  hp=$!
+  for _ in $(seq 50); do [ -s "$work/id" ] && break; sleep 0.1; done
+  kill -9 $hp
+  wait $hp 2>/dev/null
+done
+for _ in $(seq 50); do
+  ctl status | grep -q "serving, 0 sessions" && break
+  sleep 0.1
+done
+sleep 0.5
+after=$(gpu_mib)
+ctl status | grep -q "serving, 0 sessions" && pass "20 killed clients: every GPU arena freed" \
+  || fail "killed clients: $(ctl status)"
+[ -n "$base" ] && [ -n "$after" ] && [ "$after" -le "$base" ] \
+  && pass "spind device memory ${base} MiB before, ${after} MiB after" \
+  || fail "device memory grew: ${base} -> ${after} MiB"
+
+echo "$fails failure(s)"
+[ "$fails" -eq 0 ]
