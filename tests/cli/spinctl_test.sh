@@ -128,9 +128,9 @@ fi
   >"$work/table" 2>&1 && grep -qE "^worst layer [0-9]+: mean miss .*per-layer budgets, [0-9]+ recomputes" \
   "$work/table" && pass "replay --budget per-layer table" \
   || fail "replay --budget per-layer table: $(cat "$work/table")"
-expect_error "per-layer without probes" "--budget per-layer needs --probe-period > 0" \
+expect_error "per-layer without probes" "error: --budget per-layer needs --probe-period > 0" \
   "$spinctl" replay --trace "$work/pl" --budget per-layer
-expect_error "per-layer probe period 0" "--budget per-layer needs --probe-period > 0" \
+expect_error "per-layer probe period 0" "error: --budget per-layer needs --probe-period > 0" \
   "$spinctl" replay --trace "$work/pl" --budget per-layer --probe-period 0
 expect_error "budget smoothing 0" "budget smoothing 0 is out of range \(0, 1\]" \
   "$spinctl" replay --trace "$work/pl" --budget per-layer --probe-period 4 --budget-smoothing 0
@@ -144,12 +144,12 @@ expect_error "budget mode typo" "budget" \
   "$spinctl" replay --trace "$work/pl" --budget perlayer --probe-period 4
 
 # eval: bad inputs are one line each.
-expect_error "eval without --out" "--out" "$spinctl" eval
+expect_error "eval without --out" "error: --out is required" "$spinctl" eval
 expect_error "eval sparsity out of range" "sparsity 1.2 is out of range \[0, 1\)" \
   "$spinctl" eval --out "$work/ev" --sparsities 0.3 1.2 --quiet
 expect_error "eval probe period 0" "probe period > 0" \
   "$spinctl" eval --out "$work/ev" --probe-period 0 --quiet
-expect_error "eval exploration out of range" "--exploration 1 is out of range" \
+expect_error "eval exploration out of range" "error: --exploration 1 is out of range" \
   "$spinctl" eval --out "$work/ev" --exploration 1 --quiet
 expect_error "eval bad trace shape" "layers is 0" "$spinctl" eval --out "$work/ev" --layers 0 --quiet
 expect_error "eval unwritable out" "/proc/nope" "$spinctl" eval --out /proc/nope --quiet
