@@ -9,6 +9,8 @@
 // Inputs rotate over several "layers" (separate KV caches and state) so that every timed pass
 // reads more than the 60 MB L2. Prints a Markdown table (and writes it to --out FILE).
 #include <cuda_runtime.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -350,6 +352,56 @@ double MeasureReadBandwidth(cudaStream_t stream) {
   return bytes / (ms * 1e-3);
 }
 
+// Runs the wgmma kernel once on a small problem in a child process (before this process
+// touches CUDA), so that a kernel that faults costs its own numbers, not the whole run.
+bool WgmmaPreflight() {
+  const pid_t pid = fork();
+  if (pid < 0) return false;
+  if (pid == 0) {
+    if (!CudaAvailable()) _exit(1);
+    constexpr int kPages = 3;
+    uint8_t *kv = nullptr, *q = nullptr;
+    float *w = nullptr, *logits = nullptr;
+    int32_t *table = nullptr, *lens = nullptr;
+    if (cudaMalloc(&kv, kPages * kPageBytes) != cudaSuccess ||
+        cudaMalloc(&q, kIndexerHeads * kIndexerDim) != cudaSuccess ||
+        cudaMalloc(&w, kIndexerHeads * 4) != cudaSuccess ||
+        cudaMalloc(&logits, kPages * kPageSlots * 4) != cudaSuccess ||
+        cudaMalloc(&table, kPages * 4) != cudaSuccess || cudaMalloc(&lens, 4) != cudaSuccess) {
+      _exit(1);
+    }
+    FillRandom<<<64, 256>>>(kv, kPages * kPageBytes, 9, 1);
+    FillScales<<<1, 256>>>(kv, kPages);
+    FillRandom<<<64, 256>>>(q, kIndexerHeads * kIndexerDim, 10, 1);
+    const std::vector<int32_t> t = {2, 0, 1};
+    const int32_t len = kPages * kPageSlots - 3;
+    std::vector<float> hw(kIndexerHeads, 0.25f);
+    if (cudaMemcpy(table, t.data(), kPages * 4, cudaMemcpyHostToDevice) != cudaSuccess ||
+        cudaMemcpy(lens, &len, 4, cudaMemcpyHostToDevice) != cudaSuccess ||
+        cudaMemcpy(w, hw.data(), kIndexerHeads * 4, cudaMemcpyHostToDevice) != cudaSuccess) {
+      _exit(1);
+    }
+    PagedIndexerArgs a;
+    a.q = q;
+    a.weights = w;
+    a.kv = kv;
+    a.table = table;
+    a.table_stride = kPages;
+    a.lens = lens;
+    a.lens_stride = 1;
+    a.logits = logits;
+    a.logits_stride = kPages * kPageSlots;
+    a.batch = 1;
+    a.max_pages = kPages;
+    a.kernel = IndexerKernel::kWgmma;
+    if (!LaunchPagedIndexer(a, nullptr).ok()) _exit(1);
+    _exit(cudaDeviceSynchronize() == cudaSuccess ? 0 : 1);
+  }
+  int status = 0;
+  if (waitpid(pid, &status, 0) != pid) return false;
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
 }  // namespace
 }  // namespace spin
 
@@ -376,6 +428,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  const bool wgmma_runs = WgmmaPreflight();
+  if (!wgmma_runs) std::fprintf(stderr, "gpu_bench: the wgmma indexer failed its preflight\n");
   if (!CudaAvailable()) {
     std::fprintf(stderr, "gpu_bench: no CUDA device\n");
     return 1;
@@ -387,7 +441,9 @@ int main(int argc, char** argv) {
   const int reps = quick ? 5 : 15;
   if (pb > 0) {
     const StateDtype dt = std::strcmp(pdt, "fp32") == 0 ? StateDtype::kFp32 : StateDtype::kBf16;
-    const Result r = Measure({pb, pn, prho, dt}, 4.5e12, Plan{}, stream, 3);
+    Plan point_plan;
+    if (!wgmma_runs) point_plan.wg_stages = 0;
+    const Result r = Measure({pb, pn, prho, dt}, 4.5e12, point_plan, stream, 3);
     std::printf(
         "point: dense mma.sync %.1f us, wgmma %.1f us (%s, worst deviation %.2g of the row "
         "max), sparse stage on %s; spin %.1f us (select %.1f), sparse %.1f us per layer\n",
@@ -404,6 +460,12 @@ int main(int argc, char** argv) {
   md += line;
   // Loads in flight for each kernel: 8-slot tiles per warp (mma.sync), pages per CTA (wgmma).
   Plan plan;
+  if (!wgmma_runs) {
+    plan.wg_stages = 0;
+    md +=
+        "The wgmma indexer FAILED its preflight (a fault or an unsupported device): mma.sync "
+        "only.\n\n";
+  }
   const Point sweep_at{64, 128 << 10, 0.5, StateDtype::kBf16};
   md += "Indexer variants (batch 64, 128K slots, dense, us per layer): mma.sync ";
   double best = 1e30;
@@ -416,6 +478,7 @@ int main(int argc, char** argv) {
   md += "wgmma ";
   best = 1e30;
   for (int stages : {4, 5, 7}) {
+    if (!wgmma_runs) break;
     const Result r = Measure(sweep_at, bw, Plan{plan.mma_stages, stages, false}, stream, reps);
     std::snprintf(line, sizeof(line), "%d pages %.1f (%s, deviation %.2g); ", stages, r.wg_us,
                   r.wg_ok ? "agrees" : "FAILED", r.wg_dev);
