@@ -22,6 +22,7 @@
 #include "nlohmann/json.hpp"
 #include "replay.h"
 #include "resilient_data_plane.h"
+#include "spin/numerics.h"
 #include "spin/v1/spin.grpc.pb.h"
 #include "spin_client.h"
 #include "trace.h"
@@ -721,6 +722,76 @@ TEST(Spind, ClientDegradesToDenseAndReattaches) {
     step();
     EXPECT_LT(step(), (ctx + 63) / 64);
   }
+}
+
+// Live tuning (issue 5): an engine steps on the mapped arena while an operator's SetPolicy from
+// another connection changes the target sparsity and the exploration share; the next step of
+// the engine selects with the new values (the kernels read the policy block and budget table
+// at each step), the epoch advances, and nothing is re-attached.
+TEST(Spind, LiveSetPolicyTakesEffectAtTheNextStep) {
+  Daemon d;
+  ASSERT_TRUE(d.ready());
+  client::AttachOptions o;
+  o.geometry.layers = 2;
+  o.geometry.max_seqs = 2;
+  o.geometry.max_slots = 64 * 128;
+  o.geometry.topk = 128;
+  o.policy.target_sparsity = 0.5;
+  o.policy.exploration = 0.0;
+  o.policy.probe_period = 0;
+  o.client_name = "engine";
+  auto s = client::Session::Attach("unix://" + d.socket(), o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  DataPlane& dp = (*s)->data_plane();
+  ASSERT_TRUE(dp.ResetSequence(0, 5).ok());
+  const int32_t nb = 128, ctx = nb * 64;
+  std::vector<float> logits(ctx);
+  for (int i = 0; i < ctx; ++i) logits[i] = static_cast<float>((i * 7919) % 1009);
+  // One step over both layers; returns the kept blocks of layer 1 (layer 0 equal).
+  auto step = [&]() {
+    const int32_t seq = 0, c = ctx, q = ctx - 1;
+    EXPECT_TRUE(dp.BeginStep(StepBatch{&seq, &c, &q, 1, 1}).ok());
+    int kept = 0;
+    for (int l = 0; l < 2; ++l) {
+      EXPECT_TRUE(dp.Select(l).ok());
+      kept = dp.arena().union_count[0];
+      EXPECT_TRUE(dp.Observe(l, logits.data(), ctx).ok());
+    }
+    return kept;
+  };
+  // Another client: the operator's own channel.
+  auto op_channel = grpc::CreateChannel("unix://" + d.socket(), grpc::InsecureChannelCredentials());
+  auto op = pb::Spin::NewStub(op_channel);
+  auto set = [&](double target, double exploration) {
+    pb::SetPolicyRequest r;
+    r.mutable_session()->set_session_id((*s)->id());
+    r.mutable_session()->set_token((*s)->token());
+    r.set_target_sparsity(target);
+    r.set_exploration(exploration);
+    pb::SetPolicyResponse resp;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(op->SetPolicy(&ctx, r, &resp).ok());
+    return resp.epoch();
+  };
+  EXPECT_EQ(step(), nb) << "the first step of a fresh sequence is dense";
+  const int at50 = KeptBlocks(nb, 128, 64, 0.5), at75 = KeptBlocks(nb, 128, 64, 0.75),
+            at20 = KeptBlocks(nb, 128, 64, 0.2);
+  for (int t = 0; t < 5; ++t) EXPECT_EQ(step(), at50);
+  const uint64_t epoch0 = dp.arena().policy->epoch;
+  EXPECT_GT(set(0.75, 0.0), epoch0);
+  EXPECT_EQ(dp.arena().policy->epoch, epoch0 + 1) << "the engine's mapping sees the new epoch";
+  EXPECT_EQ(step(), at75) << "the very next step uses the new target";
+  EXPECT_EQ(step(), at75);
+  set(0.2, 0.2);
+  EXPECT_EQ(step(), at20);
+  // Exploration changed too: the kept set now includes random (non-top) blocks, so a second
+  // run of the same step with exploration 0 keeps a different set of the same size.
+  std::vector<int32_t> explored(dp.arena().union_ids, dp.arena().union_ids + at20);
+  set(0.2, 0.0);
+  EXPECT_EQ(step(), at20);
+  std::vector<int32_t> greedy(dp.arena().union_ids, dp.arena().union_ids + at20);
+  EXPECT_NE(explored, greedy);
+  EXPECT_EQ(SessionCount(d), 1) << "no re-attach";
 }
 
 }  // namespace
