@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "spin/budget.h"
 
 namespace spin::service {
 
@@ -65,12 +66,7 @@ class CpuArenaStorage final : public ArenaStorage {
   absl::Status PullOutputs() override { return absl::OkStatus(); }
   absl::Status WritePolicy(const Policy& p) override { return spin::WritePolicy(host_, p); }
   absl::Status WriteBudgets(const double* sparsity) override {
-    if (absl::Status s = CheckBudgets(host_, sparsity); !s.ok()) return s;
-    for (uint32_t l = 0; l < host_.geometry.layers; ++l) host_.sparsity[l] = sparsity[l];
-    // The table before the epoch, for a reader that checks the epoch first.
-    std::atomic_thread_fence(std::memory_order_release);
-    host_.policy->epoch += 1;
-    return absl::OkStatus();
+    return WriteBudgetTable(host_, std::span<const double>(sparsity, host_.geometry.layers));
   }
   absl::Status ResetSequence(int32_t seq, uint64_t key) override {
     return dp_->ResetSequence(seq, key);

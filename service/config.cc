@@ -52,6 +52,12 @@ ParseResult ParseConfig(int argc, const char* const* argv) {
                  "Free a session this long after its last client connection closed")
       ->envname("SPIND_CLIENT_GRACE_MS")
       ->capture_default_str();
+  app.add_option("--probe-interval-ms", c.probe_interval_ms,
+                 "How often the probe thread reads per-layer sessions' miss curves and "
+                 "recomputes their budgets when they drifted")
+      ->envname("SPIND_PROBE_INTERVAL_MS")
+      ->check(CLI::Range(1u, 3600000u))
+      ->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -20,6 +20,7 @@ struct Config {
   uint32_t max_sessions = 64;
   std::string log_format = "text";   ///< text | json
   uint32_t client_grace_ms = 30000;  ///< a session outlives its last client by this much
+  uint32_t probe_interval_ms = 100;  ///< per-layer budgets: how often the probe thread runs
 };
 
 /// Parses argv. On --help (or a usage error) returns the text to print in `exit_text` with

@@ -11,6 +11,7 @@
 #include <string>
 #include <thread>
 
+#include "budget_probe.h"
 #include "config.h"
 #include "fd_server.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -97,6 +98,11 @@ int main(int argc, char** argv) {
     }
   }
   SpinService service(&sessions, fds.path(), &metrics, admin_token);
+  BudgetProbe probe(
+      &sessions, std::chrono::milliseconds(c.probe_interval_ms),
+      [&service](Session& s) { service.PublishBudgets(s); },
+      [&c](const char* level, const std::string& msg) { Log(c, level, msg); });
+  probe.Start();
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -130,6 +136,7 @@ int main(int argc, char** argv) {
   });
   server->Wait();
   waiter.join();
+  probe.Stop();
   fds.Stop();
   unlink(socket_path.c_str());
   Log(c, "info", "stopped; " + std::to_string(sessions.List().size()) + " sessions freed");

@@ -67,6 +67,9 @@ class SessionCollector final : public prometheus::Collectable {
                                  "Probe steps with a miss-curve sample", MetricType::Counter);
     MetricFamily bad = family("spin_layer_bad_scores_total", "Non-finite indexer scores skipped",
                               MetricType::Counter);
+    MetricFamily recomputes =
+        family("spin_budget_recomputes_total",
+               "Per-layer budget tables the probe thread's allocator wrote", MetricType::Counter);
     const std::vector<std::shared_ptr<Session>> all = sessions_->List();
     ClientMetric c;
     c.gauge.value = static_cast<double>(all.size());
@@ -77,6 +80,10 @@ class SessionCollector final : public prometheus::Collectable {
       std::lock_guard<std::mutex> lock(s->mu);
       if (!s->arena->PullControl().ok()) continue;  // a device error: skip, scrape the rest
       const ArenaView& v = s->arena->host();
+      ClientMetric rc;
+      rc.label = {{"session", s->id}};
+      rc.counter.value = static_cast<double>(s->budget_recomputes);
+      recomputes.metric.push_back(rc);
       for (uint32_t l = 0; l < v.geometry.layers; ++l) {
         const LayerStats& st = v.stats[l];
         ClientMetric m;
@@ -105,8 +112,8 @@ class SessionCollector final : public prometheus::Collectable {
     ClientMetric b;
     b.gauge.value = static_cast<double>(total);
     bytes.metric.push_back(b);
-    std::vector<MetricFamily> out = {info, count,  bytes, realized, effective,
-                                     miss, budget, steps, probes,   bad};
+    std::vector<MetricFamily> out = {info,   count, bytes,  realized, effective, miss,
+                                     budget, steps, probes, bad,      recomputes};
     // Every series carries the GPU labels, so they join dcgm-exporter's.
     for (MetricFamily& f : out) {
       for (ClientMetric& m : f.metric) {

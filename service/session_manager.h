@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "arena_storage.h"
 #include "spin/arena.h"
+#include "spin/budget.h"
 
 namespace spin::service {
 
@@ -26,6 +27,10 @@ struct Session {
   int64_t created_unix_seconds = 0;
   uint64_t bytes = 0;  ///< bytes held against --max-arena-bytes (the client's mapping size)
   std::unique_ptr<ArenaStorage> arena;
+  /// Per-layer budget mode: the probe-side state (smoothed miss curves) of the allocator.
+  std::unique_ptr<BudgetController> budgets;
+  uint64_t budget_recomputes = 0;  ///< budget tables written by the allocator
+  std::string budget_reason;       ///< why the last one was written ("first", "drift ...")
   std::mutex mu;
 };
 

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "budget_probe.h"
 #include "convert.h"
 
 namespace spin::service {
@@ -28,6 +29,8 @@ pb::GetBudgetsResponse Budgets(const Session& s) {
   for (uint32_t l = 0; l < v.geometry.layers; ++l) r.add_layer_sparsity(v.sparsity[l]);
   r.set_epoch(v.policy->epoch);
   r.set_budget_mode(ToProto(ReadPolicy(v)).budget_mode());
+  r.set_recomputes(s.budget_recomputes);
+  r.set_reason(s.budget_reason);
   return r;
 }
 
@@ -139,6 +142,8 @@ grpc::ServerWriteReactor<pb::GetBudgetsResponse>* SpinService::WatchBudgets(
   return w;
 }
 
+void SpinService::PublishBudgets(const Session& s) { hub_.Notify(s.id, Budgets(s)); }
+
 absl::Status SpinService::CheckAdmin(grpc::CallbackServerContext* ctx) const {
   if (admin_token_.empty() || ctx->peer().rfind("unix:", 0) == 0) return absl::OkStatus();
   const auto& md = ctx->client_metadata();
@@ -245,6 +250,11 @@ grpc::ServerUnaryReactor* SpinService::SetPolicy(grpc::CallbackServerContext* ct
   if (!m.ok()) return Done(ctx, "SetPolicy", t0, m.status());
   p.budget_mode = *m;
   if (absl::Status st = arena.WritePolicy(p); !st.ok()) return Done(ctx, "SetPolicy", t0, st);
+  // Per-layer mode: the allocator re-sizes the table for a new target now, not at the next
+  // probe pass, so every change takes effect at the next step.
+  if (absl::StatusOr<bool> b = RefreshBudgets(**s, true); !b.ok()) {
+    return Done(ctx, "SetPolicy", t0, b.status());
+  }
   *resp->mutable_policy() = ToProto(p);
   resp->set_epoch(arena.host().policy->epoch);
   hub_.Notify((*s)->id, Budgets(**s));

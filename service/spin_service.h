@@ -49,6 +49,10 @@ class SpinService final : public spin::v1::Spin::CallbackService {
     sessions_->SetOnFree([this](const std::string& id) { hub_.EndAll(id, grpc::Status::OK); });
   }
 
+  /// Sends the session's budget table to its WatchBudgets streams (caller holds its lock and
+  /// pulled its control region).
+  void PublishBudgets(const Session& s);
+
   grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext* ctx,
                                    const spin::v1::AttachRequest* req,
                                    spin::v1::AttachResponse* resp) override;

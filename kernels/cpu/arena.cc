@@ -191,6 +191,9 @@ absl::StatusOr<ArenaView> InitArena(void* base, uint64_t bytes, const Geometry& 
   std::memset(v.fresh, 1, static_cast<size_t>(g.max_seqs) * g.layers);
   v.batch->selected_layer = -1;
   if (absl::Status s = WritePolicy(v, policy); !s.ok()) return s;
+  // The budget table starts uniform at the target in every mode (as InitDeviceArena does): a
+  // per-layer session selects at its target until the probe thread's first table.
+  for (uint32_t l = 0; l < g.layers; ++l) v.sparsity[l] = policy.target_sparsity;
   v.policy->epoch = 1;
   return v;
 }

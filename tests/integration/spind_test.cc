@@ -794,5 +794,120 @@ TEST(Spind, LiveSetPolicyTakesEffectAtTheNextStep) {
   EXPECT_EQ(SessionCount(d), 1) << "no re-attach";
 }
 
+// Per-layer budgets live (issue 5): the probe thread reads the miss curves the engine's probe
+// steps accumulate in the shared arena, recomputes the table, writes it with a new epoch and
+// publishes it on WatchBudgets; a SetPolicy target change re-sizes it at once; switching to
+// uniform writes the uniform table back.
+TEST(Spind, ProbeThreadPublishesPerLayerBudgets) {
+  GenTraceOptions g;
+  g.layers = 4;
+  g.slots = 64 * 96;
+  g.steps = 80;
+  g.topk = 256;
+  g.seed = 71;
+  const std::string dir = ::testing::TempDir() + "/spind_budget_trace";
+  ASSERT_TRUE(GenerateTrace(dir, g).ok());
+  absl::StatusOr<Trace> t = LoadTrace(dir);
+  ASSERT_TRUE(t.ok());
+  Daemon d({"--probe-interval-ms", "10"});
+  ASSERT_TRUE(d.ready());
+  client::AttachOptions ao;
+  ao.geometry = TraceGeometry(t->meta(), t->n_max(), StateDtype::kFp32);
+  ao.policy.target_sparsity = 0.5;
+  ao.policy.probe_period = 4;
+  ao.policy.budget_mode = BudgetMode::kPerLayer;
+  ao.client_name = "per-layer";
+  auto session = client::Session::Attach("unix://" + d.socket(), ao);
+  ASSERT_TRUE(session.ok()) << session.status();
+  pb::GetBudgetsRequest w;
+  w.mutable_session()->set_session_id((*session)->id());
+  w.mutable_session()->set_token((*session)->token());
+  grpc::ClientContext wctx;
+  auto reader = d.stub().WatchBudgets(&wctx, w);
+  pb::GetBudgetsResponse first;
+  ASSERT_TRUE(reader->Read(&first));
+  EXPECT_EQ(first.recomputes(), 0u);
+  for (double x : first.layer_sparsity()) EXPECT_EQ(x, 0.5) << "uniform until probes arrive";
+
+  ReplayOptions o;
+  o.policy = ao.policy;
+  o.local_budgets = false;  // spind owns the table
+  // Give the probe thread time to run between steps, as a real decode loop would.
+  o.progress = [](int, int) { std::this_thread::sleep_for(std::chrono::milliseconds(2)); };
+  ASSERT_TRUE(ReplayOn((*session)->data_plane(), *t, o).ok());
+  // The probe thread published every table it wrote; the stream ends on the latest one, which
+  // is the table in the arena. The first was sized from the first probe data.
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  pb::GetBudgetsResponse latest;
+  ASSERT_TRUE(CALL(d, GetBudgets, w, &latest).ok());
+  ASSERT_GE(latest.recomputes(), 1u);
+  EXPECT_GT(latest.epoch(), first.epoch());
+  pb::GetBudgetsResponse update;
+  ASSERT_TRUE(reader->Read(&update));
+  EXPECT_EQ(update.recomputes(), 1u);
+  EXPECT_EQ(update.reason(), "first");
+  while (update.epoch() < latest.epoch()) ASSERT_TRUE(reader->Read(&update));
+  EXPECT_EQ(update.recomputes(), latest.recomputes());
+  ASSERT_EQ(update.layer_sparsity_size(), 4);
+  double lo = 1, hi = 0;
+  for (double x : update.layer_sparsity()) {
+    lo = std::min(lo, x);
+    hi = std::max(hi, x);
+  }
+  EXPECT_LT(lo, hi) << "layers of different difficulty get different budgets";
+  // The engine's mapping holds the same table the stream carried.
+  for (int l = 0; l < 4; ++l) {
+    EXPECT_EQ((*session)->arena().sparsity[l], update.layer_sparsity(l));
+  }
+
+  // A new target re-sizes the table at once (reason "target"), still per layer.
+  pb::SetPolicyRequest sp;
+  *sp.mutable_session() = w.session();
+  sp.set_target_sparsity(0.7);
+  pb::SetPolicyResponse spr;
+  ASSERT_TRUE(CALL(d, SetPolicy, sp, &spr).ok());
+  pb::GetBudgetsResponse now;
+  ASSERT_TRUE(CALL(d, GetBudgets, w, &now).ok());
+  EXPECT_EQ(now.reason(), "target");
+  double mean = 0;
+  for (double x : now.layer_sparsity()) mean += x / 4;
+  EXPECT_NEAR(mean, 0.7, 0.05);
+  for (int l = 0; l < 4; ++l) {
+    EXPECT_EQ((*session)->arena().sparsity[l], now.layer_sparsity(l)) << "at the next step";
+  }
+
+  // Back to uniform: every layer at the target.
+  pb::SetPolicyRequest un;
+  *un.mutable_session() = w.session();
+  un.set_budget_mode(pb::BUDGET_MODE_UNIFORM);
+  ASSERT_TRUE(CALL(d, SetPolicy, un, &spr).ok());
+  ASSERT_TRUE(CALL(d, GetBudgets, w, &now).ok());
+  for (double x : now.layer_sparsity()) EXPECT_EQ(x, 0.7);
+  wctx.TryCancel();
+}
+
+// A per-layer session whose probes have not arrived yet still takes a new target at once.
+TEST(Spind, PerLayerSessionWithoutProbesTakesANewTargetUniformly) {
+  Daemon d;
+  ASSERT_TRUE(d.ready());
+  pb::AttachRequest req = AttachReq(3);
+  req.mutable_policy()->set_budget_mode(pb::BUDGET_MODE_PER_LAYER);
+  req.mutable_policy()->set_probe_period(8);
+  pb::AttachResponse a;
+  ASSERT_TRUE(CALL(d, Attach, req, &a).ok());
+  pb::SetPolicyRequest sp;
+  *sp.mutable_session() = Ref(a);
+  sp.set_target_sparsity(0.3);
+  pb::SetPolicyResponse spr;
+  ASSERT_TRUE(CALL(d, SetPolicy, sp, &spr).ok());
+  pb::GetBudgetsRequest gb;
+  *gb.mutable_session() = Ref(a);
+  pb::GetBudgetsResponse b;
+  ASSERT_TRUE(CALL(d, GetBudgets, gb, &b).ok());
+  ASSERT_EQ(b.layer_sparsity_size(), 3);
+  for (double x : b.layer_sparsity()) EXPECT_EQ(x, 0.3);
+  EXPECT_EQ(b.budget_mode(), pb::BUDGET_MODE_PER_LAYER);
+}
+
 }  // namespace
 }  // namespace spin::testing

@@ -1,0 +1,85 @@
+#include "budget_probe.h"
+
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace spin::service {
+
+absl::StatusOr<bool> RefreshBudgets(Session& s, bool policy_changed) {
+  ArenaStorage& arena = *s.arena;
+  if (absl::Status st = arena.PullControl(); !st.ok()) return st;
+  const ArenaView& v = arena.host();
+  const Policy p = ReadPolicy(v);
+  if (p.budget_mode != BudgetMode::kPerLayer) {
+    s.budgets.reset();  // a later switch back starts from fresh curves
+    return false;
+  }
+  if (s.budgets == nullptr) s.budgets = std::make_unique<BudgetController>(s.geometry);
+  const uint32_t L = v.geometry.layers;
+  const ProbeSnapshot snap{
+      std::span<const uint64_t>(v.curves, static_cast<size_t>(L) * kCurvePoints),
+      std::span<const LayerStats>(v.stats, L)};
+  absl::StatusOr<std::optional<BudgetUpdate>> u = s.budgets->Update(snap, p.target_sparsity);
+  if (!u.ok()) return u.status();
+  if (u->has_value()) {
+    if (absl::Status st = arena.WriteBudgets((*u)->sparsity.data()); !st.ok()) return st;
+    s.budget_recomputes += 1;
+    s.budget_reason = (*u)->reason;
+    return true;
+  }
+  if (policy_changed && s.budgets->recomputes() == 0) {
+    // No probe data yet: the new target applies uniformly until the first recompute.
+    const std::vector<double> uniform(L, p.target_sparsity);
+    bool same = true;
+    for (uint32_t l = 0; l < L; ++l) same = same && v.sparsity[l] == p.target_sparsity;
+    if (same) return false;
+    if (absl::Status st = arena.WriteBudgets(uniform.data()); !st.ok()) return st;
+    return true;
+  }
+  return false;
+}
+
+BudgetProbe::BudgetProbe(SessionManager* sessions, std::chrono::milliseconds interval,
+                         std::function<void(Session&)> publish,
+                         std::function<void(const char*, const std::string&)> log)
+    : sessions_(sessions),
+      interval_(interval),
+      publish_(std::move(publish)),
+      log_(std::move(log)) {}
+
+BudgetProbe::~BudgetProbe() { Stop(); }
+
+void BudgetProbe::Start() {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+void BudgetProbe::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void BudgetProbe::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!cv_.wait_for(lock, interval_, [this] { return stop_; })) {
+    lock.unlock();
+    for (const std::shared_ptr<Session>& s : sessions_->List()) {
+      std::lock_guard<std::mutex> session_lock(s->mu);
+      absl::StatusOr<bool> written = RefreshBudgets(*s, false);
+      if (!written.ok()) {
+        log_("error", absl::StrCat("budgets of session ", s->id, ": ", written.status().message()));
+      } else if (*written) {
+        log_("info", absl::StrCat("session ", s->id, ": per-layer budgets recomputed (",
+                                  s->budget_reason, "), recompute ", s->budget_recomputes));
+        publish_(*s);
+      }
+    }
+    lock.lock();
+  }
+}
+
+}  // namespace spin::service

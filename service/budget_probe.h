@@ -1,0 +1,52 @@
+// The probe thread of spind (DESIGN §6): per-layer budgets from the miss curves that probe steps
+// accumulate in each session's arena. No per-step RPC: the thread reads the arenas' counters
+// (a host mirror pull on the CUDA backend), feeds them to the session's BudgetController
+// (spin/budget.h, the same code offline replay runs), and when the controller returns a new
+// table writes it into the arena with a new epoch and publishes it (WatchBudgets).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "session_manager.h"
+
+namespace spin::service {
+
+/// One pass over one session (the caller holds `s.mu`): in per-layer mode, feeds the arena's
+/// counters to the session's controller and writes the table it returns; in uniform mode,
+/// forgets the controller. With `policy_changed` (a SetPolicy just ran) a per-layer session
+/// whose controller has no table yet gets the uniform table at the new target, so a new target
+/// takes effect at the next step either way. Returns true when the budget table was written.
+absl::StatusOr<bool> RefreshBudgets(Session& s, bool policy_changed);
+
+/// The background thread.
+class BudgetProbe {
+ public:
+  /// `publish` is called (holding the session's lock) after each table written; `log` gets
+  /// a level ("info", "error") and a line.
+  BudgetProbe(SessionManager* sessions, std::chrono::milliseconds interval,
+              std::function<void(Session&)> publish,
+              std::function<void(const char*, const std::string&)> log);
+  ~BudgetProbe();
+  void Start();
+  void Stop();
+
+ private:
+  void Loop();
+  SessionManager* sessions_;
+  std::chrono::milliseconds interval_;
+  std::function<void(Session&)> publish_;
+  std::function<void(const char*, const std::string&)> log_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace spin::service
