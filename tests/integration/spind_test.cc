@@ -728,6 +728,61 @@ TEST(Spind, ClientDegradesToDenseAndReattaches) {
 // another connection changes the target sparsity and the exploration share; the next step of
 // the engine selects with the new values (the kernels read the policy block and budget table
 // at each step), the epoch advances, and nothing is re-attached.
+// The same through a replay of a generated trace on the daemon's arena: an operator's SetPolicy
+// from another client after step 30 shows in the dump from step 31 on (every non-dense step
+// keeps exactly KeptBlocks at the target in force).
+TEST(Spind, ReplayThroughTheDaemonSwitchesSparsityAtTheNextStep) {
+  GenTraceOptions g;
+  g.layers = 2;
+  g.slots = 64 * 64;
+  g.steps = 60;
+  g.topk = 256;
+  g.seed = 73;
+  const std::string dir = ::testing::TempDir() + "/spind_live_trace";
+  ASSERT_TRUE(GenerateTrace(dir, g).ok());
+  absl::StatusOr<Trace> t = LoadTrace(dir);
+  ASSERT_TRUE(t.ok());
+  Daemon d;
+  ASSERT_TRUE(d.ready());
+  client::AttachOptions ao;
+  ao.geometry = TraceGeometry(t->meta(), t->n_max(), StateDtype::kFp32);
+  ao.policy.target_sparsity = 0.5;
+  ao.policy.exploration = 0.05;
+  ao.client_name = "engine";
+  auto session = client::Session::Attach("unix://" + d.socket(), ao);
+  ASSERT_TRUE(session.ok()) << session.status();
+  auto op = pb::Spin::NewStub(
+      grpc::CreateChannel("unix://" + d.socket(), grpc::InsecureChannelCredentials()));
+  ReplayOptions o;
+  o.policy = ao.policy;
+  o.dump_path = ::testing::TempDir() + "/spind_live_dump.jsonl";
+  o.progress = [&](int done, int) {
+    if (done != 31) return;
+    pb::SetPolicyRequest r;
+    r.mutable_session()->set_session_id((*session)->id());
+    r.mutable_session()->set_token((*session)->token());
+    r.set_target_sparsity(0.8);
+    pb::SetPolicyResponse resp;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(op->SetPolicy(&ctx, r, &resp).ok());
+  };
+  ASSERT_TRUE(ReplayOn((*session)->data_plane(), *t, o).ok());
+  std::ifstream f(o.dump_path);
+  std::string line;
+  int checked = 0;
+  while (std::getline(f, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    const int step = j["step"];
+    if (step == 0) continue;  // fresh: dense
+    const int B = (t->meta().ctx_len[step] + 63) / 64;
+    const double target = step <= 30 ? 0.5 : 0.8;
+    EXPECT_EQ(static_cast<int>(j["blocks"].size()), KeptBlocks(B, 256, 64, target))
+        << "step " << step << " layer " << j["layer"];
+    ++checked;
+  }
+  EXPECT_EQ(checked, 59 * 2);
+}
+
 TEST(Spind, LiveSetPolicyTakesEffectAtTheNextStep) {
   Daemon d;
   ASSERT_TRUE(d.ready());
