@@ -5,8 +5,7 @@
 // Per step: BeginStep (1 CTA) -> per layer: Scores (block scores of every row, grid over
 // block chunks) -> SelectRows (one CTA per (entry, row): radix selects) -> Union (one CTA per
 // entry: compaction, compacted table and lengths, stats) ... Observe: Probe (one CTA per
-// entry, probe steps only) -> EmaPair (even block sizes; Ema otherwise: one launch per row, in
-// row order; row 0 clears fresh).
+// entry, probe steps only) -> Ema (one launch per row, in row order; row 0 clears fresh).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -30,8 +29,7 @@ constexpr int kSelectRegRounds = 4;
 constexpr int kScoreThreads = 256;
 constexpr int kBlocksPerScoreCta = 32;  // 8 warps x 4 blocks
 constexpr int kEmaThreads = 256;
-constexpr int kEmaSlots = 8;  // compacted slots per thread per round (odd block sizes)
-constexpr int kEmaSegs = 4;   // 64-slot segments per warp per round (EmaPairKernel)
+constexpr int kEmaSlots = 8;  // compacted slots per thread per round
 
 absl::Status CudaStatus(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return absl::OkStatus();
@@ -184,14 +182,6 @@ __device__ void CtaTopT(int n, int t, KeyFn key, CandFn cand, TakeFn take) {
   }
   const unsigned long long thr = s_prefix;
   const int ties = s_remaining;  // how many keys equal to thr to take, lowest index first
-  if (ties == 0) {
-    // Uniform over the CTA (shared values): a whole bucket was taken, so the set is exactly the
-    // keys above thr and the ordered tie scan (its barriers) is not needed.
-    ForRounds<KPT>(n, [&](int u, int j) {
-      if (j < n && cand(u, j) && static_cast<unsigned long long>(key(u, j)) > thr) take(u, j);
-    });
-    return;
-  }
   if (threadIdx.x == 0) s_running = 0;
   __syncthreads();
   ForRounds<KPT>(n, [&](int u, int j) {
@@ -335,8 +325,8 @@ __global__ void ScoresKernel(Dev d, int layer) {
 // scratch (any nb). Both visit the same elements in the same order, so they choose the same set.
 template <int KPT>
 __device__ __forceinline__ void SelectRow(const Dev& d, int layer, int e, int r,
-                                          const StepEntry& en, uint64_t seq_key, int nb, int qb,
-                                          int top, int explore, uint8_t* mask) {
+                                          const StepEntry& en, int nb, int qb, int top, int explore,
+                                          uint8_t* mask) {
   constexpr int kRegs = KPT > 0 ? KPT : 1;
   unsigned long long rkey[kRegs];
   uint8_t rsel[kRegs];
@@ -380,7 +370,7 @@ __device__ __forceinline__ void SelectRow(const Dev& d, int layer, int e, int r,
       });
   __syncthreads();
   if (explore <= 0) return;
-  const uint64_t key = ExplorationKey(d.seed, seq_key);
+  const uint64_t key = ExplorationKey(d.seed, d.seqs[en.seq].key);
   ForRounds<KPT>(nb, [&](int u, int j) {
     if (j < nb && sel_of(u, j) == 0) {
       key_of(u, j) = ~ExplorationDraw(key, en.step, static_cast<uint32_t>(layer),
@@ -397,30 +387,27 @@ __device__ __forceinline__ void SelectRow(const Dev& d, int layer, int e, int r,
 __global__ void __launch_bounds__(kSelectThreads) SelectRowsKernel(Dev d, int layer) {
   const int e = blockIdx.y, r = blockIdx.x;
   // Independent loads first (e < the host's n <= max_seqs, so the entry is in bounds).
-  // The layer's budget and the policy do not depend on the entry: read them with it.
   const int batch_n = d.batch->n, batch_rows = d.batch->rows;
   const StepEntry en = d.entries[e];
-  const double rho = d.sparsity[layer], gamma = d.policy->exploration;
   if (e >= batch_n || r >= batch_rows) return;
   if (en.seq < 0) return;
   const bool fresh = d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] != 0;
-  const uint64_t seq_key = d.seqs[en.seq].key;  // for the exploration draws, read ahead
-  if (fresh || en.probe) return;                // dense: Union keeps every block
+  if (fresh || en.probe) return;  // dense: Union keeps every block
   const int n = en.ctx_len + r, q = en.q_pos + r;
   const int nb = static_cast<int>(CeilDiv(n, d.block));
   uint8_t* mask = d.mask + static_cast<int64_t>(e) * d.max_blocks;
-  const int m = KeptBlocks(nb, d.topk, d.block, rho);
+  const int m = KeptBlocks(nb, d.topk, d.block, d.sparsity[layer]);
   if (m >= nb) {
     for (int j = threadIdx.x; j < nb; j += blockDim.x) mask[j] = 1;
     return;
   }
   const int qb = min(q / d.block, nb - 1);
-  const int explore = ExplorationBlocks(m, gamma);
+  const int explore = ExplorationBlocks(m, d.policy->exploration);
   const int top = m - 1 - explore;
   if (nb <= kSelectRegRounds * kSelectThreads) {
-    SelectRow<kSelectRegRounds>(d, layer, e, r, en, seq_key, nb, qb, top, explore, mask);
+    SelectRow<kSelectRegRounds>(d, layer, e, r, en, nb, qb, top, explore, mask);
   } else {
-    SelectRow<0>(d, layer, e, r, en, seq_key, nb, qb, top, explore, mask);
+    SelectRow<0>(d, layer, e, r, en, nb, qb, top, explore, mask);
   }
 }
 
@@ -700,204 +687,6 @@ __global__ void __launch_bounds__(kEmaThreads)
   }
 }
 
-// Pairs of adjacent state entries as one access: two floats (8 bytes) or two bf16 (4 bytes, the
-// lower address in the low half). Values travel as floats; bf16 narrows with FloatToBf16.
-__device__ __forceinline__ void LoadWord(const float* p, float& lo, float& hi) {
-  const float2 w = *reinterpret_cast<const float2*>(p);
-  lo = w.x;
-  hi = w.y;
-}
-__device__ __forceinline__ void LoadWord(const uint16_t* p, float& lo, float& hi) {
-  const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
-  lo = Bf16ToFloat(static_cast<uint16_t>(w & 0xFFFFu));
-  hi = Bf16ToFloat(static_cast<uint16_t>(w >> 16));
-}
-__device__ __forceinline__ void StoreWord(float* p, float lo, float hi) {
-  *reinterpret_cast<float2*>(p) = make_float2(lo, hi);
-}
-__device__ __forceinline__ void StoreWord(uint16_t* p, float lo, float hi) {
-  *reinterpret_cast<uint32_t*>(p) =
-      static_cast<uint32_t>(FloatToBf16(lo)) | (static_cast<uint32_t>(FloatToBf16(hi)) << 16);
-}
-// p[0] if lo, p[1] if hi: one word access when both (p is then word-aligned), else scalars.
-// Nothing outside the wanted entries is read or written.
-template <typename T>
-__device__ __forceinline__ void LoadPair(const T* p, bool lo, bool hi, float& a, float& b) {
-  if (lo && hi) {
-    LoadWord(p, a, b);
-  } else {
-    if (lo) a = LoadT(p, 0);
-    if (hi) b = LoadT(p, 1);
-  }
-}
-template <typename T>
-__device__ __forceinline__ void StorePair(T* p, bool lo, bool hi, float a, float b) {
-  if (lo && hi) {
-    StoreWord(p, a, b);
-  } else {
-    if (lo) StoreT(p, 0, a);
-    if (hi) StoreT(p, 1, b);
-  }
-}
-
-// The EMA update of row r with word accesses (even block sizes). Same contract as EmaKernel:
-// within a row every slot i < N_r of the union is one compacted slot x < len_r, so every V[i]
-// and D[q - i] has one owner and any schedule gives the reference result.
-//
-// A warp takes a segment of 64 consecutive compacted slots, lane l the pair x = 2l, 2l + 1:
-// with b even the pair is the slots i, i + 1 of one block, i even, so V[i], V[i + 1] is one
-// aligned word (4 bytes bf16, 8 fp32) and a warp's V access is 128 (256) contiguous bytes. D is
-// mirrored: the pair's entries are D[q - i - 1], D[q - i]. When that is an aligned word (the
-// parity of q and of the D base decide, the same for the whole row) the lane accesses it whole.
-// Otherwise the aligned words are (D[q - i], D[q - i + 1]): the high half is slot i - 1, the
-// previous lane's second slot when it lies in the same block, so lane l reads and writes that
-// word whole and passes the neighbour's half by shuffle; a half whose neighbour is in another
-// block (the segment's or the block's ends) is accessed alone (2 or 4 bytes). Either way every
-// word inside a block's D range is written by one full-width store instead of two sub-word
-// stores from different instructions. A half is accessed only when its slot is in the row
-// (x < len), at or below the query (i <= q) and, for stores, has a finite score.
-//
-// The grid is persistent (a few CTAs per entry, sized to the device's resident CTAs): each warp
-// strides over the row's segments, kEmaSegs at a time, all loads of a round issued before its
-// first store.
-template <typename T>
-__global__ void __launch_bounds__(kEmaThreads, 3)
-    EmaPairKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
-                  const int32_t* accepted) {
-  constexpr int kWarps = kEmaThreads / 32;
-  constexpr unsigned kAll = 0xFFFFFFFFu;
-  __shared__ unsigned s_obs[kWarps], s_bad[kWarps];
-  const int e = blockIdx.y;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  // As EmaKernel: independent loads of the entry, no barrier before the work.
-  const int batch_n = d.batch->n, rows = d.batch->rows;
-  const StepEntry en = d.entries[e];
-  const int acc_in = accepted ? accepted[e] : 0;
-  const int lane_len =
-      lane < d.max_rows ? d.compact_len[static_cast<int64_t>(e) * d.max_rows + lane] : 0;
-  const float alpha = d.policy->alpha, beta = d.policy->beta;
-  const bool stride_ok = __all_sync(kAll, lane >= rows || lane_len <= stride);
-  const int len = __shfl_sync(kAll, lane_len, r % 32);
-  const int acc = accepted ? acc_in : rows;
-  const bool active =
-      e < batch_n && r < rows && en.seq >= 0 && acc >= 0 && acc <= rows && r < acc && stride_ok;
-  if (!active) return;  // uniform over the CTA
-  if (r == 0 && blockIdx.x == 0 && threadIdx.x == 0) {
-    d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] = 0;
-  }
-  const int b = d.block, shift = d.block_shift, q = en.q_pos + r;
-  const int32_t* ids = d.union_ids + static_cast<int64_t>(e) * d.max_blocks;
-  const float* z = logits + (static_cast<int64_t>(e) * rows + r) * stride;
-  T* v = reinterpret_cast<T*>(d.Record(en.seq, layer));
-  T* dd = v + d.max_slots;
-  const bool z_words = (reinterpret_cast<uintptr_t>(z) & 7u) == 0;
-  const int dpar = static_cast<int>((reinterpret_cast<uintptr_t>(dd) / sizeof(T)) & 1u);
-  // D[q - i - 1] starts a word (i even): the pair's D entries are one word.
-  const bool d_words = ((q - 1 + dpar) & 1) == 0;
-  auto in_block = [&](int x) { return shift >= 0 ? x & (b - 1) : x % b; };  // offset in block
-  unsigned obs = 0, bad = 0;
-  const int segs = static_cast<int>(CeilDiv(len, 64));
-  const int gstride = gridDim.x * kWarps * kEmaSegs;
-  for (int s0 = (blockIdx.x * kWarps + warp) * kEmaSegs; s0 < segs; s0 += gstride) {
-    int slot[kEmaSegs];
-    float z0[kEmaSegs], z1[kEmaSegs], v0[kEmaSegs], v1[kEmaSegs], o0[kEmaSegs], o1[kEmaSegs];
-    // Block ids and logits.
-#pragma unroll
-    for (int u = 0; u < kEmaSegs; ++u) {
-      const int x = (s0 + u) * 64 + 2 * lane;
-      slot[u] = 0;
-      z0[u] = 0.0f;
-      z1[u] = 0.0f;
-      if (x < len) {
-        const int k = shift >= 0 ? x >> shift : x / b;
-        slot[u] = ids[k] * b + (x - k * b);
-        if (x + 1 < len && z_words) {
-          const float2 w = *reinterpret_cast<const float2*>(z + x);
-          z0[u] = w.x;
-          z1[u] = w.y;
-        } else {
-          z0[u] = z[x];
-          if (x + 1 < len) z1[u] = z[x + 1];
-        }
-      }
-    }
-    // V and D.
-#pragma unroll
-    for (int u = 0; u < kEmaSegs; ++u) {
-      const int x = (s0 + u) * 64 + 2 * lane, i = slot[u];
-      const bool in0 = x < len, in1 = x + 1 < len;
-      const bool dk0 = in0 && i <= q, dk1 = in1 && i + 1 <= q;
-      v0[u] = v1[u] = o0[u] = o1[u] = 0.0f;
-      LoadPair(v + i, in0, in1, v0[u], v1[u]);
-      if (d_words) {
-        LoadPair(dd + (q - i - 1), dk1, dk0, o1[u], o0[u]);
-      } else {
-        // Word (D[q - i], D[q - i + 1]); the high half is the previous lane's D[q - i' - 1].
-        const bool prev_same = lane > 0 && in_block(x) != 0;
-        const bool next_same = lane < 31 && in_block(x + 2) != 0;
-        const int pd1 = __shfl_up_sync(kAll, q - i - 1, 1);
-        const bool hi = prev_same && __shfl_up_sync(kAll, dk1 ? 1 : 0, 1) != 0;
-        float hv = 0.0f;
-        LoadPair(dd + (dk0 ? q - i : pd1 - 1), dk0, hi, o0[u], hv);
-        const float from_next = __shfl_down_sync(kAll, hv, 1);
-        if (next_same) {
-          o1[u] = from_next;
-        } else if (dk1) {
-          o1[u] = LoadT(dd, q - i - 1);
-        }
-      }
-    }
-    // Updates.
-#pragma unroll
-    for (int u = 0; u < kEmaSegs; ++u) {
-      const int x = (s0 + u) * 64 + 2 * lane, i = slot[u];
-      const bool in0 = x < len, in1 = x + 1 < len;
-      const bool f0 = isfinite(z0[u]), f1 = isfinite(z1[u]);
-      const bool w0 = in0 && f0, w1 = in1 && f1;
-      obs += (w0 ? 1u : 0u) + (w1 ? 1u : 0u);
-      bad += (in0 && !f0 ? 1u : 0u) + (in1 && !f1 ? 1u : 0u);
-      StorePair(v + i, w0, w1, EmaUpdate(v0[u], z0[u], alpha, beta),
-                EmaUpdate(v1[u], z1[u], alpha, beta));
-      const bool wd0 = w0 && i <= q, wd1 = w1 && i + 1 <= q;
-      const float n0 = EmaUpdate(o0[u], z0[u], alpha, beta);
-      const float n1 = EmaUpdate(o1[u], z1[u], alpha, beta);
-      if (d_words) {
-        StorePair(dd + (q - i - 1), wd1, wd0, n1, n0);
-      } else {
-        const bool prev_same = lane > 0 && in_block(x) != 0;
-        const bool next_same = lane < 31 && in_block(x + 2) != 0;
-        const int pd1 = __shfl_up_sync(kAll, q - i - 1, 1);
-        const float pn1 = __shfl_up_sync(kAll, n1, 1);
-        const bool hi = prev_same && __shfl_up_sync(kAll, wd1 ? 1 : 0, 1) != 0;
-        StorePair(dd + (wd0 ? q - i : pd1 - 1), wd0, hi, n0, pn1);
-        if (!next_same && wd1) StoreT(dd, q - i - 1, n1);
-      }
-    }
-  }
-  obs = __reduce_add_sync(kAll, obs);
-  bad = __reduce_add_sync(kAll, bad);
-  if (lane == 0) {
-    s_obs[warp] = obs;
-    s_bad[warp] = bad;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    obs = __reduce_add_sync(kAll, lane < kWarps ? s_obs[lane] : 0u);
-    bad = __reduce_add_sync(kAll, lane < kWarps ? s_bad[lane] : 0u);
-    if (lane == 0) {
-      LayerStats* st = d.stats + layer;
-      if (obs) {
-        atomicAdd(reinterpret_cast<unsigned long long*>(&st->observed),
-                  static_cast<unsigned long long>(obs));
-      }
-      if (bad) {
-        atomicAdd(reinterpret_cast<unsigned long long*>(&st->bad_scores),
-                  static_cast<unsigned long long>(bad));
-      }
-    }
-  }
-}
-
 __global__ void FillUnsetKernel(uint8_t* state, uint64_t elems, int bytes) {
   for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < elems;
        i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
@@ -973,18 +762,6 @@ class CudaDataPlane final : public DataPlane {
     d_.hits = static_cast<int32_t*>(p);
     if (auto s = alloc(S * sizeof(uint32_t), &p); !s.ok()) return s;
     d_.seen = static_cast<uint32_t*>(p);
-    // Resident EMA CTAs on this device, for the persistent grid.
-    int dev = 0, sms = 0, per_sm = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    if (e == cudaSuccess) {
-      e = d_.dtype_bytes == 4 ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                                    &per_sm, EmaPairKernel<float>, kEmaThreads, 0)
-                              : cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                                    &per_sm, EmaPairKernel<uint16_t>, kEmaThreads, 0);
-    }
-    if (absl::Status s = CudaStatus(e, "EMA occupancy"); !s.ok()) return s;
-    ema_resident_ = std::max(1, sms * per_sm);
     return absl::OkStatus();
   }
 
@@ -1071,29 +848,10 @@ class CudaDataPlane final : public DataPlane {
       return absl::InvalidArgumentError("logits are required");
     }
     ProbeKernel<<<n_, kSelectThreads, 0, stream>>>(d_, layer, logits, logits_stride, accepted);
-    const int64_t max_len = static_cast<int64_t>(a_.max_blocks) * d_.block;
-    if (d_.block % 2 == 0) {
-      // Persistent: as many CTAs per entry as fit on the device in one wave (rounded down, so
-      // no CTA waits for a second wave), at least one, and no more than one segment round per
-      // warp needs when the whole context is kept.
-      const int64_t rounds = CeilDiv(max_len, (kEmaThreads / 32) * kEmaSegs * 64);
-      const unsigned chunks = static_cast<unsigned>(
-          std::clamp<int64_t>(std::min<int64_t>(rounds, ema_resident_ / n_), 1, 1 << 16));
-      for (int r = 0; r < rows_; ++r) {
-        if (d_.dtype_bytes == 4) {
-          EmaPairKernel<float><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(
-              d_, layer, r, logits, logits_stride, accepted);
-        } else {
-          EmaPairKernel<uint16_t><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(
-              d_, layer, r, logits, logits_stride, accepted);
-        }
-      }
-      return CudaStatus(cudaGetLastError(), "Observe launch");
-    }
-    // Odd block sizes: one round of kEmaSlots slots per thread when the whole context is kept
-    // (up to 128K slots; beyond, the CTAs stride).
-    const unsigned chunks = static_cast<unsigned>(
-        std::clamp<int64_t>(CeilDiv(max_len, kEmaThreads * kEmaSlots), 1, 64));
+    // One round of kEmaSlots slots per thread when the whole context is kept (up to 128K slots;
+    // beyond, the CTAs stride).
+    const unsigned chunks = static_cast<unsigned>(std::clamp<int64_t>(
+        CeilDiv(static_cast<int64_t>(a_.max_blocks) * d_.block, kEmaThreads * kEmaSlots), 1, 64));
     for (int r = 0; r < rows_; ++r) {
       if (d_.dtype_bytes == 4) {
         EmaKernel<float><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(d_, layer, r, logits,
@@ -1121,7 +879,6 @@ class CudaDataPlane final : public DataPlane {
   std::vector<void*> owned_;
   // Host mirror of the call sequence (BeginStep/Select), so call-order errors need no sync.
   int32_t n_ = 0, rows_ = 1, selected_layer_ = -1;
-  int ema_resident_ = 1;  // EmaPairKernel CTAs resident on the device at once
 };
 
 }  // namespace
