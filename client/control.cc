@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "grpc_status.h"
 #include "grpcpp/grpcpp.h"
 #include "remote_data_plane.h"
 #include "spin/v1/spin.grpc.pb.h"
@@ -187,6 +188,20 @@ absl::StatusOr<ReplaySummary> ReplayThroughDaemon(const std::string& target, con
     out = ReplayOn(**rdp, trace, options);
   } else {
     out = ReplayOn((*s)->data_plane(), trace, options);
+  }
+  // Through the daemon the probe thread writes the tables: report its count, not the local one.
+  if (out.ok() && options.policy.budget_mode == BudgetMode::kPerLayer) {
+    pb::GetBudgetsRequest gb;
+    gb.mutable_session()->set_session_id((*s)->id());
+    gb.mutable_session()->set_token((*s)->token());
+    pb::GetBudgetsResponse b;
+    grpc::ClientContext c;
+    Deadline(&c);
+    if (absl::Status st = client::FromGrpc((*s)->stub().GetBudgets(&c, gb, &b), "GetBudgets");
+        !st.ok()) {
+      return st;
+    }
+    out->budget_recomputes = b.recomputes();
   }
   *where = absl::StrCat("through spind at ", target, ", session ", (*s)->id(),
                         remote ? " (remote mode" : " (mapped arena",

@@ -66,7 +66,7 @@ struct ReplaySummary {
   double worst_layer_mean_miss = 0;  ///< the highest per-layer mean miss
   int worst_layer = 0;               ///< the layer that has it (lowest id on ties)
   BudgetMode budget_mode = BudgetMode::kUniform;
-  uint64_t budget_recomputes = 0;  ///< tables written by the local controller
+  uint64_t budget_recomputes = 0;  ///< tables written (local controller, or spind's probe thread)
   uint64_t epoch_advance = 0;      ///< how far the arena's epoch moved during the replay
   std::vector<LayerSummary> per_layer;
 };

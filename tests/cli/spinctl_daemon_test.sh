@@ -30,6 +30,18 @@ cmp -s "$work/off" "$work/loc" && grep -q "mapped arena" "$work/loc.out" \
   && pass "replay through the mapped arena = offline" || fail "replay mapped arena"
 cmp -s "$work/off" "$work/rem" && grep -q "remote mode" "$work/rem.out" \
   && pass "remote replay = offline" || fail "remote replay"
+# Per-layer budgets through the daemon: spind's probe thread owns the tables (whether it gets to
+# recompute during so short a replay is timing; the integration test checks the recomputes). A
+# per-layer session selects at its target from the first step, not dense.
+"$spinctl" --target "unix://$sock" replay --trace "$work/t" --probe-period 4 --budget per-layer \
+  --json --quiet >"$work/pl.json"
+python3 - "$work/pl.json" <<'PY' && pass "per-layer replay through spind selects at the target" \
+  || fail "per-layer replay through spind: $(head -c 300 "$work/pl.json")"
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["budget_mode"] == "per-layer" and d["budget_recomputes"] >= 0, d
+assert abs(d["realized_sparsity"] - 0.5) < 0.06, d["realized_sparsity"]
+PY
 "$spinctl" --target "unix://$sock" sessions | grep -q "^session" && pass sessions \
   || fail sessions
 "$spinctl" --target "unix://$sock" stats --session s-none --token x 2>"$work/err"
