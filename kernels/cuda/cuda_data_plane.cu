@@ -5,7 +5,8 @@
 // Per step: BeginStep (1 CTA) -> per layer: Scores (block scores of every row, grid over
 // block chunks) -> SelectRows (one CTA per (entry, row): radix selects) -> Union (one CTA per
 // entry: compaction, compacted table and lengths, stats) ... Observe: Probe (one CTA per
-// entry, probe steps only) -> Ema (one launch per row, in row order; row 0 clears fresh).
+// entry, probe steps only) -> EmaWord (even block sizes >= 64; Ema otherwise: one launch per
+// row, in row order; row 0 clears fresh).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -29,7 +30,8 @@ constexpr int kSelectRegRounds = 4;
 constexpr int kScoreThreads = 256;
 constexpr int kBlocksPerScoreCta = 32;  // 8 warps x 4 blocks
 constexpr int kEmaThreads = 256;
-constexpr int kEmaSlots = 8;  // compacted slots per thread per round
+constexpr int kEmaSlots = 8;  // compacted slots per thread per round (EmaKernel)
+constexpr int kEmaSegs = 4;   // 64-slot segments per warp per round (EmaWordKernel)
 
 absl::Status CudaStatus(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return absl::OkStatus();
@@ -687,6 +689,294 @@ __global__ void __launch_bounds__(kEmaThreads)
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Word-access EMA (even block sizes of at least 64). Same contract and result as EmaKernel; the
+// state is read and written two entries at a time (bf16x2 / float2) wherever both entries
+// belong to the row's update.
+//
+// A block of the compacted row is cut into segments of 64 slots (the last one of each block
+// and of the row may be shorter). A warp updates one segment: lane l the slots t = 2l, 2l + 1
+// of it, i = base + t, where base (even) is the segment's first slot. V[base + 2l] starts an
+// aligned word. The D entries of the segment, D[q - i] for the slots i <= q, are the
+// contiguous range [jlo, jhi] = [q - base - tmax, q - base], mirrored and in either word
+// parity; the warp stages them through shared memory by offset from the even-aligned wlo <= jlo
+// so that lane l moves the word (wlo + 2l, wlo + 2l + 1) and lane 0 also the entry wlo + 64:
+// a word whose two entries both lie in [jlo, jhi] moves whole, otherwise only its entry in the
+// range moves (2 or 4 bytes): the entries next to the range belong to other segments' slots.
+// Every address is formed only for an entry in the range (so within [0, max_slots)) or a slot
+// below the row's compacted length.
+//
+// Within a row every V[i] and D[q - i] has one owner, so a whole-word store may write an entry
+// whose score is not finite: it writes back the raw bits it read (never re-encoded).
+// ---------------------------------------------------------------------------------------------
+constexpr int kEmaSegSlots = 64;
+
+// Segments of a compacted row of len slots (b even, >= 64): ceil(b / 64) per whole block, and
+// the ones that start below len in the last (partial) block.
+SPIN_HD int EmaSegments(int len, int b) {
+  const int parts = (b + kEmaSegSlots - 1) / kEmaSegSlots;
+  const int whole = len / b, rest = len - whole * b;
+  return whole * parts + (rest + kEmaSegSlots - 1) / kEmaSegSlots;
+}
+
+// Segment s < EmaSegments(len, b): its compacted block k, its first compacted slot x0, its
+// offset in the block off (even) and its slot count cnt in [1, 64].
+struct EmaSeg {
+  int k, x0, off, cnt;
+};
+SPIN_HD EmaSeg EmaSegAt(int s, int len, int b) {
+  const int parts = (b + kEmaSegSlots - 1) / kEmaSegSlots;
+  EmaSeg g;
+  g.k = s / parts;
+  g.off = (s - g.k * parts) * kEmaSegSlots;
+  g.x0 = g.k * b + g.off;
+  const int in_block = b - g.off < kEmaSegSlots ? b - g.off : kEmaSegSlots;
+  g.cnt = len - g.x0 < in_block ? len - g.x0 : in_block;
+  return g;
+}
+
+// The segment's D range: slots t <= tmax have i = base + t <= q; entries [jlo, jhi]; wlo the
+// even-aligned (by the address parity dpar of D) word start at or below jlo. Empty (tmax < 0,
+// jlo > jhi) when the segment starts past the query.
+struct EmaDRange {
+  int tmax, jlo, jhi, wlo;
+};
+SPIN_HD EmaDRange EmaDRangeOf(int base, int cnt, int q, int dpar) {
+  EmaDRange r;
+  r.tmax = q - base < cnt - 1 ? q - base : cnt - 1;
+  if (r.tmax < 0) {
+    r.tmax = -1;
+    r.jlo = 0;
+    r.jhi = -1;
+    r.wlo = 0;
+    return r;
+  }
+  r.jhi = q - base;
+  r.jlo = r.jhi - r.tmax;
+  r.wlo = r.jlo - ((dpar + r.jlo) & 1);
+  return r;
+}
+SPIN_HD bool EmaInD(const EmaDRange& r, int j) { return j >= r.jlo && j <= r.jhi; }
+
+// Raw state entries (fp32 bits or bf16) and their word loads and stores; the lower address is
+// the low half.
+template <typename T>
+struct StateBits;
+template <>
+struct StateBits<float> {
+  using E = uint32_t;
+  static __device__ __forceinline__ float Get(E e) { return __uint_as_float(e); }
+  static __device__ __forceinline__ E Put(float f) { return __float_as_uint(f); }
+  static __device__ __forceinline__ E Load(const float* p) {
+    return *reinterpret_cast<const uint32_t*>(p);
+  }
+  static __device__ __forceinline__ void Store(float* p, E e) {
+    *reinterpret_cast<uint32_t*>(p) = e;
+  }
+  static __device__ __forceinline__ void LoadWord(const float* p, E& lo, E& hi) {
+    const uint2 w = *reinterpret_cast<const uint2*>(p);
+    lo = w.x;
+    hi = w.y;
+  }
+  static __device__ __forceinline__ void StoreWord(float* p, E lo, E hi) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
+  }
+};
+template <>
+struct StateBits<uint16_t> {
+  using E = uint16_t;
+  static __device__ __forceinline__ float Get(E e) { return Bf16ToFloat(e); }
+  static __device__ __forceinline__ E Put(float f) { return FloatToBf16(f); }
+  static __device__ __forceinline__ E Load(const uint16_t* p) { return *p; }
+  static __device__ __forceinline__ void Store(uint16_t* p, E e) { *p = e; }
+  static __device__ __forceinline__ void LoadWord(const uint16_t* p, E& lo, E& hi) {
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
+    lo = static_cast<E>(w & 0xFFFFu);
+    hi = static_cast<E>(w >> 16);
+  }
+  static __device__ __forceinline__ void StoreWord(uint16_t* p, E lo, E hi) {
+    *reinterpret_cast<uint32_t*>(p) = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  }
+};
+
+// Entries j (if lo) and j + 1 (if hi) of p: one word access when both (j is then the start of
+// an aligned word), else one scalar access per wanted entry. No address is formed for an entry
+// that is not wanted.
+template <typename T, typename E>
+__device__ __forceinline__ void LoadEntries(const T* p, int j, bool lo, bool hi, E& a, E& b) {
+  if (lo && hi) {
+    StateBits<T>::LoadWord(p + j, a, b);
+  } else {
+    if (lo) a = StateBits<T>::Load(p + j);
+    if (hi) b = StateBits<T>::Load(p + (j + 1));
+  }
+}
+template <typename T, typename E>
+__device__ __forceinline__ void StoreEntries(T* p, int j, bool lo, bool hi, E a, E b) {
+  if (lo && hi) {
+    StateBits<T>::StoreWord(p + j, a, b);
+  } else {
+    if (lo) StateBits<T>::Store(p + j, a);
+    if (hi) StateBits<T>::Store(p + (j + 1), b);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kEmaThreads)
+    EmaWordKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
+                  const int32_t* accepted) {
+  using B = StateBits<T>;
+  using E = typename B::E;
+  constexpr int kWarps = kEmaThreads / 32;
+  constexpr unsigned kAll = 0xFFFFFFFFu;
+  __shared__ unsigned s_obs[kWarps], s_bad[kWarps];
+  __shared__ E s_d[kWarps][kEmaSegs][kEmaSegSlots + 2];  // a segment's D words, from wlo
+  const int e = blockIdx.y;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  // As EmaKernel: independent loads of the entry, no barrier before the work.
+  const int batch_n = d.batch->n, rows = d.batch->rows;
+  const StepEntry en = d.entries[e];
+  const int acc_in = accepted ? accepted[e] : 0;
+  const int lane_len =
+      lane < d.max_rows ? d.compact_len[static_cast<int64_t>(e) * d.max_rows + lane] : 0;
+  const float alpha = d.policy->alpha, beta = d.policy->beta;
+  const bool stride_ok = __all_sync(kAll, lane >= rows || lane_len <= stride);
+  const int len = __shfl_sync(kAll, lane_len, r % 32);
+  const int acc = accepted ? acc_in : rows;
+  const bool active =
+      e < batch_n && r < rows && en.seq >= 0 && acc >= 0 && acc <= rows && r < acc && stride_ok;
+  if (!active) return;  // uniform over the CTA
+  if (r == 0 && blockIdx.x == 0 && threadIdx.x == 0) {
+    d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] = 0;
+  }
+  const int b = d.block, q = en.q_pos + r;
+  const int32_t* ids = d.union_ids + static_cast<int64_t>(e) * d.max_blocks;
+  const float* z = logits + (static_cast<int64_t>(e) * rows + r) * stride;
+  T* v = reinterpret_cast<T*>(d.Record(en.seq, layer));
+  T* dd = v + d.max_slots;
+  // Word alignment, uniform over the row: logits and V words start at even offsets from z and
+  // v; D's start parity dpar picks wlo.
+  const bool z_words = (reinterpret_cast<uintptr_t>(z) & 7u) == 0;
+  const bool v_words = ((reinterpret_cast<uintptr_t>(v) / sizeof(T)) & 1u) == 0;
+  const int dpar = static_cast<int>((reinterpret_cast<uintptr_t>(dd) / sizeof(T)) & 1u);
+  const int t = 2 * lane;  // this lane's first slot in a segment
+  const int segs = EmaSegments(len, b);
+  unsigned obs = 0, bad = 0;
+  for (int s0 = (blockIdx.x * kWarps + warp) * kEmaSegs; s0 < segs;
+       s0 += gridDim.x * kWarps * kEmaSegs) {
+    int base[kEmaSegs], cnt[kEmaSegs];
+    float z0[kEmaSegs], z1[kEmaSegs];
+    E v0[kEmaSegs], v1[kEmaSegs], d0[kEmaSegs], d1[kEmaSegs], d2[kEmaSegs];
+    // Block ids and logits (independent).
+#pragma unroll
+    for (int u = 0; u < kEmaSegs; ++u) {
+      base[u] = 0;
+      cnt[u] = 0;
+      z0[u] = 0.0f;
+      z1[u] = 0.0f;
+      if (s0 + u < segs) {  // uniform over the warp
+        const EmaSeg g = EmaSegAt(s0 + u, len, b);
+        base[u] = ids[g.k] * b + g.off;
+        cnt[u] = g.cnt;
+        if (t + 1 < g.cnt && z_words) {
+          const float2 w = *reinterpret_cast<const float2*>(z + (g.x0 + t));
+          z0[u] = w.x;
+          z1[u] = w.y;
+        } else {
+          if (t < g.cnt) z0[u] = z[g.x0 + t];
+          if (t + 1 < g.cnt) z1[u] = z[g.x0 + t + 1];
+        }
+      }
+    }
+    // V and D, all loads before the first store.
+#pragma unroll
+    for (int u = 0; u < kEmaSegs; ++u) {
+      v0[u] = v1[u] = d0[u] = d1[u] = d2[u] = 0;
+      const bool in0 = t < cnt[u], in1 = t + 1 < cnt[u];
+      if (in0 && in1 && v_words) {
+        B::LoadWord(v + (base[u] + t), v0[u], v1[u]);
+      } else {
+        if (in0) v0[u] = B::Load(v + (base[u] + t));
+        if (in1) v1[u] = B::Load(v + (base[u] + t + 1));
+      }
+      const EmaDRange g = EmaDRangeOf(base[u], cnt[u], q, dpar);
+      const int j = g.wlo + t;  // this lane's word
+      const bool lo = EmaInD(g, j), hi = EmaInD(g, j + 1);
+      LoadEntries(dd, j, lo, hi, d0[u], d1[u]);
+      if (lane == 0 && EmaInD(g, g.wlo + 2 * 32)) d2[u] = B::Load(dd + (g.wlo + 2 * 32));
+    }
+    // D updates in shared memory: entry j of a segment sits at s_d[..][j - wlo].
+    __syncwarp();  // the previous round's readers are done
+#pragma unroll
+    for (int u = 0; u < kEmaSegs; ++u) {
+      s_d[warp][u][t] = d0[u];
+      s_d[warp][u][t + 1] = d1[u];
+      if (lane == 0) s_d[warp][u][2 * 32] = d2[u];
+    }
+    __syncwarp();
+#pragma unroll
+    for (int u = 0; u < kEmaSegs; ++u) {
+      const EmaDRange g = EmaDRangeOf(base[u], cnt[u], q, dpar);
+      // Slot t + h <= tmax: D[q - i] = D[jhi - t - h].
+      if (t <= g.tmax && isfinite(z0[u])) {
+        E& x = s_d[warp][u][g.jhi - t - g.wlo];
+        x = B::Put(EmaUpdate(B::Get(x), z0[u], alpha, beta));
+      }
+      if (t + 1 <= g.tmax && isfinite(z1[u])) {
+        E& x = s_d[warp][u][g.jhi - t - 1 - g.wlo];
+        x = B::Put(EmaUpdate(B::Get(x), z1[u], alpha, beta));
+      }
+    }
+    __syncwarp();
+    // Stores: V, then D (the same words as loaded).
+#pragma unroll
+    for (int u = 0; u < kEmaSegs; ++u) {
+      const bool in0 = t < cnt[u], in1 = t + 1 < cnt[u];
+      const bool f0 = isfinite(z0[u]), f1 = isfinite(z1[u]);
+      obs += (in0 && f0 ? 1u : 0u) + (in1 && f1 ? 1u : 0u);
+      bad += (in0 && !f0 ? 1u : 0u) + (in1 && !f1 ? 1u : 0u);
+      const E n0 = f0 ? B::Put(EmaUpdate(B::Get(v0[u]), z0[u], alpha, beta)) : v0[u];
+      const E n1 = f1 ? B::Put(EmaUpdate(B::Get(v1[u]), z1[u], alpha, beta)) : v1[u];
+      if (in0 && in1 && v_words) {
+        B::StoreWord(v + (base[u] + t), n0, n1);
+      } else {
+        if (in0 && f0) B::Store(v + (base[u] + t), n0);
+        if (in1 && f1) B::Store(v + (base[u] + t + 1), n1);
+      }
+      const EmaDRange g = EmaDRangeOf(base[u], cnt[u], q, dpar);
+      const int j = g.wlo + t;
+      const bool lo = EmaInD(g, j), hi = EmaInD(g, j + 1);
+      const E a = s_d[warp][u][t], c = s_d[warp][u][t + 1];
+      StoreEntries(dd, j, lo, hi, a, c);
+      if (lane == 0 && EmaInD(g, g.wlo + 2 * 32)) {
+        B::Store(dd + (g.wlo + 2 * 32), s_d[warp][u][2 * 32]);
+      }
+    }
+  }
+  obs = __reduce_add_sync(kAll, obs);
+  bad = __reduce_add_sync(kAll, bad);
+  if (lane == 0) {
+    s_obs[warp] = obs;
+    s_bad[warp] = bad;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    obs = __reduce_add_sync(kAll, lane < kWarps ? s_obs[lane] : 0u);
+    bad = __reduce_add_sync(kAll, lane < kWarps ? s_bad[lane] : 0u);
+    if (lane == 0) {
+      LayerStats* st = d.stats + layer;
+      if (obs) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(&st->observed),
+                  static_cast<unsigned long long>(obs));
+      }
+      if (bad) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(&st->bad_scores),
+                  static_cast<unsigned long long>(bad));
+      }
+    }
+  }
+}
+
 __global__ void FillUnsetKernel(uint8_t* state, uint64_t elems, int bytes) {
   for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < elems;
        i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
@@ -762,6 +1052,18 @@ class CudaDataPlane final : public DataPlane {
     d_.hits = static_cast<int32_t*>(p);
     if (auto s = alloc(S * sizeof(uint32_t), &p); !s.ok()) return s;
     d_.seen = static_cast<uint32_t*>(p);
+    // EmaWordKernel CTAs resident on the device at once, for its persistent grid.
+    int dev = 0, sms = 0, per_sm = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (e == cudaSuccess) {
+      e = d_.dtype_bytes == 4 ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                    &per_sm, EmaWordKernel<float>, kEmaThreads, 0)
+                              : cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                    &per_sm, EmaWordKernel<uint16_t>, kEmaThreads, 0);
+    }
+    if (absl::Status s = CudaStatus(e, "EMA occupancy"); !s.ok()) return s;
+    ema_resident_ = std::max(1, sms * per_sm);
     return absl::OkStatus();
   }
 
@@ -848,10 +1150,30 @@ class CudaDataPlane final : public DataPlane {
       return absl::InvalidArgumentError("logits are required");
     }
     ProbeKernel<<<n_, kSelectThreads, 0, stream>>>(d_, layer, logits, logits_stride, accepted);
-    // One round of kEmaSlots slots per thread when the whole context is kept (up to 128K slots;
-    // beyond, the CTAs stride).
-    const unsigned chunks = static_cast<unsigned>(std::clamp<int64_t>(
-        CeilDiv(static_cast<int64_t>(a_.max_blocks) * d_.block, kEmaThreads * kEmaSlots), 1, 64));
+    const int64_t max_len = static_cast<int64_t>(a_.max_blocks) * d_.block;
+    if (d_.block % 2 == 0 && d_.block >= kEmaSegSlots) {
+      // Persistent: as many CTAs per entry as are resident on the device in one wave (at least
+      // one), and no more than one round of segments per warp needs when the whole context is
+      // kept.
+      const int64_t rounds =
+          CeilDiv(EmaSegments(static_cast<int>(max_len), d_.block), (kEmaThreads / 32) * kEmaSegs);
+      const unsigned chunks = static_cast<unsigned>(
+          std::clamp<int64_t>(std::min<int64_t>(rounds, ema_resident_ / n_), 1, 65535));
+      for (int r = 0; r < rows_; ++r) {
+        if (d_.dtype_bytes == 4) {
+          EmaWordKernel<float><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(
+              d_, layer, r, logits, logits_stride, accepted);
+        } else {
+          EmaWordKernel<uint16_t><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(
+              d_, layer, r, logits, logits_stride, accepted);
+        }
+      }
+      return CudaStatus(cudaGetLastError(), "Observe launch");
+    }
+    // Other block sizes: one round of kEmaSlots slots per thread when the whole context is kept
+    // (up to 128K slots; beyond, the CTAs stride).
+    const unsigned chunks = static_cast<unsigned>(
+        std::clamp<int64_t>(CeilDiv(max_len, kEmaThreads * kEmaSlots), 1, 64));
     for (int r = 0; r < rows_; ++r) {
       if (d_.dtype_bytes == 4) {
         EmaKernel<float><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(d_, layer, r, logits,
@@ -879,6 +1201,7 @@ class CudaDataPlane final : public DataPlane {
   std::vector<void*> owned_;
   // Host mirror of the call sequence (BeginStep/Select), so call-order errors need no sync.
   int32_t n_ = 0, rows_ = 1, selected_layer_ = -1;
+  int ema_resident_ = 1;  // EmaWordKernel CTAs resident on the device at once
 };
 
 }  // namespace
