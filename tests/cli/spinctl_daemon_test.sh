@@ -35,13 +35,11 @@ cmp -s "$work/off" "$work/rem" && grep -q "remote mode" "$work/rem.out" \
 # per-layer session selects at its target from the first step, not dense.
 "$spinctl" --target "unix://$sock" replay --trace "$work/t" --probe-period 4 --budget per-layer \
   --json --quiet >"$work/pl.json"
-python3 - "$work/pl.json" <<'PY' && pass "per-layer replay through spind selects at the target" \
+rs=$(sed -n 's/.*"realized_sparsity":\([0-9.e-]*\).*/\1/p' "$work/pl.json")
+grep -q '"budget_mode":"per-layer"' "$work/pl.json" && grep -q '"budget_recomputes":' "$work/pl.json" \
+  && awk -v r="$rs" 'BEGIN { exit !(r > 0.44 && r < 0.56) }' \
+  && pass "per-layer replay through spind selects at the target" \
   || fail "per-layer replay through spind: $(head -c 300 "$work/pl.json")"
-import json, sys
-d = json.load(open(sys.argv[1]))
-assert d["budget_mode"] == "per-layer" and d["budget_recomputes"] >= 0, d
-assert abs(d["realized_sparsity"] - 0.5) < 0.06, d["realized_sparsity"]
-PY
 "$spinctl" --target "unix://$sock" sessions | grep -q "^session" && pass sessions \
   || fail sessions
 "$spinctl" --target "unix://$sock" stats --session s-none --token x 2>"$work/err"
