@@ -12,6 +12,7 @@
 
 #include "engine_sim.h"
 #include "gtest/gtest.h"
+#include "spin/budget.h"
 #include "spin/cuda_data_plane.h"
 #include "test_arena.h"
 
@@ -274,7 +275,9 @@ TEST_F(CudaTest, BadBatchRecordsAnErrorAndRunsNoEntry) {
 }
 
 // A whole decode step (BeginStep, then Select / engine indexer / Observe per layer) captured
-// once in a CUDA graph and replayed for many steps, against the CPU reference run eagerly.
+// once in a CUDA graph and replayed for many steps, against the CPU reference run eagerly. Live
+// tuning without recapture: at step 15 a new target and exploration share, at step 25 per-layer
+// mode with a written budget table, on both backends; the same graph keeps replaying.
 TEST_F(CudaTest, GraphReplayMatchesEagerReference) {
   Geometry g;
   g.layers = 4;
@@ -313,7 +316,25 @@ TEST_F(CudaTest, GraphReplayMatchesEagerReference) {
   std::mt19937 rng(8);
   std::vector<float> dense(static_cast<size_t>(n) * L * rows * N);
   const int kSteps = 40;
+  std::vector<int> kept_total(kSteps, 0);  // last layer's selected blocks over the batch
   for (int step = 0; step < kSteps; ++step) {
+    if (step == 15 || step == 25) {
+      Policy q2 = p;
+      q2.target_sparsity = 0.75;
+      q2.exploration = 0.05;
+      if (step == 25) q2.budget_mode = BudgetMode::kPerLayer;
+      ASSERT_TRUE(WritePolicy(t.cpu().view(), q2).ok());
+      ASSERT_TRUE(WriteDevicePolicy(t.dview(), q2).ok());
+      if (step == 25) {
+        const std::vector<double> table = {0.2, 0.4, 0.6, 0.9};
+        ASSERT_TRUE(WriteBudgetTable(t.cpu().view(), table).ok());
+        ASSERT_TRUE(CopyToDevice(t.dview().sparsity, table.data(), table.size() * 8).ok());
+        ArenaPolicy ap;
+        ASSERT_TRUE(CopyToHost(&ap, t.dview().policy, sizeof(ap)).ok());
+        ap.epoch += 1;
+        ASSERT_TRUE(CopyToDevice(t.dview().policy, &ap, sizeof(ap)).ok());
+      }
+    }
     std::vector<int32_t> q(n), acc(n);
     for (int e = 0; e < n; ++e) {
       q[e] = ctx[e] - 1;
@@ -359,9 +380,13 @@ TEST_F(CudaTest, GraphReplayMatchesEagerReference) {
     for (int e = 0; e < n; ++e) {
       ASSERT_EQ(count[e], cv.union_count[e]) << "step " << step;
       for (int k = 0; k < count[e]; ++k) ASSERT_EQ(ids[e * MB + k], cv.union_ids[e * MB + k]);
+      kept_total[step] += count[e];
     }
     for (int e = 0; e < n; ++e) ctx[e] += std::max(1, acc[e]);
   }
+  // Steps 15, 20 and 25 are probe steps (dense); around them the policy in force shows.
+  EXPECT_LT(kept_total[16], kept_total[14]) << "a higher target keeps fewer blocks at once";
+  EXPECT_LT(kept_total[26], kept_total[24]) << "the last layer's 0.9 budget applies at once";
   t.ExpectSameArena("after graph replays");
   auto err = ReadDeviceError(t.dview());
   ASSERT_TRUE(err.ok());
