@@ -5,6 +5,11 @@
 #include <cstdio>
 #include <cstdlib>
 
+#if SPIN_HAVE_CUDA
+#include "spin/cuda_data_plane.h"
+#include "spin/shared_device_memory.h"
+#endif
+
 namespace spin::client {
 
 ResilientDataPlane::ResilientDataPlane(std::string target, AttachOptions options,
@@ -24,16 +29,49 @@ ResilientDataPlane::ResilientDataPlane(std::string target, AttachOptions options
   thread_ = std::thread([this] { Retry(); });
 }
 
+#if SPIN_HAVE_CUDA
+ResilientDataPlane::ResilientDataPlane(std::string target, AttachOptions options,
+                                       std::chrono::milliseconds retry, DeviceTag)
+    : target_(std::move(target)), options_(std::move(options)), retry_(retry), on_device_(true) {
+  options_.defer_device_map = true;
+}
+
+absl::StatusOr<std::unique_ptr<ResilientDataPlane>> ResilientDataPlane::CreateOnDevice(
+    std::string target, AttachOptions options, std::chrono::milliseconds retry) {
+  std::unique_ptr<ResilientDataPlane> r(
+      new ResilientDataPlane(std::move(target), std::move(options), retry, DeviceTag{}));
+  absl::StatusOr<int> dev = CudaCurrentDevice();
+  if (!dev.ok()) return dev.status();
+  const uint64_t bytes = ArenaBytes(r->options_.geometry);
+  absl::StatusOr<std::unique_ptr<DeviceWindow>> w = DeviceWindow::Create(*dev, bytes);
+  if (!w.ok()) return w.status();
+  Policy dense = r->options_.policy;
+  dense.target_sparsity = 0.0;
+  dense.exploration = 0.0;
+  dense.budget_mode = BudgetMode::kUniform;
+  absl::StatusOr<ArenaView> v =
+      InitDeviceArena((*w)->ptr(), bytes, r->options_.geometry, r->options_.seed, dense);
+  if (!v.ok()) return v.status();
+  absl::StatusOr<std::unique_ptr<DataPlane>> dp = MakeCudaDataPlane(*v);
+  if (!dp.ok()) return dp.status();
+  r->fallback_ = std::move(*dp);
+  r->window_ = std::shared_ptr<DeviceWindow>(std::move(*w));
+  r->thread_ = std::thread([p = r.get()] { p->Retry(); });
+  return r;
+}
+#endif
+
 ResilientDataPlane::~ResilientDataPlane() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
   cv_.notify_all();
-  thread_.join();
+  if (thread_.joinable()) thread_.join();
   session_.reset();
   ready_.reset();
   fallback_.reset();
+  window_.reset();
   std::free(fallback_mem_);
 }
 
@@ -45,6 +83,14 @@ void ResilientDataPlane::Retry() {
       lock.unlock();
       absl::StatusOr<std::unique_ptr<Session>> s = Session::Attach(target_, options_);
       lock.lock();
+      if (s.ok() && on_device_ != (*s)->on_device()) {
+        // A GPU engine needs a GPU arena and a host engine a host one.
+        (void)(*s)->Detach();
+        s = absl::FailedPreconditionError(
+            on_device_ ? "spind keeps arenas in host memory; this engine runs on the GPU (start "
+                         "spind with --backend cuda on its GPU)"
+                       : "spind keeps arenas on the GPU; this engine runs on the CPU");
+      }
       if (s.ok()) {
         ready_ = std::move(*s);
         want_session_ = false;
@@ -79,6 +125,11 @@ absl::Status ResilientDataPlane::ResetSequence(int32_t seq, uint64_t key, cudaSt
 }
 
 absl::Status ResilientDataPlane::BeginStep(const StepBatch& batch, cudaStream_t stream) {
+  if (absl::Status s = Refresh(); !s.ok()) return s;
+  return current().BeginStep(batch, stream);
+}
+
+absl::Status ResilientDataPlane::Refresh() {
   // Between steps: notice a dead daemon, switch in a session the retry thread attached.
   if (session_ && !lost_ && !session_->alive()) {
     std::fprintf(stderr,
@@ -94,6 +145,19 @@ absl::Status ResilientDataPlane::BeginStep(const StepBatch& batch, cudaStream_t 
     std::lock_guard<std::mutex> lock(mu_);
     next = std::move(ready_);
   }
+  if (next && !next->mapped()) {
+#if SPIN_HAVE_CUDA
+    // Same addresses as before: the old arena (fallback or previous session) is replaced.
+    if (absl::Status s = next->MapInto(*std::static_pointer_cast<DeviceWindow>(window_)); !s.ok()) {
+      std::fprintf(stderr, "spin_client: cannot map spind session %s: %s; retrying\n",
+                   next->id().c_str(), std::string(s.message()).c_str());
+      (void)next->Detach();
+      next.reset();
+      std::lock_guard<std::mutex> lock(mu_);
+      want_session_ = true;
+    }
+#endif
+  }
   if (next) {
     for (const auto& [seq, key] : open_) {
       if (absl::Status s = next->data_plane().ResetSequence(seq, key); !s.ok()) return s;
@@ -102,7 +166,7 @@ absl::Status ResilientDataPlane::BeginStep(const StepBatch& batch, cudaStream_t 
     has_session_ = true;
     lost_ = false;
   }
-  return current().BeginStep(batch, stream);
+  return absl::OkStatus();
 }
 
 absl::Status ResilientDataPlane::Select(int32_t layer, const int32_t* block_table,

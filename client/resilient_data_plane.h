@@ -7,8 +7,12 @@
 //   data plane keeps selecting with the last policy and budgets; attach is retried.
 // - Once a new session is ready it is switched in at the next BeginStep, and the sequences the
 //   engine had opened are reopened there with their keys (their history starts fresh).
-// The engine must read outputs through arena()/outputs() after each Select, as they may move
-// when the session changes (CPU backend; CUDA sessions will keep fixed addresses).
+// Host engines (CPU backend) must read outputs through arena()/outputs() after each Select, as
+// they move when the session changes. GPU engines (CreateOnDevice) keep one address range for
+// the arena: the dense fallback lives there first, and each session spind hands out is mapped at
+// the same addresses (DeviceWindow), so outputs never move and captured CUDA graphs stay valid
+// across daemon restarts. A graph-replaying engine calls Refresh() between replays (BeginStep
+// does it for eager engines); a switch synchronises the device once.
 #pragma once
 
 #include <atomic>
@@ -29,7 +33,18 @@ class ResilientDataPlane final : public DataPlane {
  public:
   /// Starts trying to attach to `target` every `retry` (the first try happens at once).
   ResilientDataPlane(std::string target, AttachOptions options, std::chrono::milliseconds retry);
+#if SPIN_HAVE_CUDA
+  /// The GPU engine's variant: arena in device memory on the calling thread's current device,
+  /// at fixed addresses; spind must run the CUDA backend on that GPU.
+  static absl::StatusOr<std::unique_ptr<ResilientDataPlane>> CreateOnDevice(
+      std::string target, AttachOptions options, std::chrono::milliseconds retry);
+#endif
   ~ResilientDataPlane() override;
+
+  /// Between steps: notices a lost daemon and switches in a session the retry thread attached.
+  /// Called by BeginStep; call it before each replay of a captured graph.
+  absl::Status Refresh();
+  bool on_device() const override { return on_device_; }
 
   /// True while the steps run on a daemon session's arena.
   bool attached() const;
@@ -46,6 +61,9 @@ class ResilientDataPlane final : public DataPlane {
                        const int32_t* accepted = nullptr, cudaStream_t stream = nullptr) override;
 
  private:
+  struct DeviceTag {};
+  ResilientDataPlane(std::string target, AttachOptions options, std::chrono::milliseconds retry,
+                     DeviceTag);
   void Retry();
   DataPlane& current() const;
 
@@ -55,10 +73,12 @@ class ResilientDataPlane final : public DataPlane {
   // Dense fallback: a private arena at 0% sparsity.
   void* fallback_mem_ = nullptr;
   std::unique_ptr<DataPlane> fallback_;
-  std::unique_ptr<Session> session_;      // in use (engine thread only)
-  std::unique_ptr<Session> ready_;        // attached by the retry thread, switched in at BeginStep
-  std::map<int32_t, uint64_t> open_;      // sequences the engine opened, with their keys
-  bool lost_ = false;                     // the current session's daemon went away (logged)
+  bool on_device_ = false;
+  std::shared_ptr<void> window_;      // GPU engines: the DeviceWindow every arena is mapped into
+  std::unique_ptr<Session> session_;  // in use (engine thread only)
+  std::unique_ptr<Session> ready_;    // attached by the retry thread, switched in at BeginStep
+  std::map<int32_t, uint64_t> open_;  // sequences the engine opened, with their keys
+  bool lost_ = false;                 // the current session's daemon went away (logged)
   std::atomic<bool> has_session_{false};  // session_ != nullptr, for the retry thread's log
   mutable std::mutex mu_;
   std::condition_variable cv_;

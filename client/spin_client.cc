@@ -106,6 +106,13 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Attach(const std::string& targ
   }
   ArenaHeader header;
   std::memcpy(&header, resp.arena_header().data(), sizeof(header));
+  s->header_ = header;
+  s->arena_bytes_ = bytes;
+  if (resp.backend() == pb::BACKEND_CUDA) s->device_uuid_ = resp.device_uuid();
+  if (resp.backend() == pb::BACKEND_CUDA && o.defer_device_map) {
+    s->pending_fd_ = fd;  // mapped by MapInto
+    return s;
+  }
   absl::StatusOr<ArenaView> view = resp.backend() == pb::BACKEND_CUDA
                                        ? s->MapDevice(fd, bytes, resp.device_uuid(), header)
                                        : s->MapHost(fd, bytes, header);
@@ -195,9 +202,46 @@ bool Session::alive() const {
   return poll(&p, 1, 0) == 0;
 }
 
+#if SPIN_HAVE_CUDA
+absl::Status Session::MapInto(DeviceWindow& window) {
+  if (pending_fd_ < 0) {
+    return absl::FailedPreconditionError(
+        "MapInto needs a CUDA session attached with "
+        "defer_device_map that was not mapped yet");
+  }
+  absl::StatusOr<int> ordinal = CudaOrdinalOfUuid(device_uuid_);
+  if (!ordinal.ok()) return ordinal.status();
+  if (*ordinal != window.ordinal()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "spind keeps the arena on GPU ", device_uuid_, " (device ", *ordinal,
+        " here) but the engine runs on device ", window.ordinal(), ": run one spind per GPU"));
+  }
+  if (window.bytes() != arena_bytes_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the arena maps ", arena_bytes_, " bytes; the window has ", window.bytes()));
+  }
+  if (absl::Status st = window.MapImported(pending_fd_); !st.ok()) return st;
+  close(pending_fd_);
+  pending_fd_ = -1;
+  ArenaHeader mapped;
+  if (absl::Status st = CopyToHost(&mapped, window.ptr(), sizeof(mapped)); !st.ok()) return st;
+  if (std::memcmp(&mapped, &header_, sizeof(header_)) != 0) {
+    return absl::DataLossError("the mapped device arena does not match the layout spind sent");
+  }
+  absl::StatusOr<ArenaView> view = ViewArenaWithHeader(window.ptr(), arena_bytes_, header_);
+  if (!view.ok()) return view.status();
+  view_ = *view;
+  absl::StatusOr<std::unique_ptr<DataPlane>> dp = MakeCudaDataPlane(view_);
+  if (!dp.ok()) return dp.status();
+  dp_ = std::move(*dp);
+  return absl::OkStatus();
+}
+#endif
+
 Session::~Session() {
   dp_.reset();
   device_.reset();
+  if (pending_fd_ >= 0) close(pending_fd_);
   if (base_ != nullptr) munmap(base_, bytes_);
   if (conn_ >= 0) close(conn_);
 }

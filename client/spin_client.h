@@ -9,6 +9,9 @@
 #include "absl/status/statusor.h"
 #include "spin/arena.h"
 #include "spin/data_plane.h"
+#if SPIN_HAVE_CUDA
+#include "spin/shared_device_memory.h"
+#endif
 #include "spin/v1/spin.grpc.pb.h"
 
 namespace spin::client {
@@ -20,6 +23,9 @@ struct AttachOptions {
   uint64_t seed = 1;
   std::string client_name;
   std::string admin_token;  ///< spind's admin token, needed for Attach/Detach over TCP
+  /// CUDA sessions: keep the arena's fd instead of mapping it, for MapInto (ResilientDataPlane
+  /// maps every session at one fixed address so the engine's CUDA graphs stay valid).
+  bool defer_device_map = false;
 };
 
 /// An attached session with its arena mapped here: the daemon's memfd (CPU backend), or its
@@ -47,7 +53,15 @@ class Session {
   /// False once spind closed the session's fd connection (it exited or freed the session).
   bool alive() const;
   /// True when the arena is in GPU memory (spind runs the CUDA backend).
-  bool on_device() const { return device_ != nullptr; }
+  bool on_device() const { return !device_uuid_.empty(); }
+  /// False for a CUDA session attached with defer_device_map until MapInto.
+  bool mapped() const { return dp_ != nullptr; }
+#if SPIN_HAVE_CUDA
+  /// A deferred CUDA session: maps its arena into `window` (replacing the memory there; the
+  /// window's size must be the arena's mapping size and its GPU the arena's) and builds the
+  /// data plane over it. Synchronises the device (DeviceWindow::MapImported).
+  absl::Status MapInto(DeviceWindow& window);
+#endif
   /// The GPU's UUID on the CUDA backend, else empty.
   const std::string& device_uuid() const { return device_uuid_; }
 
@@ -63,6 +77,9 @@ class Session {
   void* base_ = nullptr;
   uint64_t bytes_ = 0;
   std::shared_ptr<void> device_;  // the imported VMM mapping (CUDA backend)
+  int pending_fd_ = -1;           // deferred CUDA session: the arena's fd until MapInto
+  uint64_t arena_bytes_ = 0;
+  ArenaHeader header_{};
   ArenaView view_;
   std::unique_ptr<DataPlane> dp_;
 };

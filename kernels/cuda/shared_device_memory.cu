@@ -217,6 +217,111 @@ absl::StatusOr<int> SharedDeviceMemory::ExportFd() const {
   return fd;
 }
 
+absl::StatusOr<std::unique_ptr<DeviceWindow>> DeviceWindow::Create(int ordinal, uint64_t bytes) {
+  const Driver& d = GetDriver();
+  if (!d.status.ok()) return d.status;
+  if (absl::Status s = CheckOrdinal(ordinal); !s.ok()) return s;
+  const CUmemAllocationProp prop = Prop(ordinal);
+  size_t gran = 0;
+  if (absl::Status s = Check(d, d.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+                             "cuMemGetAllocationGranularity");
+      !s.ok()) {
+    return s;
+  }
+  std::unique_ptr<DeviceWindow> w(new DeviceWindow());
+  w->ordinal_ = ordinal;
+  w->bytes_ = (bytes + gran - 1) / gran * gran;
+  CUdeviceptr p = 0;
+  if (absl::Status s = Check(d, d.reserve(&p, w->bytes_, 0, 0, 0), "cuMemAddressReserve");
+      !s.ok()) {
+    return s;
+  }
+  w->ptr_ = reinterpret_cast<void*>(p);
+  w->reserved_ = true;
+  CUmemGenericAllocationHandle h = 0;
+  if (absl::Status s = Check(d, d.create(&h, w->bytes_, &prop, 0), "cuMemCreate"); !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = w->MapHandle(h); !s.ok()) {
+    d.release(h);
+    return s;
+  }
+  return w;
+}
+
+absl::Status DeviceWindow::MapHandle(unsigned long long handle) {
+  const Driver& d = GetDriver();
+  const CUdeviceptr p = reinterpret_cast<CUdeviceptr>(ptr_);
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = ordinal_;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  auto map = [&](unsigned long long h) {
+    absl::Status s = Check(d, d.map(p, bytes_, 0, h, 0), "cuMemMap");
+    if (s.ok()) s = Check(d, d.set_access(p, bytes_, &access, 1), "cuMemSetAccess");
+    if (!s.ok()) d.unmap(p, bytes_);
+    return s;
+  };
+  if (mapped_) {
+    // The old memory goes away: nothing of this process may still be using it.
+    if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) {
+      return absl::InternalError(
+          absl::StrCat("cudaDeviceSynchronize before remapping: ", cudaGetErrorString(e)));
+    }
+    if (absl::Status s = Check(d, d.unmap(p, bytes_), "cuMemUnmap"); !s.ok()) return s;
+    mapped_ = false;
+  }
+  if (absl::Status s = map(handle); !s.ok()) {
+    // Keep the window usable: put the old memory back.
+    if (created_ && map(handle_).ok()) mapped_ = true;
+    return s;
+  }
+  mapped_ = true;
+  if (created_) d.release(static_cast<CUmemGenericAllocationHandle>(handle_));
+  handle_ = handle;
+  created_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status DeviceWindow::MapImported(int fd) {
+  const Driver& d = GetDriver();
+  if (!d.status.ok()) return d.status;
+  CUmemGenericAllocationHandle h = 0;
+  if (absl::Status s = Check(d,
+                             d.import_handle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(fd)),
+                                             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                             "cuMemImportFromShareableHandle");
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = MapHandle(h); !s.ok()) {
+    d.release(h);
+    return s;
+  }
+  return absl::OkStatus();
+}
+
+DeviceWindow::~DeviceWindow() {
+  const Driver& d = GetDriver();
+  if (!d.status.ok()) return;
+  const CUdeviceptr p = reinterpret_cast<CUdeviceptr>(ptr_);
+  if (mapped_) {
+    cudaDeviceSynchronize();
+    d.unmap(p, bytes_);
+  }
+  if (created_) d.release(static_cast<CUmemGenericAllocationHandle>(handle_));
+  if (reserved_) d.address_free(p, bytes_);
+}
+
+absl::StatusOr<int> CudaCurrentDevice() {
+  int dev = 0;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::UnavailableError(absl::StrCat("no current CUDA device: ", cudaGetErrorString(e)));
+  }
+  return dev;
+}
+
 int CudaDeviceCount() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {

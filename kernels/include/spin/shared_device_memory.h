@@ -48,6 +48,41 @@ class SharedDeviceMemory {
   bool mapped_ = false, reserved_ = false, created_ = false;
 };
 
+/// A fixed range of device addresses whose memory can be replaced: engines capture CUDA graphs
+/// against the arena's addresses, so when libspin_client moves to a new spind session (after a
+/// daemon restart) it maps the new session's allocation at the same addresses. Starts with a
+/// private allocation of its own (the dense fallback arena lives there).
+class DeviceWindow {
+ public:
+  /// Reserves at least `bytes` of addresses on device `ordinal` (rounded up to the allocation
+  /// granularity) and maps a private allocation there. The memory is not cleared.
+  static absl::StatusOr<std::unique_ptr<DeviceWindow>> Create(int ordinal, uint64_t bytes);
+  ~DeviceWindow();
+  DeviceWindow(const DeviceWindow&) = delete;
+  DeviceWindow& operator=(const DeviceWindow&) = delete;
+
+  /// Replaces the memory behind the window with the allocation `fd` refers to (exported by
+  /// another process; its size must be bytes()). Waits for all of this process's work on the
+  /// device first, since the old memory is unmapped: call it between steps, never while a step
+  /// is in flight. The caller keeps ownership of `fd`.
+  absl::Status MapImported(int fd);
+  void* ptr() const { return ptr_; }
+  uint64_t bytes() const { return bytes_; }
+  int ordinal() const { return ordinal_; }
+
+ private:
+  DeviceWindow() = default;
+  absl::Status MapHandle(unsigned long long handle);
+  unsigned long long handle_ = 0;
+  void* ptr_ = nullptr;
+  uint64_t bytes_ = 0;
+  int ordinal_ = 0;
+  bool mapped_ = false, reserved_ = false, created_ = false;
+};
+
+/// The calling thread's current CUDA device.
+absl::StatusOr<int> CudaCurrentDevice();
+
 /// Devices the CUDA runtime sees (0 without a driver or device).
 int CudaDeviceCount();
 /// The device's UUID as nvidia-smi and dcgm-exporter print it ("GPU-xxxxxxxx-xxxx-...").
