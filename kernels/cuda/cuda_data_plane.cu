@@ -988,17 +988,6 @@ __global__ void __launch_bounds__(kEmaThreads)
   __shared__ E s_d[kWarps][kEmaSegs][kEmaSegSlots + 2];  // a segment's D words, from wlo
   const int e = blockIdx.y;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int32_t* ids = d.union_ids + static_cast<int64_t>(e) * d.max_blocks;
-  // Block ids are loaded one round ahead, lane u < kEmaSegs holding the id of the round's
-  // segment s0 + u (broadcast by a shuffle that every lane executes). The first round's go out
-  // with the entry's loads, before len is known: segment s is in block s / parts, read only
-  // below max_blocks (in bounds) and used only for s < segs.
-  const int parts = (d.block + kEmaSegSlots - 1) / kEmaSegSlots;
-  const int s_first = (blockIdx.x * kWarps + warp) * kEmaSegs;
-  const int s_step = gridDim.x * kWarps * kEmaSegs;
-  int nid = 0;
-  if (lane < kEmaSegs && (s_first + lane) / parts < d.max_blocks)
-    nid = ids[(s_first + lane) / parts];
   // As EmaKernel: independent loads of the entry, no barrier before the work.
   const int batch_n = d.batch->n, rows = d.batch->rows;
   const StepEntry en = d.entries[e];
@@ -1016,6 +1005,7 @@ __global__ void __launch_bounds__(kEmaThreads)
     d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] = 0;
   }
   const int b = d.block, q = en.q_pos + r;
+  const int32_t* ids = d.union_ids + static_cast<int64_t>(e) * d.max_blocks;
   const float* z = logits + (static_cast<int64_t>(e) * rows + r) * stride;
   T* v = reinterpret_cast<T*>(d.Record(en.seq, layer));
   T* dd = v + d.max_slots;
@@ -1027,21 +1017,21 @@ __global__ void __launch_bounds__(kEmaThreads)
   const int t = 2 * lane;  // this lane's first slot in a segment
   const int segs = EmaSegments(len, b);
   unsigned obs = 0, bad = 0;
-  for (int s0 = s_first; s0 < segs; s0 += s_step) {
+  for (int s0 = (blockIdx.x * kWarps + warp) * kEmaSegs; s0 < segs;
+       s0 += gridDim.x * kWarps * kEmaSegs) {
     int base[kEmaSegs], cnt[kEmaSegs];
     float z0[kEmaSegs], z1[kEmaSegs];
     E v0[kEmaSegs], v1[kEmaSegs], d0[kEmaSegs], d1[kEmaSegs], d2[kEmaSegs];
-    // Slots (block ids loaded a round ahead) and logits.
+    // Block ids and logits (independent).
 #pragma unroll
     for (int u = 0; u < kEmaSegs; ++u) {
-      const int id = __shfl_sync(kAll, nid, u);  // every lane, whatever the segment
       base[u] = 0;
       cnt[u] = 0;
       z0[u] = 0.0f;
       z1[u] = 0.0f;
       if (s0 + u < segs) {  // uniform over the warp
         const EmaSeg g = EmaSegAt(s0 + u, len, b);
-        base[u] = id * b + g.off;
+        base[u] = ids[g.k] * b + g.off;
         cnt[u] = g.cnt;
         if (t + 1 < g.cnt && z_words) {
           const float2 w = *reinterpret_cast<const float2*>(z + (g.x0 + t));
@@ -1070,9 +1060,6 @@ __global__ void __launch_bounds__(kEmaThreads)
       LoadEntries(dd, j, lo, hi, d0[u], d1[u]);
       if (lane == 0 && EmaInD(g, g.wlo + 2 * 32)) d2[u] = B::Load(dd + (g.wlo + 2 * 32));
     }
-    // The next round's block ids, in flight with this round's V and D.
-    nid = 0;
-    if (lane < kEmaSegs && s0 + s_step + lane < segs) nid = ids[(s0 + s_step + lane) / parts];
     // D updates in shared memory: entry j of a segment sits at s_d[..][j - wlo].
     __syncwarp();  // the previous round's readers are done
 #pragma unroll
