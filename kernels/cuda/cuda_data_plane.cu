@@ -28,8 +28,7 @@ constexpr int kSelectThreads = 1024;
 // slots at b = 64), and in the private scratch beyond.
 constexpr int kSelectRegRounds = 4;
 constexpr int kScoreThreads = 256;
-constexpr int kBlocksPerScoreCta = 32;  // 8 warps x 4 blocks (ScoresKernel)
-constexpr int kScorePieces = 4;         // 16-byte pieces of V per thread (ScoresVecKernel)
+constexpr int kBlocksPerScoreCta = 32;  // 8 warps x 4 blocks
 constexpr int kEmaThreads = 256;
 constexpr int kEmaSlots = 8;  // compacted slots per thread per round (EmaKernel)
 constexpr int kEmaSegs = 4;   // 64-slot segments per warp per round (EmaWordKernel)
@@ -319,160 +318,6 @@ __global__ void ScoresKernel(Dev d, int layer) {
     best = other > best ? other : best;
   }
   if (j < nb && sub == 0) out[j] = best;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Vector block scores (block sizes that are a power-of-two multiple, at most 32, of the W = 16 /
-// sizeof(T) slots of a 16-byte piece). A thread takes kScorePieces pieces of W consecutive slots
-// x .. x + W - 1 (x a multiple of W from the block start), the G = b / W lanes of one block
-// adjacent in the warp, so one warp load covers 512 contiguous bytes of V. The piece's D entries
-// D[q - i] are the contiguous window [a, a + W - 1], a = q - x - W + 1, read forward and
-// mirrored in registers (slot x + k pairs with window entry W - 1 - k). Each window (of V or D)
-// is read as the aligned 16-byte vector at or below it, plus the next one when the window is
-// not aligned, and shifted into place. A piece takes this path only when all its slots are
-// below the block's end and at or before the query and both vector pairs lie within
-// [0, max_slots) of their array; any other piece loads its slots one by one as ScoresKernel
-// does (the same offsets, i <= q ? q - i : 0).
-// ---------------------------------------------------------------------------------------------
-// BEGIN score-plan (host emulation extracts this region)
-struct ScorePlan {
-  bool fast;
-  int v0, v1, d0, d1;  // element offsets of the aligned vectors from V and from D
-  int vm, dm;          // window start within the first vector, in elements
-};
-
-// Piece at slot x of a block ending at hi, query q; vbase and dbase are the element addresses of
-// V and D (address / sizeof(T)); w = elements per 16 bytes.
-SPIN_HD ScorePlan PlanScorePiece(int x, int hi, int q, int max_slots, int w, uint64_t vbase,
-                                 uint64_t dbase) {
-  ScorePlan p{false, 0, 0, 0, 0, 0, 0};
-  if (x + w > hi || x + w - 1 > q) return p;
-  const int a = q - x - (w - 1);  // >= 0
-  p.vm = static_cast<int>((vbase + static_cast<uint64_t>(x)) & static_cast<uint64_t>(w - 1));
-  p.dm = static_cast<int>((dbase + static_cast<uint64_t>(a)) & static_cast<uint64_t>(w - 1));
-  const int vlo = x - p.vm, dlo = a - p.dm;
-  const int vend = vlo + (p.vm ? 2 * w : w), dend = dlo + (p.dm ? 2 * w : w);
-  if (vlo < 0 || dlo < 0 || vend > max_slots || dend > max_slots) return p;
-  p.fast = true;
-  p.v0 = vlo;
-  p.v1 = vlo + (p.vm ? w : 0);
-  p.d0 = dlo;
-  p.d1 = dlo + (p.dm ? w : 0);
-  return p;
-}
-
-SPIN_HD uint32_t FunnelRight(uint32_t lo, uint32_t hi, int sh) {
-#if defined(__CUDA_ARCH__)
-  return __funnelshift_r(lo, hi, static_cast<unsigned>(sh));
-#else
-  return static_cast<uint32_t>(((static_cast<uint64_t>(hi) << 32) | lo) >> sh);
-#endif
-}
-
-// The 16 bytes starting m elements of elem_bytes into the 32 bytes w[0..7] (lower address first).
-SPIN_HD void WindowWords(const uint32_t w[8], int m, int elem_bytes, uint32_t o[4]) {
-  const int bytes = m * elem_bytes, wm = bytes >> 2, sh = (bytes & 3) * 8;
-  uint32_t s[5];
-#pragma unroll
-  for (int k = 0; k < 5; ++k) {
-    s[k] = wm == 0 ? w[k] : wm == 1 ? w[k + 1] : wm == 2 ? w[k + 2] : w[k + 3];
-  }
-#pragma unroll
-  for (int k = 0; k < 4; ++k) o[k] = FunnelRight(s[k], s[k + 1], sh);
-}
-
-// Element k of a 16-byte window of floats or bf16.
-SPIN_HD float WindowElem(const uint32_t o[4], int k, int elem_bytes) {
-  if (elem_bytes == 4) return BitsFloat(o[k]);
-  return Bf16ToFloat(static_cast<uint16_t>(o[k >> 1] >> (16 * (k & 1))));
-}
-// END score-plan
-
-template <typename T>
-__global__ void __launch_bounds__(kScoreThreads) ScoresVecKernel(Dev d, int layer, int gshift) {
-  constexpr int W = 16 / static_cast<int>(sizeof(T));
-  constexpr int kEb = static_cast<int>(sizeof(T));
-  const int e = blockIdx.z, r = blockIdx.y;
-  // Independent loads first (e < the host's n <= max_seqs, so the entry is in bounds).
-  const int batch_n = d.batch->n, batch_rows = d.batch->rows;
-  const StepEntry en = d.entries[e];
-  if (e >= batch_n || r >= batch_rows) return;
-  const int g = 1 << gshift;  // lanes (pieces) per block
-  const int bpc = (kScoreThreads * kScorePieces) >> gshift;
-  const int j0 = blockIdx.x * bpc;
-  if (r == 0) {
-    uint8_t* mask = d.mask + static_cast<int64_t>(e) * d.max_blocks;
-    for (int j = j0 + threadIdx.x; j < min(j0 + bpc, d.max_blocks); j += blockDim.x) mask[j] = 0;
-  }
-  if (en.seq < 0) return;
-  const bool fresh = d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] != 0;
-  const bool dense = fresh || en.probe;
-  if (dense && (fresh || r != 0)) return;  // dense steps need row 0's scores on probes only
-  const int n = en.ctx_len + r, q = en.q_pos + r, b = d.block;
-  const int nb = static_cast<int>(CeilDiv(n, b));
-  const T* rec = reinterpret_cast<const T*>(d.Record(en.seq, layer));
-  const T* dst = rec + d.max_slots;
-  const uint64_t vbase = reinterpret_cast<uintptr_t>(rec) / sizeof(T);
-  const uint64_t dbase = reinterpret_cast<uintptr_t>(dst) / sizeof(T);
-  float* out = d.Scores(e, r);
-  // All vector loads of the thread's pieces first.
-  ScorePlan pl[kScorePieces];
-  uint4 va[kScorePieces], vb[kScorePieces], da[kScorePieces], db[kScorePieces];
-#pragma unroll
-  for (int u = 0; u < kScorePieces; ++u) {
-    const int p = static_cast<int>(threadIdx.x) + u * kScoreThreads;
-    const int j = j0 + (p >> gshift);
-    const int x = j * b + (p & (g - 1)) * W;
-    pl[u] = ScorePlan{false, 0, 0, 0, 0, 0, 0};
-    if (j < nb) pl[u] = PlanScorePiece(x, min(j * b + b, n), q, d.max_slots, W, vbase, dbase);
-    va[u] = vb[u] = da[u] = db[u] = make_uint4(0, 0, 0, 0);
-    if (pl[u].fast) {
-      va[u] = *reinterpret_cast<const uint4*>(rec + pl[u].v0);
-      vb[u] = *reinterpret_cast<const uint4*>(rec + pl[u].v1);
-      da[u] = *reinterpret_cast<const uint4*>(dst + pl[u].d0);
-      db[u] = *reinterpret_cast<const uint4*>(dst + pl[u].d1);
-    }
-  }
-  float best[kScorePieces];
-#pragma unroll
-  for (int u = 0; u < kScorePieces; ++u) {
-    const int p = static_cast<int>(threadIdx.x) + u * kScoreThreads;
-    const int j = j0 + (p >> gshift);
-    const int x = j * b + (p & (g - 1)) * W;
-    best[u] = -INFINITY;
-    if (pl[u].fast) {
-      const uint32_t vw[8] = {va[u].x, va[u].y, va[u].z, va[u].w,
-                              vb[u].x, vb[u].y, vb[u].z, vb[u].w};
-      const uint32_t dw[8] = {da[u].x, da[u].y, da[u].z, da[u].w,
-                              db[u].x, db[u].y, db[u].z, db[u].w};
-      uint32_t vo[4], dout[4];
-      WindowWords(vw, pl[u].vm, kEb, vo);
-      WindowWords(dw, pl[u].dm, kEb, dout);
-#pragma unroll
-      for (int k = 0; k < W; ++k) {
-        const float pr = Prediction(WindowElem(vo, k, kEb), WindowElem(dout, W - 1 - k, kEb));
-        best[u] = pr > best[u] ? pr : best[u];
-      }
-    } else if (j < nb) {
-      const int hi = min(min(j * b + b, n), x + W);
-      for (int i = x; i < hi; ++i) {
-        const int off = i <= q ? q - i : 0;
-        const float pr = Prediction(LoadT(rec, i), LoadT(dst, off));
-        best[u] = pr > best[u] ? pr : best[u];
-      }
-    }
-  }
-  // Per block: the max over its g adjacent lanes (every lane takes part in every shuffle).
-#pragma unroll
-  for (int u = 0; u < kScorePieces; ++u) {
-    for (int o = g / 2; o > 0; o /= 2) {
-      const float other = __shfl_xor_sync(0xFFFFFFFFu, best[u], o);
-      best[u] = other > best[u] ? other : best[u];
-    }
-    const int p = static_cast<int>(threadIdx.x) + u * kScoreThreads;
-    const int j = j0 + (p >> gshift);
-    if (j < nb && (p & (g - 1)) == 0) out[j] = best[u];
-  }
 }
 
 // One (entry, row) selection after the query block: top by score, then exploration by draw.
@@ -1266,22 +1111,7 @@ class CudaDataPlane final : public DataPlane {
     if (n_ > 0) {
       const dim3 sgrid(static_cast<unsigned>(CeilDiv(a_.max_blocks, kBlocksPerScoreCta)),
                        static_cast<unsigned>(rows_), static_cast<unsigned>(n_));
-      // The vector kernel when a block is a power-of-two number of 16-byte pieces, at most 32.
-      const int w = 16 / d_.dtype_bytes;
-      int gshift = -1;
-      for (int sh = 0; sh <= 5; ++sh) {
-        if (d_.block == (w << sh)) gshift = sh;
-      }
-      if (gshift >= 0) {
-        const int bpc = (kScoreThreads * kScorePieces) >> gshift;
-        const dim3 vgrid(static_cast<unsigned>(CeilDiv(a_.max_blocks, bpc)),
-                         static_cast<unsigned>(rows_), static_cast<unsigned>(n_));
-        if (d_.dtype_bytes == 4) {
-          ScoresVecKernel<float><<<vgrid, kScoreThreads, 0, stream>>>(d_, layer, gshift);
-        } else {
-          ScoresVecKernel<uint16_t><<<vgrid, kScoreThreads, 0, stream>>>(d_, layer, gshift);
-        }
-      } else if (d_.dtype_bytes == 4) {
+      if (d_.dtype_bytes == 4) {
         ScoresKernel<float><<<sgrid, kScoreThreads, 0, stream>>>(d_, layer);
       } else {
         ScoresKernel<uint16_t><<<sgrid, kScoreThreads, 0, stream>>>(d_, layer);
