@@ -4,8 +4,11 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 #if SPIN_HAVE_CUDA
+#include <cuda_runtime.h>
+
 #include "spin/cuda_data_plane.h"
 #include "spin/shared_device_memory.h"
 #endif
@@ -15,6 +18,7 @@ namespace spin::client {
 ResilientDataPlane::ResilientDataPlane(std::string target, AttachOptions options,
                                        std::chrono::milliseconds retry)
     : target_(std::move(target)), options_(std::move(options)), retry_(retry) {
+  options_.require_backend = 1;
   Policy dense = options_.policy;
   dense.target_sparsity = 0.0;
   dense.exploration = 0.0;
@@ -34,6 +38,7 @@ ResilientDataPlane::ResilientDataPlane(std::string target, AttachOptions options
                                        std::chrono::milliseconds retry, DeviceTag)
     : target_(std::move(target)), options_(std::move(options)), retry_(retry), on_device_(true) {
   options_.defer_device_map = true;
+  options_.require_backend = 2;
 }
 
 absl::StatusOr<std::unique_ptr<ResilientDataPlane>> ResilientDataPlane::CreateOnDevice(
@@ -54,7 +59,12 @@ absl::StatusOr<std::unique_ptr<ResilientDataPlane>> ResilientDataPlane::CreateOn
   if (!v.ok()) return v.status();
   absl::StatusOr<std::unique_ptr<DataPlane>> dp = MakeCudaDataPlane(*v);
   if (!dp.ok()) return dp.status();
+  // One data plane drives the window for the engine's lifetime: its scratch buffers and the
+  // arena's addresses are what the engine's captured graphs hold.
   r->fallback_ = std::move(*dp);
+  absl::StatusOr<ArenaHeader> h = MakeArenaHeader(r->options_.geometry, r->options_.seed);
+  if (!h.ok()) return h.status();
+  r->window_header_ = *h;
   r->window_ = std::shared_ptr<DeviceWindow>(std::move(*w));
   r->thread_ = std::thread([p = r.get()] { p->Retry(); });
   return r;
@@ -79,18 +89,17 @@ void ResilientDataPlane::Retry() {
   bool logged = false;
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
+    if (!to_detach_.empty()) {
+      std::vector<std::unique_ptr<Session>> refused = std::move(to_detach_);
+      to_detach_.clear();
+      lock.unlock();
+      for (auto& r : refused) (void)r->Detach();
+      lock.lock();
+    }
     if (want_session_ && !ready_) {
       lock.unlock();
       absl::StatusOr<std::unique_ptr<Session>> s = Session::Attach(target_, options_);
       lock.lock();
-      if (s.ok() && on_device_ != (*s)->on_device()) {
-        // A GPU engine needs a GPU arena and a host engine a host one.
-        (void)(*s)->Detach();
-        s = absl::FailedPreconditionError(
-            on_device_ ? "spind keeps arenas in host memory; this engine runs on the GPU (start "
-                         "spind with --backend cuda on its GPU)"
-                       : "spind keeps arenas on the GPU; this engine runs on the CPU");
-      }
       if (s.ok()) {
         ready_ = std::move(*s);
         want_session_ = false;
@@ -113,6 +122,8 @@ bool ResilientDataPlane::attached() const { return session_ != nullptr; }
 std::string ResilientDataPlane::session_id() const { return session_ ? session_->id() : ""; }
 
 DataPlane& ResilientDataPlane::current() const {
+  // GPU engines: one data plane over the fixed window, whichever arena is mapped there.
+  if (on_device_) return *fallback_;
   return session_ ? session_->data_plane() : *fallback_;
 }
 
@@ -125,7 +136,15 @@ absl::Status ResilientDataPlane::ResetSequence(int32_t seq, uint64_t key, cudaSt
 }
 
 absl::Status ResilientDataPlane::BeginStep(const StepBatch& batch, cudaStream_t stream) {
-  if (absl::Status s = Refresh(); !s.ok()) return s;
+  bool capturing = false;
+#if SPIN_HAVE_CUDA
+  // A switch synchronises the device, which a stream capture forbids: not while capturing.
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (on_device_ && cudaStreamIsCapturing(stream, &cs) == cudaSuccess) {
+    capturing = cs != cudaStreamCaptureStatusNone;
+  }
+#endif
+  if (!capturing) (void)Refresh();
   return current().BeginStep(batch, stream);
 }
 
@@ -147,20 +166,32 @@ absl::Status ResilientDataPlane::Refresh() {
   }
   if (next && !next->mapped()) {
 #if SPIN_HAVE_CUDA
-    // Same addresses as before: the old arena (fallback or previous session) is replaced.
-    if (absl::Status s = next->MapInto(*std::static_pointer_cast<DeviceWindow>(window_)); !s.ok()) {
-      std::fprintf(stderr, "spin_client: cannot map spind session %s: %s; retrying\n",
+    // Same addresses as before: the old arena (fallback or previous session) is replaced, and
+    // the one data plane keeps driving the window (no new scratch, no new pointers).
+    absl::Status s = std::memcmp(&next->header(), &window_header_, sizeof(window_header_)) == 0
+                         ? next->MapInto(*std::static_pointer_cast<DeviceWindow>(window_), false)
+                         : absl::FailedPreconditionError(
+                               "the session's arena layout differs from the "
+                               "engine's (geometry or seed)");
+    if (!s.ok()) {
+      std::fprintf(stderr, "spin_client: cannot use spind session %s: %s; retrying\n",
                    next->id().c_str(), std::string(s.message()).c_str());
-      (void)next->Detach();
-      next.reset();
       std::lock_guard<std::mutex> lock(mu_);
+      to_detach_.push_back(std::move(next));  // detached by the retry thread, not here
       want_session_ = true;
+      cv_.notify_all();
     }
 #endif
   }
   if (next) {
+    DataPlane& dp = on_device_ ? *fallback_ : next->data_plane();
     for (const auto& [seq, key] : open_) {
-      if (absl::Status s = next->data_plane().ResetSequence(seq, key); !s.ok()) return s;
+      // Never fail the engine over SPIN (DESIGN §7): a sequence that cannot be reopened is
+      // logged; its steps are then rejected by the data plane's own checks.
+      if (absl::Status s = dp.ResetSequence(seq, key); !s.ok()) {
+        std::fprintf(stderr, "spin_client: cannot reopen sequence %d in session %s: %s\n", seq,
+                     next->id().c_str(), std::string(s.message()).c_str());
+      }
     }
     session_ = std::move(next);
     has_session_ = true;

@@ -22,6 +22,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "spin/data_plane.h"
 #include "spin_client.h"
@@ -74,11 +75,13 @@ class ResilientDataPlane final : public DataPlane {
   void* fallback_mem_ = nullptr;
   std::unique_ptr<DataPlane> fallback_;
   bool on_device_ = false;
-  std::shared_ptr<void> window_;      // GPU engines: the DeviceWindow every arena is mapped into
-  std::unique_ptr<Session> session_;  // in use (engine thread only)
-  std::unique_ptr<Session> ready_;    // attached by the retry thread, switched in at BeginStep
-  std::map<int32_t, uint64_t> open_;  // sequences the engine opened, with their keys
-  bool lost_ = false;                 // the current session's daemon went away (logged)
+  std::shared_ptr<void> window_;  // GPU engines: the DeviceWindow every arena is mapped into
+  ArenaHeader window_header_{};   // GPU engines: the layout every session must have
+  std::vector<std::unique_ptr<Session>> to_detach_;  // refused sessions, detached off-thread
+  std::unique_ptr<Session> session_;                 // in use (engine thread only)
+  std::unique_ptr<Session> ready_;        // attached by the retry thread, switched in at BeginStep
+  std::map<int32_t, uint64_t> open_;      // sequences the engine opened, with their keys
+  bool lost_ = false;                     // the current session's daemon went away (logged)
   std::atomic<bool> has_session_{false};  // session_ != nullptr, for the retry thread's log
   mutable std::mutex mu_;
   std::condition_variable cv_;

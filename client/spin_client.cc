@@ -37,6 +37,10 @@ absl::Status FetchArenaFd(const std::string& path, const std::string& id, const 
     return absl::UnavailableError(
         absl::StrCat("cannot connect to spind's fd socket ", path, ": ", std::strerror(errno)));
   }
+  // A stopped (not dead) spind must not hang the caller: give the handshake 10 s.
+  const timeval tv{10, 0};
+  setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
   const std::string req = absl::StrCat("ATTACH ", id, " ", token, "\n");
   if (write(conn, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
     close(conn);
@@ -92,6 +96,14 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Attach(const std::string& targ
   }
   s->id_ = resp.session_id();
   s->token_ = resp.token();
+  const bool gpu = resp.backend() == pb::BACKEND_CUDA;
+  if ((o.require_backend == 1 && gpu) || (o.require_backend == 2 && !gpu)) {
+    (void)s->Detach();
+    return absl::FailedPreconditionError(
+        gpu ? "spind keeps arenas on the GPU; this engine runs on the CPU"
+            : "spind keeps arenas in host memory; this engine runs on the GPU (start spind "
+              "with --backend cuda on its GPU)");
+  }
   int fd = -1;
   uint64_t bytes = 0;
   if (absl::Status st = FetchArenaFd(resp.fd_socket(), s->id_, s->token_, &s->conn_, &fd, &bytes);
@@ -203,7 +215,7 @@ bool Session::alive() const {
 }
 
 #if SPIN_HAVE_CUDA
-absl::Status Session::MapInto(DeviceWindow& window) {
+absl::Status Session::MapInto(DeviceWindow& window, bool build_data_plane) {
   if (pending_fd_ < 0) {
     return absl::FailedPreconditionError(
         "MapInto needs a CUDA session attached with "
@@ -220,6 +232,15 @@ absl::Status Session::MapInto(DeviceWindow& window) {
     return absl::FailedPreconditionError(
         absl::StrCat("the arena maps ", arena_bytes_, " bytes; the window has ", window.bytes()));
   }
+  absl::StatusOr<ArenaView> view = ViewArenaWithHeader(window.ptr(), arena_bytes_, header_);
+  if (!view.ok()) return view.status();
+  std::unique_ptr<DataPlane> dp;
+  if (build_data_plane) {
+    // Built (and its scratch allocated) before the window changes, so a failure changes nothing.
+    absl::StatusOr<std::unique_ptr<DataPlane>> made = MakeCudaDataPlane(*view);
+    if (!made.ok()) return made.status();
+    dp = std::move(*made);
+  }
   if (absl::Status st = window.MapImported(pending_fd_); !st.ok()) return st;
   close(pending_fd_);
   pending_fd_ = -1;
@@ -228,12 +249,8 @@ absl::Status Session::MapInto(DeviceWindow& window) {
   if (std::memcmp(&mapped, &header_, sizeof(header_)) != 0) {
     return absl::DataLossError("the mapped device arena does not match the layout spind sent");
   }
-  absl::StatusOr<ArenaView> view = ViewArenaWithHeader(window.ptr(), arena_bytes_, header_);
-  if (!view.ok()) return view.status();
   view_ = *view;
-  absl::StatusOr<std::unique_ptr<DataPlane>> dp = MakeCudaDataPlane(view_);
-  if (!dp.ok()) return dp.status();
-  dp_ = std::move(*dp);
+  dp_ = std::move(dp);
   return absl::OkStatus();
 }
 #endif

@@ -26,6 +26,9 @@ struct AttachOptions {
   /// CUDA sessions: keep the arena's fd instead of mapping it, for MapInto (ResilientDataPlane
   /// maps every session at one fixed address so the engine's CUDA graphs stay valid).
   bool defer_device_map = false;
+  /// Refuse a daemon whose arenas live elsewhere (checked right after Attach, before any fd
+  /// is fetched or memory imported): 0 = either, 1 = host memory only, 2 = GPU only.
+  int require_backend = 0;
 };
 
 /// An attached session with its arena mapped here: the daemon's memfd (CPU backend), or its
@@ -55,12 +58,16 @@ class Session {
   /// True when the arena is in GPU memory (spind runs the CUDA backend).
   bool on_device() const { return !device_uuid_.empty(); }
   /// False for a CUDA session attached with defer_device_map until MapInto.
-  bool mapped() const { return dp_ != nullptr; }
+  bool mapped() const { return pending_fd_ < 0; }
+  /// The arena's layout header as spind sent it.
+  const ArenaHeader& header() const { return header_; }
 #if SPIN_HAVE_CUDA
   /// A deferred CUDA session: maps its arena into `window` (replacing the memory there; the
-  /// window's size must be the arena's mapping size and its GPU the arena's) and builds the
-  /// data plane over it. Synchronises the device (DeviceWindow::MapImported).
-  absl::Status MapInto(DeviceWindow& window);
+  /// window's size must be the arena's mapping size and its GPU the arena's). Everything that
+  /// can be checked is checked before the window changes. With `build_data_plane` false the
+  /// caller keeps driving the window with its own data plane (same layout, so the same
+  /// addresses and scratch: what a captured graph needs). Synchronises the device.
+  absl::Status MapInto(DeviceWindow& window, bool build_data_plane = true);
 #endif
   /// The GPU's UUID on the CUDA backend, else empty.
   const std::string& device_uuid() const { return device_uuid_; }

@@ -137,5 +137,81 @@ TEST(ResilientCuda, OneCapturedGraphAcrossDaemonStartKillAndRestart) {
   cudaFree(d_logits);
 }
 
+// The engine starts while spind is up: it attaches before capturing, then spind restarts.
+// The graph captured on the first session keeps running on the second (one data plane drives
+// the window, so its scratch buffers are never freed; memcheck in gpu-check would see it).
+TEST(ResilientCuda, GraphCapturedOnASessionSurvivesADaemonRestart) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device";
+  const std::string sock =
+      ::testing::TempDir() + "/spind-resilient-cuda2-" + std::to_string(getpid()) + ".sock";
+  unlink(sock.c_str());
+  pid_t pid = StartSpind(sock);
+  client::AttachOptions o;
+  o.geometry.layers = 1;
+  o.geometry.max_seqs = 1;
+  o.geometry.max_slots = 64 * 64;
+  o.geometry.topk = 128;
+  o.policy.target_sparsity = 0.75;
+  o.client_name = "gpu-engine";
+  auto made = client::ResilientDataPlane::CreateOnDevice("unix://" + sock, o,
+                                                         std::chrono::milliseconds(20));
+  ASSERT_TRUE(made.ok()) << made.status();
+  client::ResilientDataPlane& dp = **made;
+  ASSERT_TRUE(dp.ResetSequence(0, 4).ok());
+  for (int i = 0; i < 500 && !dp.attached(); ++i) {
+    ASSERT_TRUE(dp.Refresh().ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(dp.attached());
+  const std::string first = dp.session_id();
+  const int32_t ctx = 64 * 64, nb = 64;
+  const int32_t batch[3] = {0, ctx, ctx - 1};
+  int32_t* d_batch = nullptr;
+  float* d_logits = nullptr;
+  CUDA_OK(cudaMalloc(&d_batch, sizeof(batch)));
+  CUDA_OK(cudaMemcpy(d_batch, batch, sizeof(batch), cudaMemcpyHostToDevice));
+  std::vector<float> logits(ctx);
+  for (int i = 0; i < ctx; ++i) logits[i] = static_cast<float>((i * 37) % 101);
+  CUDA_OK(cudaMalloc(&d_logits, logits.size() * sizeof(float)));
+  CUDA_OK(cudaMemcpy(d_logits, logits.data(), logits.size() * 4, cudaMemcpyHostToDevice));
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  ASSERT_TRUE(dp.BeginStep(StepBatch{d_batch, d_batch + 1, d_batch + 2, 1, 1}, stream).ok());
+  ASSERT_TRUE(dp.Select(0, nullptr, 0, stream).ok());
+  ASSERT_TRUE(dp.Observe(0, d_logits, ctx, nullptr, stream).ok());
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  auto step = [&]() -> int {
+    EXPECT_TRUE(dp.Refresh().ok());
+    EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    int32_t count = -1;
+    EXPECT_EQ(cudaMemcpy(&count, dp.arena().union_count, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    return count;
+  };
+  const int sparse = KeptBlocks(nb, 128, 64, 0.75);
+  EXPECT_EQ(step(), nb);  // fresh
+  EXPECT_EQ(step(), sparse);
+  Kill(pid);
+  pid = StartSpind(sock);
+  for (int i = 0; i < 500 && dp.session_id() == first; ++i) {
+    step();
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_NE(dp.session_id(), first);
+  step();
+  EXPECT_EQ(step(), sparse);
+  EXPECT_EQ(step(), sparse);
+  Kill(pid);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  cudaFree(d_batch);
+  cudaFree(d_logits);
+}
+
 }  // namespace
 }  // namespace spin::testing
