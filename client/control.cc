@@ -199,6 +199,7 @@ absl::StatusOr<ReplaySummary> ReplayThroughDaemon(const std::string& target, con
     Deadline(&c);
     if (absl::Status st = client::FromGrpc((*s)->stub().GetBudgets(&c, gb, &b), "GetBudgets");
         !st.ok()) {
+      (void)(*s)->Detach();
       return st;
     }
     out->budget_recomputes = b.recomputes();

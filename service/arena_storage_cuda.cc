@@ -45,12 +45,14 @@ class Staging {
 class CudaArenaStorage final : public ArenaStorage {
  public:
   ~CudaArenaStorage() override {
+    (void)CudaSetDevice(ordinal_);  // freed from whichever thread drops the session
     dp_.reset();
     mem_.reset();
     if (mirror_ != nullptr) munmap(mirror_, bytes_);
   }
 
   absl::Status Init(int ordinal, const Geometry& g, uint64_t seed, const Policy& policy) {
+    ordinal_ = ordinal;
     if (absl::Status s = CudaSetDevice(ordinal); !s.ok()) return s;
     absl::StatusOr<std::string> uuid = CudaDeviceUuid(ordinal);
     if (!uuid.ok()) return uuid.status();
@@ -59,9 +61,9 @@ class CudaArenaStorage final : public ArenaStorage {
     absl::StatusOr<std::unique_ptr<SharedDeviceMemory>> mem =
         SharedDeviceMemory::Create(ordinal, bytes_);
     if (!mem.ok()) {
-      return absl::ResourceExhaustedError(absl::StrCat("cannot allocate a ", bytes_,
-                                                       "-byte arena on GPU ", ordinal, " (", uuid_,
-                                                       "): ", mem.status().message()));
+      return absl::Status(mem.status().code(),
+                          absl::StrCat("cannot allocate a ", bytes_, "-byte arena on GPU ", ordinal,
+                                       " (", uuid_, "): ", mem.status().message()));
     }
     mem_ = std::move(*mem);
     absl::StatusOr<ArenaView> view = InitDeviceArena(mem_->ptr(), bytes_, g, seed, policy);
@@ -85,12 +87,17 @@ class CudaArenaStorage final : public ArenaStorage {
   Backend backend() const override { return Backend::kCuda; }
   uint64_t mapping_bytes() const override { return mem_->bytes(); }
   std::string device_uuid() const override { return uuid_; }
-  absl::StatusOr<int> ExportFd() const override { return mem_->ExportFd(); }
+  absl::StatusOr<int> ExportFd() const override {
+    if (absl::Status s = CudaSetDevice(ordinal_); !s.ok()) return s;
+    return mem_->ExportFd();
+  }
 
   absl::Status PullControl() override {
     // Header, policy, budget table, statistics and curves are contiguous up to the sequences.
     return Pull(0, host_.header->off_seqs);
   }
+  // Sequence records (open flags) for validating a remote step on the host.
+  absl::Status PullSeqs() { return Pull(host_.header->off_seqs, host_.header->off_fresh); }
   absl::Status PullOutputs() override {
     // Batch header and entries, union counts and ids, compacted table and lengths.
     const ArenaHeader& h = *host_.header;
@@ -98,11 +105,13 @@ class CudaArenaStorage final : public ArenaStorage {
   }
 
   absl::Status WritePolicy(const Policy& p) override {
+    if (absl::Status s = Use(); !s.ok()) return s;
     if (absl::Status s = WriteDevicePolicy(view_, p); !s.ok()) return s;
     return PullControl();
   }
   absl::Status WriteBudgets(const double* sparsity) override {
     if (absl::Status s = CheckBudgets(host_, sparsity); !s.ok()) return s;
+    if (absl::Status s = Use(); !s.ok()) return s;
     const uint32_t L = host_.geometry.layers;
     ArenaPolicy ap{};
     absl::Status s = CopyToDevice(view_.sparsity, sparsity, L * sizeof(double));
@@ -114,10 +123,15 @@ class CudaArenaStorage final : public ArenaStorage {
   }
 
   absl::Status ResetSequence(int32_t seq, uint64_t key) override {
+    if (absl::Status s = Use(); !s.ok()) return s;
     if (absl::Status s = dp_->ResetSequence(seq, key); !s.ok()) return s;
     return CheckDeviceError("OpenSequences");
   }
   absl::Status BeginStep(const StepBatch& b) override {
+    // The CPU backend's checks, on the mirror, before anything changes: same statuses.
+    if (absl::Status s = Use(); !s.ok()) return s;
+    if (absl::Status s = PullSeqs(); !s.ok()) return s;
+    if (absl::Status s = ValidateStepBatch(host_, b); !s.ok()) return s;
     const uint64_t n = static_cast<uint64_t>(std::max(b.n, 0));
     std::vector<int32_t> packed(3 * n);
     std::copy(b.seq, b.seq + n, packed.begin());
@@ -131,12 +145,19 @@ class CudaArenaStorage final : public ArenaStorage {
     return CheckDeviceError("BeginStep");
   }
   absl::Status Select(int32_t layer) override {
+    if (absl::Status s = Use(); !s.ok()) return s;
     if (absl::Status s = dp_->Select(layer); !s.ok()) return s;
     return CheckDeviceError("Select");
   }
   absl::Status Observe(int32_t layer, const float* logits, int64_t stride,
                        const int32_t* accepted) override {
     if (absl::Status s = PullOutputs(); !s.ok()) return s;
+    if (host_.batch->selected_layer == layer) {
+      // Otherwise the data plane's own call-order check answers below.
+      if (absl::Status s = ValidateObserveInputs(host_, logits, stride, accepted); !s.ok()) {
+        return s;
+      }
+    }
     const uint64_t rows = static_cast<uint64_t>(host_.batch->n) * host_.batch->rows;
     absl::StatusOr<void*> dl = logits_.Put(logits, rows * stride * sizeof(float));
     if (!dl.ok()) return dl.status();
@@ -152,7 +173,11 @@ class CudaArenaStorage final : public ArenaStorage {
   }
 
  private:
+  // spind's threads (gRPC, probe, metrics, fd server) each start on device 0: every call
+  // makes the arena's device current first.
+  absl::Status Use() { return CudaSetDevice(ordinal_); }
   absl::Status Pull(uint64_t from, uint64_t to) {
+    if (absl::Status s = Use(); !s.ok()) return s;
     return CopyToHost(static_cast<uint8_t*>(mirror_) + from,
                       static_cast<const uint8_t*>(mem_->ptr()) + from, to - from);
   }
@@ -175,6 +200,7 @@ class CudaArenaStorage final : public ArenaStorage {
   }
 
   std::unique_ptr<SharedDeviceMemory> mem_;
+  int ordinal_ = 0;
   uint64_t bytes_ = 0;
   std::string uuid_;
   ArenaView view_;

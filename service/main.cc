@@ -98,6 +98,7 @@ int main(int argc, char** argv) {
     }
   }
   SpinService service(&sessions, fds.path(), &metrics, admin_token);
+  service.SetLogger([&c](const char* level, const std::string& msg) { Log(c, level, msg); });
   BudgetProbe probe(
       &sessions, std::chrono::milliseconds(c.probe_interval_ms),
       [&service](Session& s) { service.PublishBudgets(s); },

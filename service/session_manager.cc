@@ -75,9 +75,16 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const Geometry& 
     return arena.status();
   }
   s->arena = std::move(*arena);
-  // A CUDA allocation is rounded up to the allocation granularity: hold what was mapped.
+  // A CUDA allocation is rounded up to the allocation granularity: hold what was mapped, and
+  // stay within the limit with it.
   s->bytes = s->arena->mapping_bytes();
   std::lock_guard<std::mutex> lock(mu_);
+  if (bytes_ - bytes + s->bytes > limits_.max_arena_bytes) {
+    bytes_ -= bytes;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "an arena of ", s->bytes, " bytes (", bytes, " rounded up to the GPU's allocation ",
+        "granularity) would exceed --max-arena-bytes ", limits_.max_arena_bytes));
+  }
   bytes_ += s->bytes - bytes;
   sessions_[s->id] = s;
   order_.push_back(s->id);
@@ -105,13 +112,19 @@ absl::Status SessionManager::Detach(const std::string& id, const std::string& to
 }
 
 void SessionManager::Free(const std::string& id) {
+  std::shared_ptr<Session> s;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = sessions_.find(id);
     if (it == sessions_.end()) return;
+    s = it->second;
     bytes_ -= it->second->bytes;
     sessions_.erase(it);
     order_.erase(std::remove(order_.begin(), order_.end(), id), order_.end());
+  }
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    s->freed = true;
   }
   if (on_free_) on_free_(id);
 }

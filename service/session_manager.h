@@ -31,6 +31,7 @@ struct Session {
   std::unique_ptr<BudgetController> budgets;
   uint64_t budget_recomputes = 0;  ///< budget tables written by the allocator
   std::string budget_reason;       ///< why the last one was written ("first", "drift ...")
+  bool freed = false;              ///< set (under mu) when the manager dropped the session
   std::mutex mu;
 };
 

@@ -135,10 +135,16 @@ grpc::ServerWriteReactor<pb::GetBudgetsResponse>* SpinService::WatchBudgets(
       w->End(ToGrpc(st));
       return w;
     }
+    if ((*s)->freed) {  // freed since Get: its streams were already ended
+      w->End(grpc::Status::OK);
+      return w;
+    }
     first = Budgets(**s);
-    hub_.Add((*s)->id, w);  // under the session lock: no update can slip between the two
+    // Under the session lock: the first message is queued before any update can be, and a
+    // Free (which marks the session under this lock before ending its streams) cannot slip in.
+    hub_.Add((*s)->id, w);
+    w->Push(first);
   }
-  w->Push(first);
   return w;
 }
 
@@ -252,8 +258,11 @@ grpc::ServerUnaryReactor* SpinService::SetPolicy(grpc::CallbackServerContext* ct
   if (absl::Status st = arena.WritePolicy(p); !st.ok()) return Done(ctx, "SetPolicy", t0, st);
   // Per-layer mode: the allocator re-sizes the table for a new target now, not at the next
   // probe pass, so every change takes effect at the next step.
-  if (absl::StatusOr<bool> b = RefreshBudgets(**s, true); !b.ok()) {
-    return Done(ctx, "SetPolicy", t0, b.status());
+  // The policy is written: a failure to re-size the budgets (a device error) is logged, and the
+  // probe thread retries; the call reports what it changed.
+  if (absl::StatusOr<bool> b = RefreshBudgets(**s, true); !b.ok() && log_) {
+    log_("error",
+         absl::StrCat("session ", (*s)->id, ": budgets after SetPolicy: ", b.status().message()));
   }
   *resp->mutable_policy() = ToProto(p);
   resp->set_epoch(arena.host().policy->epoch);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -52,6 +53,10 @@ class SpinService final : public spin::v1::Spin::CallbackService {
   /// Sends the session's budget table to its WatchBudgets streams (caller holds its lock and
   /// pulled its control region).
   void PublishBudgets(const Session& s);
+  /// Where the service logs what it cannot return (level, line).
+  void SetLogger(std::function<void(const char*, const std::string&)> log) {
+    log_ = std::move(log);
+  }
 
   grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext* ctx,
                                    const spin::v1::AttachRequest* req,
@@ -100,6 +105,7 @@ class SpinService final : public spin::v1::Spin::CallbackService {
   Metrics* metrics_;
   std::string admin_token_;
   BudgetHub hub_;
+  std::function<void(const char*, const std::string&)> log_;
 };
 
 }  // namespace spin::service

@@ -89,48 +89,7 @@ class CpuDataPlane final : public DataPlane {
   }
 
   absl::Status BeginStep(const StepBatch& batch, cudaStream_t) override {
-    const Geometry& g = a_.geometry;
-    if (batch.n < 0 || static_cast<uint32_t>(batch.n) > g.max_seqs) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("batch of ", batch.n, " entries is out of range [0, ", g.max_seqs, "]"));
-    }
-    if (batch.rows < 1 || static_cast<uint32_t>(batch.rows) > g.max_rows) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("rows ", batch.rows, " is out of range [1, ", g.max_rows, "]"));
-    }
-    if (batch.n > 0 && (!batch.seq || !batch.ctx_len || !batch.q_pos)) {
-      return absl::InvalidArgumentError("batch arrays seq, ctx_len and q_pos are required");
-    }
-    // Validate everything before touching the arena: a bad entry changes nothing.
-    std::vector<uint8_t> seen(g.max_seqs, 0);
-    const int64_t last_row = batch.rows - 1;
-    for (int32_t e = 0; e < batch.n; ++e) {
-      const int32_t s = batch.seq[e];
-      if (s == -1) continue;
-      if (s < 0 || static_cast<uint32_t>(s) >= g.max_seqs) {
-        return absl::OutOfRangeError(
-            absl::StrCat("entry ", e, ": sequence ", s, " is out of range [0, ", g.max_seqs, ")"));
-      }
-      if (!a_.seqs[s].open) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("entry ", e, ": sequence ", s, " is not open (call ResetSequence first)"));
-      }
-      if (seen[s]++) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("entry ", e, ": sequence ", s, " appears twice in the batch"));
-      }
-      const int64_t ctx = batch.ctx_len[e], q = batch.q_pos[e];
-      if (ctx < 1 || ctx + last_row > g.max_slots) {
-        return absl::OutOfRangeError(absl::StrCat("entry ", e, ": ctx_len ", ctx, " with ",
-                                                  batch.rows, " rows is out of range [1, ",
-                                                  g.max_slots - last_row, "]"));
-      }
-      if (q < 0 || q + last_row >= static_cast<int64_t>(g.max_slots)) {
-        return absl::OutOfRangeError(absl::StrCat("entry ", e, ": q_pos ", q, " with ", batch.rows,
-                                                  " rows is out of range [0, ",
-                                                  g.max_slots - last_row, ")"));
-      }
-    }
+    if (absl::Status s = ValidateStepBatch(a_, batch); !s.ok()) return s;
     const uint32_t period = a_.policy->probe_period;
     a_.batch->n = batch.n;
     a_.batch->rows = batch.rows;
@@ -195,19 +154,8 @@ class CpuDataPlane final : public DataPlane {
           absl::StrCat("Observe of layer ", layer,
                        " without its Select in this step (last: ", a_.batch->selected_layer, ")"));
     }
-    const int32_t rows = a_.batch->rows;
-    int32_t widest = 0;
-    for (int32_t e = 0; e < a_.batch->n; ++e) {
-      if (a_.entries[e].seq < 0) continue;
-      if (accepted && (accepted[e] < 0 || accepted[e] > rows)) {
-        return absl::InvalidArgumentError(absl::StrCat("entry ", e, ": accepted ", accepted[e],
-                                                       " is out of range [0, ", rows, "]"));
-      }
-      for (int32_t r = 0; r < rows; ++r) widest = std::max(widest, CompactLen(e, r));
-    }
-    if (widest > 0 && (logits == nullptr || logits_stride < widest)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "logits stride ", logits_stride, " is below the widest compacted row ", widest));
+    if (absl::Status s = ValidateObserveInputs(a_, logits, logits_stride, accepted); !s.ok()) {
+      return s;
     }
     if (a_.geometry.dtype == StateDtype::kFp32) {
       ObserveAll<float>(layer, logits, logits_stride, accepted);
@@ -432,6 +380,73 @@ class CpuDataPlane final : public DataPlane {
 };
 
 }  // namespace
+
+absl::Status ValidateStepBatch(const ArenaView& a, const StepBatch& batch) {
+  const Geometry& g = a.geometry;
+  if (batch.n < 0 || static_cast<uint32_t>(batch.n) > g.max_seqs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("batch of ", batch.n, " entries is out of range [0, ", g.max_seqs, "]"));
+  }
+  if (batch.rows < 1 || static_cast<uint32_t>(batch.rows) > g.max_rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rows ", batch.rows, " is out of range [1, ", g.max_rows, "]"));
+  }
+  if (batch.n > 0 && (!batch.seq || !batch.ctx_len || !batch.q_pos)) {
+    return absl::InvalidArgumentError("batch arrays seq, ctx_len and q_pos are required");
+  }
+  // Validate everything before touching the arena: a bad entry changes nothing.
+  std::vector<uint8_t> seen(g.max_seqs, 0);
+  const int64_t last_row = batch.rows - 1;
+  for (int32_t e = 0; e < batch.n; ++e) {
+    const int32_t s = batch.seq[e];
+    if (s == -1) continue;
+    if (s < 0 || static_cast<uint32_t>(s) >= g.max_seqs) {
+      return absl::OutOfRangeError(
+          absl::StrCat("entry ", e, ": sequence ", s, " is out of range [0, ", g.max_seqs, ")"));
+    }
+    if (!a.seqs[s].open) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("entry ", e, ": sequence ", s, " is not open (call ResetSequence first)"));
+    }
+    if (seen[s]++) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("entry ", e, ": sequence ", s, " appears twice in the batch"));
+    }
+    const int64_t ctx = batch.ctx_len[e], q = batch.q_pos[e];
+    if (ctx < 1 || ctx + last_row > g.max_slots) {
+      return absl::OutOfRangeError(absl::StrCat("entry ", e, ": ctx_len ", ctx, " with ",
+                                                batch.rows, " rows is out of range [1, ",
+                                                g.max_slots - last_row, "]"));
+    }
+    if (q < 0 || q + last_row >= static_cast<int64_t>(g.max_slots)) {
+      return absl::OutOfRangeError(absl::StrCat("entry ", e, ": q_pos ", q, " with ", batch.rows,
+                                                " rows is out of range [0, ",
+                                                g.max_slots - last_row, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateObserveInputs(const ArenaView& a, const float* logits, int64_t logits_stride,
+                                   const int32_t* accepted) {
+  const int32_t rows = a.batch->rows;
+  int32_t widest = 0;
+  for (int32_t e = 0; e < a.batch->n; ++e) {
+    if (a.entries[e].seq < 0) continue;
+    if (accepted && (accepted[e] < 0 || accepted[e] > rows)) {
+      return absl::InvalidArgumentError(absl::StrCat("entry ", e, ": accepted ", accepted[e],
+                                                     " is out of range [0, ", rows, "]"));
+    }
+    for (int32_t r = 0; r < rows; ++r) {
+      widest = std::max(widest, a.compact_len[static_cast<int64_t>(e) * a.geometry.max_rows + r]);
+    }
+  }
+  if (widest > 0 && (logits == nullptr || logits_stride < widest)) {
+    return absl::InvalidArgumentError(absl::StrCat("logits stride ", logits_stride,
+                                                   " is below the widest compacted row ", widest));
+  }
+  return absl::OkStatus();
+}
 
 std::unique_ptr<DataPlane> MakeCpuDataPlane(const ArenaView& arena) {
   return std::make_unique<CpuDataPlane>(arena);

@@ -195,6 +195,7 @@ SharedDeviceMemory::~SharedDeviceMemory() {
   const CUdeviceptr p = reinterpret_cast<CUdeviceptr>(ptr_);
   // Work queued on the memory (by this process) must finish before it is unmapped.
   if (mapped_) {
+    cudaSetDevice(ordinal_);
     cudaDeviceSynchronize();
     d.unmap(p, bytes_);
   }
@@ -263,8 +264,11 @@ absl::Status DeviceWindow::MapHandle(unsigned long long handle) {
     return s;
   };
   if (mapped_) {
-    // The old memory goes away: nothing of this process may still be using it.
-    if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) {
+    // The old memory goes away: nothing of this process may still be using it (on this
+    // device; the window's device is the engine's current one).
+    cudaError_t e = cudaSetDevice(ordinal_);
+    if (e == cudaSuccess) e = cudaDeviceSynchronize();
+    if (e != cudaSuccess) {
       return absl::InternalError(
           absl::StrCat("cudaDeviceSynchronize before remapping: ", cudaGetErrorString(e)));
     }
@@ -306,6 +310,7 @@ DeviceWindow::~DeviceWindow() {
   if (!d.status.ok()) return;
   const CUdeviceptr p = reinterpret_cast<CUdeviceptr>(ptr_);
   if (mapped_) {
+    cudaSetDevice(ordinal_);
     cudaDeviceSynchronize();
     d.unmap(p, bytes_);
   }

@@ -100,6 +100,18 @@ class DataPlane {
   }
 };
 
+/// BeginStep's checks, made before anything changes (DESIGN §7), on a host-readable view whose
+/// sequence records are current: batch size and rows, then per entry the sequence range, open,
+/// not repeated, ctx_len and q_pos ranges. The CPU backend runs it; spind runs it on its host
+/// mirror before remote-mode steps on the CUDA backend, so both answer with the same statuses.
+absl::Status ValidateStepBatch(const ArenaView& a, const StepBatch& batch);
+
+/// Observe's checks against the current step (host-readable batch, entries and compacted
+/// lengths): `accepted` within [0, rows] for every live entry, and a logits stride that covers
+/// the widest compacted row.
+absl::Status ValidateObserveInputs(const ArenaView& a, const float* logits, int64_t logits_stride,
+                                   const int32_t* accepted);
+
 /// The CPU reference backend over an arena in host memory.
 std::unique_ptr<DataPlane> MakeCpuDataPlane(const ArenaView& arena);
 
