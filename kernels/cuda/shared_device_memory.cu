@@ -105,13 +105,8 @@ absl::Status CheckOrdinal(int ordinal) {
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::StatusOr<std::unique_ptr<SharedDeviceMemory>> SharedDeviceMemory::Create(int ordinal,
-                                                                               uint64_t bytes) {
-  const Driver& d = GetDriver();
-  if (!d.status.ok()) return d.status;
-  if (absl::Status s = CheckOrdinal(ordinal); !s.ok()) return s;
+// The allocation size for `bytes` on a device: rounded up to the driver's granularity.
+absl::StatusOr<uint64_t> RoundedSize(const Driver& d, int ordinal, uint64_t bytes) {
   const CUmemAllocationProp prop = Prop(ordinal);
   size_t gran = 0;
   if (absl::Status s = Check(d, d.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
@@ -119,31 +114,73 @@ absl::StatusOr<std::unique_ptr<SharedDeviceMemory>> SharedDeviceMemory::Create(i
       !s.ok()) {
     return s;
   }
+  return (bytes + gran - 1) / gran * gran;
+}
+
+absl::StatusOr<CUmemGenericAllocationHandle> NewHandle(const Driver& d, int ordinal,
+                                                       uint64_t bytes) {
+  const CUmemAllocationProp prop = Prop(ordinal);
+  CUmemGenericAllocationHandle h = 0;
+  if (absl::Status s = Check(d, d.create(&h, bytes, &prop, 0), "cuMemCreate"); !s.ok()) return s;
+  return h;
+}
+
+absl::StatusOr<CUmemGenericAllocationHandle> ImportHandle(const Driver& d, int fd) {
+  CUmemGenericAllocationHandle h = 0;
+  if (absl::Status s = Check(d,
+                             d.import_handle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(fd)),
+                                             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                             "cuMemImportFromShareableHandle");
+      !s.ok()) {
+    return s;
+  }
+  return h;
+}
+
+absl::StatusOr<void*> Reserve(const Driver& d, uint64_t bytes) {
+  CUdeviceptr p = 0;
+  if (absl::Status s = Check(d, d.reserve(&p, bytes, 0, 0, 0), "cuMemAddressReserve"); !s.ok()) {
+    return s;
+  }
+  return reinterpret_cast<void*>(p);
+}
+
+// Maps `h` at `ptr` read/write for the device; on failure nothing stays mapped.
+absl::Status MapAt(const Driver& d, void* ptr, uint64_t bytes, CUmemGenericAllocationHandle h,
+                   int ordinal) {
+  const CUdeviceptr p = reinterpret_cast<CUdeviceptr>(ptr);
+  if (absl::Status s = Check(d, d.map(p, bytes, 0, h, 0), "cuMemMap"); !s.ok()) return s;
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = ordinal;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  absl::Status s = Check(d, d.set_access(p, bytes, &access, 1), "cuMemSetAccess");
+  if (!s.ok()) d.unmap(p, bytes);
+  return s;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<SharedDeviceMemory>> SharedDeviceMemory::Create(int ordinal,
+                                                                               uint64_t bytes) {
+  const Driver& d = GetDriver();
+  if (!d.status.ok()) return d.status;
+  if (absl::Status s = CheckOrdinal(ordinal); !s.ok()) return s;
+  absl::StatusOr<uint64_t> size = RoundedSize(d, ordinal, bytes);
+  if (!size.ok()) return size.status();
   std::unique_ptr<SharedDeviceMemory> m(new SharedDeviceMemory());
   m->ordinal_ = ordinal;
-  m->bytes_ = (bytes + gran - 1) / gran * gran;
-  CUmemGenericAllocationHandle h = 0;
-  if (absl::Status s = Check(d, d.create(&h, m->bytes_, &prop, 0), "cuMemCreate"); !s.ok()) {
-    return s;
-  }
-  m->handle_ = h;
+  m->bytes_ = *size;
+  absl::StatusOr<CUmemGenericAllocationHandle> h = NewHandle(d, ordinal, m->bytes_);
+  if (!h.ok()) return h.status();
+  m->handle_ = *h;
   m->created_ = true;
-  CUdeviceptr p = 0;
-  if (absl::Status s = Check(d, d.reserve(&p, m->bytes_, 0, 0, 0), "cuMemAddressReserve");
-      !s.ok()) {
-    return s;
-  }
-  m->ptr_ = reinterpret_cast<void*>(p);
+  absl::StatusOr<void*> p = Reserve(d, m->bytes_);
+  if (!p.ok()) return p.status();
+  m->ptr_ = *p;
   m->reserved_ = true;
-  if (absl::Status s = Check(d, d.map(p, m->bytes_, 0, h, 0), "cuMemMap"); !s.ok()) return s;
+  if (absl::Status s = MapAt(d, m->ptr_, m->bytes_, *h, ordinal); !s.ok()) return s;
   m->mapped_ = true;
-  CUmemAccessDesc access{};
-  access.location = prop.location;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  if (absl::Status s = Check(d, d.set_access(p, m->bytes_, &access, 1), "cuMemSetAccess");
-      !s.ok()) {
-    return s;
-  }
   return m;
 }
 
@@ -158,34 +195,18 @@ absl::StatusOr<std::unique_ptr<SharedDeviceMemory>> SharedDeviceMemory::Import(i
   std::unique_ptr<SharedDeviceMemory> m(new SharedDeviceMemory());
   m->ordinal_ = ordinal;
   m->bytes_ = bytes;
-  CUmemGenericAllocationHandle h = 0;
-  if (absl::Status s = Check(d,
-                             d.import_handle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(fd)),
-                                             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
-                             "cuMemImportFromShareableHandle");
-      !s.ok()) {
-    return s;
-  }
-  m->handle_ = h;
+  absl::StatusOr<CUmemGenericAllocationHandle> h = ImportHandle(d, fd);
+  if (!h.ok()) return h.status();
+  m->handle_ = *h;
   m->created_ = true;
-  CUdeviceptr p = 0;
-  if (absl::Status s = Check(d, d.reserve(&p, bytes, 0, 0, 0), "cuMemAddressReserve"); !s.ok()) {
-    return s;
-  }
-  m->ptr_ = reinterpret_cast<void*>(p);
+  absl::StatusOr<void*> p = Reserve(d, bytes);
+  if (!p.ok()) return p.status();
+  m->ptr_ = *p;
   m->reserved_ = true;
-  if (absl::Status s = Check(d, d.map(p, bytes, 0, h, 0), "cuMemMap (is the size the exporter's?)");
-      !s.ok()) {
-    return s;
+  if (absl::Status s = MapAt(d, m->ptr_, bytes, *h, ordinal); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(s.message(), " (is the size the exporter's?)"));
   }
   m->mapped_ = true;
-  CUmemAccessDesc access{};
-  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = ordinal;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  if (absl::Status s = Check(d, d.set_access(p, bytes, &access, 1), "cuMemSetAccess"); !s.ok()) {
-    return s;
-  }
   return m;
 }
 
@@ -222,29 +243,19 @@ absl::StatusOr<std::unique_ptr<DeviceWindow>> DeviceWindow::Create(int ordinal, 
   const Driver& d = GetDriver();
   if (!d.status.ok()) return d.status;
   if (absl::Status s = CheckOrdinal(ordinal); !s.ok()) return s;
-  const CUmemAllocationProp prop = Prop(ordinal);
-  size_t gran = 0;
-  if (absl::Status s = Check(d, d.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
-                             "cuMemGetAllocationGranularity");
-      !s.ok()) {
-    return s;
-  }
+  absl::StatusOr<uint64_t> size = RoundedSize(d, ordinal, bytes);
+  if (!size.ok()) return size.status();
   std::unique_ptr<DeviceWindow> w(new DeviceWindow());
   w->ordinal_ = ordinal;
-  w->bytes_ = (bytes + gran - 1) / gran * gran;
-  CUdeviceptr p = 0;
-  if (absl::Status s = Check(d, d.reserve(&p, w->bytes_, 0, 0, 0), "cuMemAddressReserve");
-      !s.ok()) {
-    return s;
-  }
-  w->ptr_ = reinterpret_cast<void*>(p);
+  w->bytes_ = *size;
+  absl::StatusOr<void*> p = Reserve(d, w->bytes_);
+  if (!p.ok()) return p.status();
+  w->ptr_ = *p;
   w->reserved_ = true;
-  CUmemGenericAllocationHandle h = 0;
-  if (absl::Status s = Check(d, d.create(&h, w->bytes_, &prop, 0), "cuMemCreate"); !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = w->MapHandle(h); !s.ok()) {
-    d.release(h);
+  absl::StatusOr<CUmemGenericAllocationHandle> h = NewHandle(d, ordinal, w->bytes_);
+  if (!h.ok()) return h.status();
+  if (absl::Status s = w->MapHandle(*h); !s.ok()) {
+    d.release(*h);
     return s;
   }
   return w;
@@ -252,17 +263,6 @@ absl::StatusOr<std::unique_ptr<DeviceWindow>> DeviceWindow::Create(int ordinal, 
 
 absl::Status DeviceWindow::MapHandle(unsigned long long handle) {
   const Driver& d = GetDriver();
-  const CUdeviceptr p = reinterpret_cast<CUdeviceptr>(ptr_);
-  CUmemAccessDesc access{};
-  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = ordinal_;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  auto map = [&](unsigned long long h) {
-    absl::Status s = Check(d, d.map(p, bytes_, 0, h, 0), "cuMemMap");
-    if (s.ok()) s = Check(d, d.set_access(p, bytes_, &access, 1), "cuMemSetAccess");
-    if (!s.ok()) d.unmap(p, bytes_);
-    return s;
-  };
   if (mapped_) {
     // The old memory goes away: nothing of this process may still be using it (on this
     // device; the window's device is the engine's current one).
@@ -272,12 +272,16 @@ absl::Status DeviceWindow::MapHandle(unsigned long long handle) {
       return absl::InternalError(
           absl::StrCat("cudaDeviceSynchronize before remapping: ", cudaGetErrorString(e)));
     }
-    if (absl::Status s = Check(d, d.unmap(p, bytes_), "cuMemUnmap"); !s.ok()) return s;
+    if (absl::Status s =
+            Check(d, d.unmap(reinterpret_cast<CUdeviceptr>(ptr_), bytes_), "cuMemUnmap");
+        !s.ok()) {
+      return s;
+    }
     mapped_ = false;
   }
-  if (absl::Status s = map(handle); !s.ok()) {
+  if (absl::Status s = MapAt(d, ptr_, bytes_, handle, ordinal_); !s.ok()) {
     // Keep the window usable: put the old memory back.
-    if (created_ && map(handle_).ok()) mapped_ = true;
+    if (created_ && MapAt(d, ptr_, bytes_, handle_, ordinal_).ok()) mapped_ = true;
     return s;
   }
   mapped_ = true;
@@ -290,16 +294,10 @@ absl::Status DeviceWindow::MapHandle(unsigned long long handle) {
 absl::Status DeviceWindow::MapImported(int fd) {
   const Driver& d = GetDriver();
   if (!d.status.ok()) return d.status;
-  CUmemGenericAllocationHandle h = 0;
-  if (absl::Status s = Check(d,
-                             d.import_handle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(fd)),
-                                             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
-                             "cuMemImportFromShareableHandle");
-      !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = MapHandle(h); !s.ok()) {
-    d.release(h);
+  absl::StatusOr<CUmemGenericAllocationHandle> h = ImportHandle(d, fd);
+  if (!h.ok()) return h.status();
+  if (absl::Status s = MapHandle(*h); !s.ok()) {
+    d.release(*h);
     return s;
   }
   return absl::OkStatus();
