@@ -11,57 +11,13 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "nlohmann/json.hpp"
+#include "score_math.h"
 #include "spin/numerics.h"
 
 namespace spin {
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-// Top-k slot ids of v[0, n) (non-finite excluded, ties to the lower id), sorted ascending.
-void TopK(const float* v, int n, int k, std::vector<int32_t>* ids) {
-  ids->clear();
-  for (int i = 0; i < n; ++i) {
-    if (std::isfinite(v[i])) ids->push_back(i);
-  }
-  if (static_cast<int>(ids->size()) > k) {
-    std::nth_element(ids->begin(), ids->begin() + k, ids->end(),
-                     [v](int32_t a, int32_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); });
-    ids->resize(k);
-  }
-  std::sort(ids->begin(), ids->end());
-}
-
-// Pearson over the slots where both are finite; NaN without variance.
-double Pearson(const float* a, const float* b, int n) {
-  double sa = 0, sb = 0;
-  int64_t c = 0;
-  for (int i = 0; i < n; ++i) {
-    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) continue;
-    sa += a[i];
-    sb += b[i];
-    ++c;
-  }
-  if (c < 2) return std::nan("");
-  const double ma = sa / c, mb = sb / c;
-  double vaa = 0, vbb = 0, vab = 0;
-  for (int i = 0; i < n; ++i) {
-    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) continue;
-    const double x = a[i] - ma, y = b[i] - mb;
-    vaa += x * x;
-    vbb += y * y;
-    vab += x * y;
-  }
-  if (vaa <= 0 || vbb <= 0) return std::nan("");
-  return vab / std::sqrt(vaa * vbb);
-}
-
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const size_t rank = static_cast<size_t>(std::ceil(p * static_cast<double>(v.size())));
-  return v[std::clamp<size_t>(rank, 1, v.size()) - 1];
-}
 
 double MeanOf(const std::vector<double>& v) {
   double s = 0;
@@ -89,7 +45,7 @@ struct Acc {
       p.worst_layer_miss = std::max(p.worst_layer_miss, MeanOf(l));
     }
     p.mean_miss = MeanOf(all);
-    p.p99_miss = Percentile(all, 0.99);
+    p.p99_miss = NearestRankPercentile(&all, 0.99);
     p.effective_sparsity = total ? 1.0 - static_cast<double>(kept) / total : 0.0;
     p.worst_per_trace = {p.worst_layer_miss};
     return p;
@@ -127,7 +83,7 @@ absl::Status EvalSignals(const Trace& trace, const std::vector<double>& sparsiti
     const int qb = std::min(m.q_pos[t] / b, nb - 1);
     for (int l = 0; l < L; ++l) {
       const float* z = trace.scores(t, l, 0);
-      TopK(z, ctx, K, &dense);
+      TopKSlots(z, ctx, K, &dense);
       hits.assign(nb, 0);
       for (int32_t i : dense) hits[i / b] += 1;
       for (int s = 0; s < kNum; ++s) {
@@ -151,19 +107,8 @@ absl::Status EvalSignals(const Trace& trace, const std::vector<double>& sparsiti
           }
         }
         pearson[s].push_back(Pearson(pred.data(), z, ctx));
-        TopK(pred.data(), ctx, K, &top);
-        int64_t common = 0;
-        for (size_t x = 0, y = 0; x < top.size() && y < dense.size();) {
-          if (top[x] == dense[y]) {
-            ++common;
-            ++x;
-            ++y;
-          } else if (top[x] < dense[y]) {
-            ++x;
-          } else {
-            ++y;
-          }
-        }
+        TopKSlots(pred.data(), ctx, K, &top);
+        const int64_t common = SortedOverlap(top, dense);
         recall[s].push_back(static_cast<double>(common) / std::min(K, ctx));
         // As a block selector: query block, then max-pooled prediction (NaN ignored).
         block_score.assign(nb, -kInf);
@@ -225,7 +170,7 @@ absl::Status EvalSignals(const Trace& trace, const std::vector<double>& sparsiti
         hits.assign(nb, 0);
         hits[qb] = 1;
         for (int j = 0; j + 1 < keep; ++j) hits[order[j]] = 1;
-        TopK(z, ctx, K, &dense);
+        TopKSlots(z, ctx, K, &dense);
         int64_t lost = 0;
         for (int32_t i : dense) lost += hits[i / b] ? 0 : 1;
         loop[r].per_layer[l].push_back(dense.empty() ? 0.0

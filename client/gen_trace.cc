@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "score_math.h"
 
 namespace spin {
 namespace {
@@ -87,46 +88,6 @@ struct LayerModel {
   std::vector<float> texture;   // [N]
   std::vector<float> diag;      // [N] by offset q - i
 };
-
-// Two passes: scores can sit far from zero (sinks), where one-pass sums lose precision.
-double Pearson(const float* a, const float* b, int n) {
-  double sa = 0, sb = 0;
-  int64_t count = 0;
-  for (int i = 0; i < n; ++i) {
-    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) continue;
-    sa += a[i];
-    sb += b[i];
-    ++count;
-  }
-  if (count < 2) return std::numeric_limits<double>::quiet_NaN();
-  const double ma = sa / count, mb = sb / count;
-  double vaa = 0, vbb = 0, vab = 0;
-  for (int i = 0; i < n; ++i) {
-    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) continue;
-    const double x = a[i] - ma, y = b[i] - mb;
-    vaa += x * x;
-    vbb += y * y;
-    vab += x * y;
-  }
-  if (vaa <= 0 || vbb <= 0) return std::numeric_limits<double>::quiet_NaN();
-  return vab / std::sqrt(vaa * vbb);
-}
-
-// Top-k slot ids of scores[0, n) (non-finite excluded, ties to the lower id), sorted ascending.
-void TopK(const float* scores, int n, int k, std::vector<int32_t>* ids) {
-  ids->clear();
-  for (int i = 0; i < n; ++i) {
-    if (std::isfinite(scores[i])) ids->push_back(i);
-  }
-  const auto better = [scores](int32_t a, int32_t b) {
-    return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
-  };
-  if (static_cast<int>(ids->size()) > k) {
-    std::nth_element(ids->begin(), ids->begin() + k, ids->end(), better);
-    ids->resize(k);
-  }
-  std::sort(ids->begin(), ids->end());
-}
 
 double Mean(const std::vector<double>& v) {
   double sum = 0;
@@ -376,7 +337,7 @@ absl::StatusOr<TraceStats> ComputeTraceStats(const Trace& trace) {
     for (int l = 0; l < m.layers; ++l) {
       const float* cur = trace.scores(t, l, 0);
       const int ctx = m.ctx_len[t];
-      TopK(cur, ctx, m.topk, &top);
+      TopKSlots(cur, ctx, m.topk, &top);
 
       const int blocks = (ctx + m.block_size - 1) / m.block_size;
       block_hit.assign(blocks, 0);
@@ -390,18 +351,7 @@ absl::StatusOr<TraceStats> ComputeTraceStats(const Trace& trace) {
         const double pc = Pearson(cur, trace.scores(t - 1, l, 0), std::min(prev_ctx, ctx));
         // Both id lists are sorted: a merge counts the overlap.
         const std::vector<int32_t>& prev = prev_top[l];
-        int64_t common = 0;
-        for (size_t a = 0, b = 0; a < prev.size() && b < top.size();) {
-          if (prev[a] == top[b]) {
-            ++common;
-            ++a;
-            ++b;
-          } else if (prev[a] < top[b]) {
-            ++a;
-          } else {
-            ++b;
-          }
-        }
+        const int64_t common = SortedOverlap(prev, top);
         const double rc = static_cast<double>(common) / std::min(m.topk, ctx);
         pearson[l].push_back(pc);
         recall[l].push_back(rc);

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "nlohmann/json.hpp"
+#include "score_math.h"
 #include "spin/numerics.h"
 #if SPIN_HAVE_CUDA
 #include "spin/cuda_data_plane.h"
@@ -19,30 +20,6 @@
 
 namespace spin {
 namespace {
-
-// Top-K of scores[0..n) (ties: lower index), non-finite scores excluded; unordered.
-void TopK(const float* scores, int32_t n, int32_t k, std::vector<int32_t>* out) {
-  out->clear();
-  for (int32_t i = 0; i < n; ++i) {
-    if (std::isfinite(scores[i])) out->push_back(i);
-  }
-  const int32_t kk = std::min<int32_t>(k, static_cast<int32_t>(out->size()));
-  if (kk > 0 && kk < static_cast<int32_t>(out->size())) {
-    std::nth_element(out->begin(), out->begin() + (kk - 1), out->end(),
-                     [scores](int32_t a, int32_t b) {
-                       return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
-                     });
-  }
-  out->resize(kk);
-}
-
-// Nearest-rank percentile of an unsorted sample (sorted in place).
-double Percentile(std::vector<double>* v, double p) {
-  if (v->empty()) return 0.0;
-  std::sort(v->begin(), v->end());
-  const size_t rank = static_cast<size_t>(std::ceil(p * static_cast<double>(v->size())));
-  return (*v)[std::clamp<size_t>(rank, 1, v->size()) - 1];
-}
 
 double Mean(const std::vector<double>& v) {
   double s = 0;
@@ -241,7 +218,7 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
       // The engine's own top-K over the compacted logits, remapped to logical slots.
       sparse_topk.assign(static_cast<size_t>(rows) * k, -1);
       for (int32_t r = 0; r < rows; ++r) {
-        TopK(logits.data() + r * stride, clen[r], k, &dense_topk);
+        TopKSlots(logits.data() + r * stride, clen[r], k, &dense_topk);
         std::copy(dense_topk.begin(), dense_topk.end(), sparse_topk.begin() + r * k);
       }
       s = mem.Put(d_topk, sparse_topk.data(), sparse_topk.size() * sizeof(int32_t));
@@ -252,7 +229,7 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
       if (!s.ok()) return fail(t, l, s);
       // Miss of row 0: dense top-K slots that the sparse top-K lost, i.e. that lie in skipped
       // blocks (a dense top-K slot in a selected block is in the sparse top-K too).
-      TopK(trace.scores(t, l, 0), ctx, k, &dense_topk);
+      TopKSlots(trace.scores(t, l, 0), ctx, k, &dense_topk);
       std::sort(sparse_topk.begin(), sparse_topk.begin() + k);
       int32_t lost = 0;
       for (int32_t i : dense_topk) {
@@ -301,7 +278,7 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
     ls.layer = l;
     ls.mean_miss = Mean(miss[l]);
     all.insert(all.end(), miss[l].begin(), miss[l].end());
-    ls.p99_miss = Percentile(&miss[l], 0.99);
+    ls.p99_miss = NearestRankPercentile(&miss[l], 0.99);
     ls.sparsity = Skipped(s.sparse_blocks_kept - s0.sparse_blocks_kept,
                           s.sparse_blocks_total - s0.sparse_blocks_total);
     ls.effective_sparsity =
@@ -323,7 +300,7 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
   }
   out.sparse_steps = all.size();
   out.mean_miss = Mean(all);
-  out.p99_miss = Percentile(&all, 0.99);
+  out.p99_miss = NearestRankPercentile(&all, 0.99);
   out.realized_sparsity = Skipped(skept, stotal);
   out.effective_sparsity = Skipped(kept, total);
   return out;
