@@ -4,23 +4,11 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include <atomic>
-#include <cmath>
 
 #include "absl/strings/str_cat.h"
 #include "spin/budget.h"
 
 namespace spin::service {
-
-absl::Status CheckBudgets(const ArenaView& v, const double* sparsity) {
-  for (uint32_t l = 0; l < v.geometry.layers; ++l) {
-    if (!std::isfinite(sparsity[l]) || sparsity[l] < 0.0 || sparsity[l] >= 1.0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("budget of layer ", l, " is ", sparsity[l], "; it must be in [0, 1)"));
-    }
-  }
-  return absl::OkStatus();
-}
 
 namespace {
 

@@ -55,9 +55,6 @@ class ArenaStorage {
   ArenaView host_;
 };
 
-/// INVALID_ARGUMENT unless every layer's budget (sparsity) is finite and in [0, 1).
-absl::Status CheckBudgets(const ArenaView& v, const double* sparsity);
-
 /// An initialised arena in a memfd.
 absl::StatusOr<std::unique_ptr<ArenaStorage>> MakeCpuArenaStorage(const Geometry& g, uint64_t seed,
                                                                   const Policy& policy);

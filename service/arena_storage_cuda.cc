@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "arena_storage.h"
+#include "spin/budget.h"
 #include "spin/cuda_data_plane.h"
 #include "spin/shared_device_memory.h"
 
@@ -110,7 +111,11 @@ class CudaArenaStorage final : public ArenaStorage {
     return PullControl();
   }
   absl::Status WriteBudgets(const double* sparsity) override {
-    if (absl::Status s = CheckBudgets(host_, sparsity); !s.ok()) return s;
+    if (absl::Status s = ValidateBudgetTable(
+            host_.geometry, std::span<const double>(sparsity, host_.geometry.layers));
+        !s.ok()) {
+      return s;
+    }
     if (absl::Status s = Use(); !s.ok()) return s;
     const uint32_t L = host_.geometry.layers;
     ArenaPolicy ap{};

@@ -310,11 +310,10 @@ absl::StatusOr<std::optional<BudgetUpdate>> BudgetController::Update(const Probe
   return std::optional<BudgetUpdate>(std::move(u));
 }
 
-absl::Status WriteBudgetTable(const ArenaView& a, std::span<const double> sparsity) {
-  if (sparsity.size() != a.geometry.layers) {
-    return absl::InvalidArgumentError(absl::StrCat("budget table has ", sparsity.size(),
-                                                   " entries; the arena has ", a.geometry.layers,
-                                                   " layers"));
+absl::Status ValidateBudgetTable(const Geometry& g, std::span<const double> sparsity) {
+  if (sparsity.size() != g.layers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "budget table has ", sparsity.size(), " entries; the arena has ", g.layers, " layers"));
   }
   for (size_t l = 0; l < sparsity.size(); ++l) {
     if (!(sparsity[l] >= 0 && sparsity[l] < 1)) {
@@ -322,6 +321,11 @@ absl::Status WriteBudgetTable(const ArenaView& a, std::span<const double> sparsi
           absl::StrCat("budget of layer ", l, " is ", sparsity[l], "; must be in [0, 1)"));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status WriteBudgetTable(const ArenaView& a, std::span<const double> sparsity) {
+  if (absl::Status s = ValidateBudgetTable(a.geometry, sparsity); !s.ok()) return s;
   std::copy(sparsity.begin(), sparsity.end(), a.sparsity);
   a.policy->epoch += 1;
   return absl::OkStatus();

@@ -145,6 +145,9 @@ class BudgetController {
   uint64_t recomputes_ = 0;
 };
 
+/// INVALID_ARGUMENT unless the table has one entry per layer of `g`, each finite and in [0, 1).
+absl::Status ValidateBudgetTable(const Geometry& g, std::span<const double> sparsity);
+
 /// Writes a budget table into a host arena and advances the policy epoch (the kernels read the
 /// table at their next launch). Errors: a table of the wrong length or a value outside [0, 1).
 /// Device arenas: copy the table and the epoch with the backend's own device writes.
