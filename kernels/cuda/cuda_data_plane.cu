@@ -2,11 +2,11 @@
 // arenas. Every shared formula comes from spin/numerics.h; this file compiles with
 // --fmad=false so no other arithmetic is contracted differently from the host.
 //
-// Per step: BeginStep (1 CTA) -> per layer: Scores (block scores of every row, grid over
-// block chunks) -> SelectRows (one CTA per (entry, row): radix selects) -> Union (one CTA per
-// entry: compaction, compacted table and lengths, stats) ... Observe: Probe (one CTA per
-// entry, probe steps only) -> EmaWord (even block sizes >= 64; Ema otherwise: one launch per
-// row, in row order; row 0 clears fresh).
+// Per step: BeginStep (1 CTA) -> per layer: Scores (block scores of every row; about one wave
+// of CTAs, each striding over a span of blocks) -> Select (one CTA per (entry, row): radix
+// selects; the entry's last CTA to finish builds the union, compacted table and lengths, and
+// stats) ... Observe: Probe (one CTA per entry, probe steps only) -> EmaWord (even block sizes
+// >= 64; Ema otherwise: one launch per row, in row order; row 0 clears fresh).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -24,7 +24,7 @@ namespace spin {
 namespace {
 
 constexpr int kSelectThreads = 1024;
-// SelectRows keeps a row's keys in registers up to this many per thread (4096 blocks: 256K
+// Select keeps a row's keys in registers up to this many per thread (4096 blocks: 256K
 // slots at b = 64), and in the private scratch beyond.
 constexpr int kSelectRegRounds = 4;
 constexpr int kScoreThreads = 256;
@@ -65,7 +65,7 @@ struct Dev {
   uint8_t* sel;              // [S][R][MB]: 1 = chosen or excluded in this row's selection
   unsigned long long* keys;  // [S][R][MB]
   int32_t* hits;             // [S][MB]: dense top-K slots per block (probe steps)
-  uint32_t* seen;            // [S]: duplicate detection in BeginStep
+  unsigned* arrive;          // [S]: SelectKernel CTAs of the entry done (0 between launches)
   // Geometry.
   int32_t layers, max_seqs, max_slots, block, topk, max_rows, max_blocks;
   int32_t dtype_bytes;
@@ -234,22 +234,59 @@ __global__ void ResetKernel(Dev d, int seq, uint64_t key) {
   }
 }
 
-__global__ void BeginStepKernel(Dev d, const int32_t* seq, const int32_t* ctx, const int32_t* qp,
-                                int n, int rows) {
+// One CTA of kBeginThreads; every entry is read once into registers (n <= kMaxSequences), with
+// its sequence record, and checked (duplicates through a shared bitmap) before anything is
+// written, so a refused batch changes nothing but the header.
+constexpr int kBeginThreads = 1024;
+constexpr int kBeginRounds = (kMaxSequences + kBeginThreads - 1) / kBeginThreads;
+__global__ void __launch_bounds__(kBeginThreads)
+    BeginStepKernel(Dev d, const int32_t* seq, const int32_t* ctx, const int32_t* qp, int n,
+                    int rows) {
   __shared__ int bad;
+  __shared__ unsigned seen[(kMaxSequences + 31) / 32];
+  const uint32_t period = d.policy->probe_period;
   if (threadIdx.x == 0) bad = 0;
-  for (int s = threadIdx.x; s < d.max_seqs; s += blockDim.x) d.seen[s] = 0;
-  __syncthreads();
-  const int64_t last = rows - 1;
-  for (int e = threadIdx.x; e < n; e += blockDim.x) {
-    const int s = seq[e];
-    if (s == -1) continue;
-    bool ok = s >= 0 && s < d.max_seqs && d.seqs[s].open;
-    if (ok) ok = atomicAdd(&d.seen[s], 1u) == 0;
-    const int64_t c = ctx[e], q = qp[e];
-    ok = ok && c >= 1 && c + last <= d.max_slots && q >= 0 && q + last < d.max_slots;
-    if (!ok) bad = 1;
+  for (int w = threadIdx.x; w < (kMaxSequences + 31) / 32; w += blockDim.x) seen[w] = 0;
+  int s[kBeginRounds], c[kBeginRounds], q[kBeginRounds];
+  uint64_t steps[kBeginRounds];
+  uint32_t open[kBeginRounds];
+#pragma unroll
+  for (int u = 0; u < kBeginRounds; ++u) {
+    const int e = u * kBeginThreads + static_cast<int>(threadIdx.x);
+    s[u] = -1;
+    c[u] = q[u] = 0;
+    steps[u] = 0;
+    open[u] = 0;
+    if (e < n) {
+      s[u] = seq[e];
+      c[u] = ctx[e];
+      q[u] = qp[e];
+    }
   }
+#pragma unroll
+  for (int u = 0; u < kBeginRounds; ++u) {
+    if (s[u] >= 0 && s[u] < d.max_seqs) {
+      open[u] = d.seqs[s[u]].open;
+      steps[u] = d.seqs[s[u]].steps;
+    }
+  }
+  __syncthreads();  // the bitmap is clear
+  const int64_t last = rows - 1;
+  bool ok_all = true;
+#pragma unroll
+  for (int u = 0; u < kBeginRounds; ++u) {
+    const int e = u * kBeginThreads + static_cast<int>(threadIdx.x);
+    if (e >= n || s[u] == -1) continue;
+    bool ok = s[u] >= 0 && s[u] < d.max_seqs && open[u];
+    if (ok) {
+      const unsigned bit = 1u << (s[u] % 32);
+      ok = (atomicOr(&seen[s[u] / 32], bit) & bit) == 0;
+    }
+    const int64_t cc = c[u], qq = q[u];
+    ok = ok && cc >= 1 && cc + last <= d.max_slots && qq >= 0 && qq + last < d.max_slots;
+    if (!ok) ok_all = false;
+  }
+  if (!ok_all) bad = 1;
   __syncthreads();
   if (bad) {
     if (threadIdx.x == 0) {
@@ -260,17 +297,22 @@ __global__ void BeginStepKernel(Dev d, const int32_t* seq, const int32_t* ctx, c
     }
     return;
   }
-  const uint32_t period = d.policy->probe_period;
-  for (int e = threadIdx.x; e < n; e += blockDim.x) {
-    StepEntry& en = d.entries[e];
-    en.seq = seq[e];
-    if (en.seq < 0) continue;
-    SeqRecord& r = d.seqs[en.seq];
-    en.ctx_len = ctx[e];
-    en.q_pos = qp[e];
-    en.step = r.steps;
-    r.steps = r.steps + 1;
-    en.probe = period > 0 && en.step % period == 0 ? 1u : 0u;
+#pragma unroll
+  for (int u = 0; u < kBeginRounds; ++u) {
+    const int e = u * kBeginThreads + static_cast<int>(threadIdx.x);
+    if (e >= n) continue;
+    StepEntry en{};
+    en.seq = s[u];
+    if (en.seq >= 0) {
+      en.ctx_len = c[u];
+      en.q_pos = q[u];
+      en.step = steps[u];
+      en.probe = period > 0 && steps[u] % period == 0 ? 1u : 0u;
+      d.seqs[en.seq].steps = steps[u] + 1;
+      d.entries[e] = en;
+    } else {
+      d.entries[e].seq = en.seq;
+    }
   }
   if (threadIdx.x == 0) {
     d.batch->n = n;
@@ -279,49 +321,58 @@ __global__ void BeginStepKernel(Dev d, const int32_t* seq, const int32_t* ctx, c
   }
 }
 
-// Block scores of one (entry, row) over a chunk of blocks; one warp per block at a time. Row 0
-// CTAs also clear the chunk's union mask.
+// Block scores of one (entry, row): eight lanes per block, four blocks per warp, 32 per CTA at a
+// time; the grid's x dimension C (sized by the host to about one wave of resident CTAs) splits
+// the row's groups of 32 blocks round robin, CTA c taking groups c, c + C, ... (so the work
+// spreads over every CTA whatever the context), and the entry's header is read once per CTA.
+// Row 0 CTAs also clear their groups of the union mask.
 template <typename T>
-__global__ void ScoresKernel(Dev d, int layer) {
+__global__ void __launch_bounds__(kScoreThreads) ScoresKernel(Dev d, int layer) {
   const int e = blockIdx.z, r = blockIdx.y;
   // Independent loads first (e < the host's n <= max_seqs, so the entry is in bounds).
   const int batch_n = d.batch->n, batch_rows = d.batch->rows;
   const StepEntry en = d.entries[e];
   if (e >= batch_n || r >= batch_rows) return;
-  const int j0 = blockIdx.x * kBlocksPerScoreCta;
+  const int g0 = static_cast<int>(blockIdx.x) * kBlocksPerScoreCta;
+  const int gstep = static_cast<int>(gridDim.x) * kBlocksPerScoreCta;
   if (r == 0) {
     uint8_t* mask = d.mask + static_cast<int64_t>(e) * d.max_blocks;
-    for (int j = j0 + threadIdx.x; j < min(j0 + kBlocksPerScoreCta, d.max_blocks);
-         j += blockDim.x) {
-      mask[j] = 0;
+    for (int g = g0; g < d.max_blocks; g += gstep) {
+      const int j = g + static_cast<int>(threadIdx.x);
+      if (threadIdx.x < kBlocksPerScoreCta && j < d.max_blocks) mask[j] = 0;
     }
   }
-  if (en.seq < 0) return;
+  if (en.seq < 0 || (en.probe && r != 0)) return;  // probe steps need row 0's scores only
+  // The fresh flag (no scores needed: the step is dense) is read alongside the state: the loads
+  // below are in bounds either way, and only the stores wait for it.
   const bool fresh = d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] != 0;
-  const bool dense = fresh || en.probe;
-  if (dense && (fresh || r != 0)) return;  // dense steps need row 0's scores on probes only
   const int n = en.ctx_len + r, q = en.q_pos + r, b = d.block;
   const int nb = static_cast<int>(CeilDiv(n, b));
   const T* rec = reinterpret_cast<const T*>(d.Record(en.seq, layer));
   const T* dst = rec + d.max_slots;
   float* out = d.Scores(e, r);
-  // Eight lanes per block, so each lane has b/8 independent loads of V and D in flight.
-  const int j = j0 + threadIdx.x / 8, sub = threadIdx.x % 8;
-  float best = -INFINITY;
-  if (j < nb) {
-    const int lo = j * b, hi = min(lo + b, n);
+  const int sub = threadIdx.x % 8;
+  const int quad = (threadIdx.x % 32) / 8, warp = threadIdx.x / 32;
+  // Each lane has b/8 independent loads of V and D in flight per block; jw is uniform over the
+  // warp (its shuffles need every lane).
+  for (int jw = g0 + warp * 4; jw < nb; jw += gstep) {
+    const int j = jw + quad;
+    float best = -INFINITY;
+    if (j < nb) {
+      const int lo = j * b, hi = min(lo + b, n);
 #pragma unroll 8
-    for (int i = lo + sub; i < hi; i += 8) {
-      const int off = i <= q ? q - i : 0;
-      const float p = Prediction(LoadT(rec, i), LoadT(dst, off));
-      best = p > best ? p : best;
+      for (int i = lo + sub; i < hi; i += 8) {
+        const int off = i <= q ? q - i : 0;
+        const float p = Prediction(LoadT(rec, i), LoadT(dst, off));
+        best = p > best ? p : best;
+      }
     }
+    for (int o = 4; o > 0; o /= 2) {
+      const float other = __shfl_xor_sync(0xFFFFFFFFu, best, o);
+      best = other > best ? other : best;
+    }
+    if (j < nb && sub == 0 && !fresh) out[j] = best;
   }
-  for (int o = 4; o > 0; o /= 2) {
-    const float other = __shfl_xor_sync(0xFFFFFFFFu, best, o);
-    best = other > best ? other : best;
-  }
-  if (j < nb && sub == 0) out[j] = best;
 }
 
 // One (entry, row) selection after the query block: top by score, then exploration by draw.
@@ -389,16 +440,11 @@ __device__ __forceinline__ void SelectRow(const Dev& d, int layer, int e, int r,
       [&](int u, int j) { return sel_of(u, j) == 0; }, [&](int, int j) { mask[j] = 1; });
 }
 
-// One (entry, row) selection: query block, top by score, exploration by draw.
-__global__ void __launch_bounds__(kSelectThreads) SelectRowsKernel(Dev d, int layer) {
-  const int e = blockIdx.y, r = blockIdx.x;
-  // Independent loads first (e < the host's n <= max_seqs, so the entry is in bounds).
-  const int batch_n = d.batch->n, batch_rows = d.batch->rows;
-  const StepEntry en = d.entries[e];
-  if (e >= batch_n || r >= batch_rows) return;
-  if (en.seq < 0) return;
-  const bool fresh = d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] != 0;
-  if (fresh || en.probe) return;  // dense: Union keeps every block
+// One (entry, row) selection, unless the step is dense for the entry: query block, top by
+// score, exploration by draw. All threads of the CTA call it.
+__device__ void SelectRowOf(const Dev& d, int layer, int e, int r, const StepEntry& en,
+                            bool fresh) {
+  if (en.seq < 0 || fresh || en.probe) return;  // dense: the union keeps every block
   const int n = en.ctx_len + r, q = en.q_pos + r;
   const int nb = static_cast<int>(CeilDiv(n, d.block));
   uint8_t* mask = d.mask + static_cast<int64_t>(e) * d.max_blocks;
@@ -417,25 +463,20 @@ __global__ void __launch_bounds__(kSelectThreads) SelectRowsKernel(Dev d, int la
   }
 }
 
-// Union of the rows, ascending; compacted table and lengths; statistics.
-__global__ void __launch_bounds__(kSelectThreads)
-    UnionKernel(Dev d, int layer, const int32_t* table, int64_t table_stride) {
+// The entry's union of its rows' masks, ascending; compacted table and lengths; statistics.
+// Run by one CTA per entry after every row's selection is visible; mask entries written by
+// other CTAs of this launch are read through L2 (__ldcg).
+__device__ void UnionOf(const Dev& d, int layer, int e, const StepEntry& en, bool fresh, int rows,
+                        const int32_t* table, int64_t table_stride) {
   using Scan = cub::BlockScan<int, kSelectThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int s_count;
-  const int e = blockIdx.x;
-  // Independent loads first (e < the host's n <= max_seqs, so the entry is in bounds).
-  const int batch_n = d.batch->n, rows = d.batch->rows;
-  const StepEntry en = d.entries[e];
-  if (e >= batch_n) return;
-  if (blockIdx.x == 0 && threadIdx.x == 0) d.batch->selected_layer = layer;
   int32_t* clen = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
   if (en.seq < 0) {
     if (threadIdx.x == 0) d.union_count[e] = 0;
     for (int r = threadIdx.x; r < rows; r += blockDim.x) clen[r] = 0;
     return;
   }
-  const bool fresh = d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] != 0;
   const bool dense = fresh || en.probe;
   const int b = d.block;
   const int widest = static_cast<int>(CeilDiv(en.ctx_len + rows - 1, b));
@@ -448,7 +489,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     const int j = base + threadIdx.x;
     // The engine's entry is read ahead of the scan (j < widest <= max_blocks <= the stride).
     const int32_t tj = table && j < widest ? table[e * table_stride + j] : 0;
-    const int on = j < widest && (dense || mask[j]) ? 1 : 0;
+    const int on = j < widest && (dense || __ldcg(mask + j)) ? 1 : 0;
     if (dense && j < widest) mask[j] = 1;
     int before, total;
     Scan(scan_tmp).ExclusiveSum(on, before, total);
@@ -467,8 +508,7 @@ __global__ void __launch_bounds__(kSelectThreads)
   for (int r = threadIdx.x; r < rows; r += blockDim.x) {
     const int n = en.ctx_len + r;
     const int nb = static_cast<int>(CeilDiv(n, b));
-    int below = 0;  // union blocks with id < nb: ids are ascending, so binary search
-    int lo = 0, hi = count;
+    int lo = 0, hi = count;  // union blocks with id < nb: ids are ascending, so binary search
     while (lo < hi) {
       const int mid = (lo + hi) / 2;
       if (ids[mid] < nb) {
@@ -477,7 +517,7 @@ __global__ void __launch_bounds__(kSelectThreads)
         hi = mid;
       }
     }
-    below = lo;
+    const int below = lo;
     int len = below * b;
     if (below > 0 && ids[below - 1] == nb - 1) len -= nb * b - n;
     clen[r] = len;
@@ -497,6 +537,41 @@ __global__ void __launch_bounds__(kSelectThreads)
                 static_cast<unsigned long long>(widest));
     }
   }
+}
+
+// Select(l) after the scores: one CTA per (row, entry) selects its row; the last CTA of an
+// entry to finish (a per-entry arrival counter, reset by that CTA for the next launch) builds
+// the union. One launch instead of a selection launch and a union launch.
+__global__ void __launch_bounds__(kSelectThreads)
+    SelectKernel(Dev d, int layer, const int32_t* table, int64_t table_stride) {
+  __shared__ int s_last;
+  const int e = blockIdx.y, r = blockIdx.x;
+  // Independent loads first (e < the host's n <= max_seqs, so the entry is in bounds).
+  const int batch_n = d.batch->n, rows = d.batch->rows;
+  const StepEntry en = d.entries[e];
+  // Uniform over the entry's CTAs: either all of them arrive or none. rows is the host's
+  // (the grid) unless the batch was refused, and then batch_n is 0.
+  if (e >= batch_n) return;
+  if (e == 0 && r == 0 && threadIdx.x == 0) d.batch->selected_layer = layer;
+  {
+    const bool fresh = en.seq >= 0 && d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] != 0;
+    if (r < rows) SelectRowOf(d, layer, e, r, en, fresh);
+  }
+  __threadfence();  // this CTA's mask writes, before its arrival
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned prev = atomicAdd(&d.arrive[e], 1u);
+    s_last = prev == gridDim.x - 1 ? 1 : 0;
+    if (s_last) d.arrive[e] = 0;  // every CTA of the entry has arrived
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  // The entry is read again rather than kept live across the selection (register pressure);
+  // nothing writes it or the fresh flag during Select.
+  const StepEntry u = d.entries[e];
+  const bool fresh = u.seq >= 0 && d.fresh[static_cast<int64_t>(u.seq) * d.layers + layer] != 0;
+  UnionOf(d, layer, e, u, fresh, d.batch->rows, table, table_stride);
 }
 
 __global__ void RemapKernel(Dev d, int32_t* idx, int count) {
@@ -866,21 +941,35 @@ __global__ void __launch_bounds__(kEmaThreads)
   const int t = 2 * lane;  // this lane's first slot in a segment
   const int segs = EmaSegments(len, b);
   unsigned obs = 0, bad = 0;
-  for (int s0 = (blockIdx.x * kWarps + warp) * kEmaSegs; s0 < segs;
-       s0 += gridDim.x * kWarps * kEmaSegs) {
+  // The warp's segments: kEmaSegs consecutive ones per round, rounds round_stride apart. Their
+  // first slots (block id * b + offset) are loaded for kPre rounds at once, lane l holding
+  // segment u = l % kEmaSegs of round l / kEmaSegs, and shuffled out per round: the V and D
+  // loads of a round then wait for no block-id load of their own.
+  constexpr int kPre = 32 / kEmaSegs;
+  static_assert(kPre * kEmaSegs == 32, "kEmaSegs must divide 32");
+  const int first = (blockIdx.x * kWarps + warp) * kEmaSegs;
+  const int round_stride = gridDim.x * kWarps * kEmaSegs;
+  int pre_base = 0;
+  for (int s0 = first, k = 0; s0 < segs; s0 += round_stride, ++k) {
+    if (k % kPre == 0) {  // uniform over the warp
+      const int sl = s0 + (lane / kEmaSegs) * round_stride + lane % kEmaSegs;
+      if (sl < segs) {
+        const EmaSeg g = EmaSegAt(sl, len, b);
+        pre_base = ids[g.k] * b + g.off;
+      }
+    }
     int base[kEmaSegs], cnt[kEmaSegs];
     float z0[kEmaSegs], z1[kEmaSegs];
     E v0[kEmaSegs], v1[kEmaSegs], d0[kEmaSegs], d1[kEmaSegs], d2[kEmaSegs];
-    // Block ids and logits (independent).
+    // Logits (independent of the block ids).
 #pragma unroll
     for (int u = 0; u < kEmaSegs; ++u) {
-      base[u] = 0;
+      base[u] = __shfl_sync(kAll, pre_base, (k % kPre) * kEmaSegs + u);
       cnt[u] = 0;
       z0[u] = 0.0f;
       z1[u] = 0.0f;
       if (s0 + u < segs) {  // uniform over the warp
         const EmaSeg g = EmaSegAt(s0 + u, len, b);
-        base[u] = ids[g.k] * b + g.off;
         cnt[u] = g.cnt;
         if (t + 1 < g.cnt && z_words) {
           const float2 w = *reinterpret_cast<const float2*>(z + (g.x0 + t));
@@ -1054,8 +1143,12 @@ class CudaDataPlane final : public DataPlane {
     d_.keys = static_cast<unsigned long long*>(p);
     if (auto s = alloc(S * MB * sizeof(int32_t), &p); !s.ok()) return s;
     d_.hits = static_cast<int32_t*>(p);
-    if (auto s = alloc(S * sizeof(uint32_t), &p); !s.ok()) return s;
-    d_.seen = static_cast<uint32_t*>(p);
+    if (auto s = alloc(S * sizeof(unsigned), &p); !s.ok()) return s;
+    d_.arrive = static_cast<unsigned*>(p);
+    if (auto s = CudaStatus(cudaMemset(p, 0, S * sizeof(unsigned)), "clear arrival counters");
+        !s.ok()) {
+      return s;
+    }
     // EmaWordKernel CTAs resident on the device at once, for its persistent grid.
     int dev = 0, sms = 0, per_sm = 0;
     cudaError_t e = cudaGetDevice(&dev);
@@ -1068,6 +1161,12 @@ class CudaDataPlane final : public DataPlane {
     }
     if (absl::Status s = CudaStatus(e, "EMA occupancy"); !s.ok()) return s;
     ema_resident_ = std::max(1, sms * per_sm);
+    e = d_.dtype_bytes == 4 ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                  &per_sm, ScoresKernel<float>, kScoreThreads, 0)
+                            : cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                  &per_sm, ScoresKernel<uint16_t>, kScoreThreads, 0);
+    if (absl::Status s = CudaStatus(e, "Scores occupancy"); !s.ok()) return s;
+    score_resident_ = std::max(1, sms * per_sm);
     return absl::OkStatus();
   }
 
@@ -1096,8 +1195,8 @@ class CudaDataPlane final : public DataPlane {
     if (batch.n > 0 && (!batch.seq || !batch.ctx_len || !batch.q_pos)) {
       return absl::InvalidArgumentError("batch arrays seq, ctx_len and q_pos are required");
     }
-    BeginStepKernel<<<1, 1024, 0, stream>>>(d_, batch.seq, batch.ctx_len, batch.q_pos, batch.n,
-                                            batch.rows);
+    BeginStepKernel<<<1, kBeginThreads, 0, stream>>>(d_, batch.seq, batch.ctx_len, batch.q_pos,
+                                                     batch.n, batch.rows);
     n_ = batch.n;
     rows_ = batch.rows;
     selected_layer_ = -1;
@@ -1113,15 +1212,20 @@ class CudaDataPlane final : public DataPlane {
                                                      a_.max_blocks));
     }
     if (n_ > 0) {
-      const dim3 sgrid(static_cast<unsigned>(CeilDiv(a_.max_blocks, kBlocksPerScoreCta)),
-                       static_cast<unsigned>(rows_), static_cast<unsigned>(n_));
+      // About one wave of resident CTAs over all (entry, row) pairs; no more per row than it
+      // has groups of 32 blocks.
+      const int64_t per_row =
+          std::clamp<int64_t>(score_resident_ / (static_cast<int64_t>(rows_) * n_), 1,
+                              CeilDiv(a_.max_blocks, kBlocksPerScoreCta));
+      const dim3 sgrid(static_cast<unsigned>(per_row), static_cast<unsigned>(rows_),
+                       static_cast<unsigned>(n_));
       if (d_.dtype_bytes == 4) {
         ScoresKernel<float><<<sgrid, kScoreThreads, 0, stream>>>(d_, layer);
       } else {
         ScoresKernel<uint16_t><<<sgrid, kScoreThreads, 0, stream>>>(d_, layer);
       }
-      SelectRowsKernel<<<dim3(rows_, n_), kSelectThreads, 0, stream>>>(d_, layer);
-      UnionKernel<<<n_, kSelectThreads, 0, stream>>>(d_, layer, block_table, table_stride);
+      SelectKernel<<<dim3(rows_, n_), kSelectThreads, 0, stream>>>(d_, layer, block_table,
+                                                                   table_stride);
     }
     selected_layer_ = layer;
     return CudaStatus(cudaGetLastError(), "Select launch");
@@ -1205,7 +1309,8 @@ class CudaDataPlane final : public DataPlane {
   std::vector<void*> owned_;
   // Host mirror of the call sequence (BeginStep/Select), so call-order errors need no sync.
   int32_t n_ = 0, rows_ = 1, selected_layer_ = -1;
-  int ema_resident_ = 1;  // EmaWordKernel CTAs resident on the device at once
+  int ema_resident_ = 1;    // EmaWordKernel CTAs resident on the device at once
+  int score_resident_ = 1;  // ScoresKernel CTAs resident on the device at once
 };
 
 }  // namespace
