@@ -2,11 +2,12 @@
 // arenas. Every shared formula comes from spin/numerics.h; this file compiles with
 // --fmad=false so no other arithmetic is contracted differently from the host.
 //
-// Per step: BeginStep (1 CTA) -> per layer: Scores (block scores of every row; about one wave
-// of CTAs, each striding over a span of blocks) -> Select (one CTA per (entry, row): radix
-// selects; the entry's last CTA to finish builds the union, compacted table and lengths, and
-// stats) ... Observe: Probe (one CTA per entry, probe steps only) -> EmaWord (even block sizes
-// >= 64; Ema otherwise: one launch per row, in row order; row 0 clears fresh).
+// Per step: BeginStep (1 CTA) -> per layer: Scores (block scores of every row, grid over
+// block chunks) -> Select (one CTA per (entry, row): radix selects; the entry's last CTA to
+// finish builds the union, compacted table and lengths, and stats) ... Observe: Probe (one CTA
+// per entry, probe steps only) -> EMA (one launch per row, in row order; row 0 clears fresh):
+// EmaVec for the engine's layout (b = 64, max_slots % 8 == 0, 16-byte aligned logits rows),
+// EmaWord for other even block sizes >= 64, Ema otherwise.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -188,6 +189,14 @@ __device__ void CtaTopT(int n, int t, KeyFn key, CandFn cand, TakeFn take) {
   }
   const unsigned long long thr = s_prefix;
   const int ties = s_remaining;  // how many keys equal to thr to take, lowest index first
+  if (ties == 0) {
+    // Every key above thr and none equal to it (the usual case: the last bucket was taken
+    // whole), so no ordered scan is needed.
+    ForRounds<KPT>(n, [&](int u, int j) {
+      if (j < n && cand(u, j) && static_cast<unsigned long long>(key(u, j)) > thr) take(u, j);
+    });
+    return;
+  }
   if (threadIdx.x == 0) s_running = 0;
   __syncthreads();
   ForRounds<KPT>(n, [&](int u, int j) {
@@ -321,58 +330,49 @@ __global__ void __launch_bounds__(kBeginThreads)
   }
 }
 
-// Block scores of one (entry, row): eight lanes per block, four blocks per warp, 32 per CTA at a
-// time; the grid's x dimension C (sized by the host to about one wave of resident CTAs) splits
-// the row's groups of 32 blocks round robin, CTA c taking groups c, c + C, ... (so the work
-// spreads over every CTA whatever the context), and the entry's header is read once per CTA.
-// Row 0 CTAs also clear their groups of the union mask.
+// Block scores of one (entry, row) over a chunk of blocks; one warp per block at a time. Row 0
+// CTAs also clear the chunk's union mask.
 template <typename T>
-__global__ void __launch_bounds__(kScoreThreads) ScoresKernel(Dev d, int layer) {
+__global__ void ScoresKernel(Dev d, int layer) {
   const int e = blockIdx.z, r = blockIdx.y;
   // Independent loads first (e < the host's n <= max_seqs, so the entry is in bounds).
   const int batch_n = d.batch->n, batch_rows = d.batch->rows;
   const StepEntry en = d.entries[e];
   if (e >= batch_n || r >= batch_rows) return;
-  const int g0 = static_cast<int>(blockIdx.x) * kBlocksPerScoreCta;
-  const int gstep = static_cast<int>(gridDim.x) * kBlocksPerScoreCta;
+  const int j0 = blockIdx.x * kBlocksPerScoreCta;
   if (r == 0) {
     uint8_t* mask = d.mask + static_cast<int64_t>(e) * d.max_blocks;
-    for (int g = g0; g < d.max_blocks; g += gstep) {
-      const int j = g + static_cast<int>(threadIdx.x);
-      if (threadIdx.x < kBlocksPerScoreCta && j < d.max_blocks) mask[j] = 0;
+    for (int j = j0 + threadIdx.x; j < min(j0 + kBlocksPerScoreCta, d.max_blocks);
+         j += blockDim.x) {
+      mask[j] = 0;
     }
   }
-  if (en.seq < 0 || (en.probe && r != 0)) return;  // probe steps need row 0's scores only
-  // The fresh flag (no scores needed: the step is dense) is read alongside the state: the loads
-  // below are in bounds either way, and only the stores wait for it.
+  if (en.seq < 0) return;
   const bool fresh = d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] != 0;
+  const bool dense = fresh || en.probe;
+  if (dense && (fresh || r != 0)) return;  // dense steps need row 0's scores on probes only
   const int n = en.ctx_len + r, q = en.q_pos + r, b = d.block;
   const int nb = static_cast<int>(CeilDiv(n, b));
   const T* rec = reinterpret_cast<const T*>(d.Record(en.seq, layer));
   const T* dst = rec + d.max_slots;
   float* out = d.Scores(e, r);
-  const int sub = threadIdx.x % 8;
-  const int quad = (threadIdx.x % 32) / 8, warp = threadIdx.x / 32;
-  // Each lane has b/8 independent loads of V and D in flight per block; jw is uniform over the
-  // warp (its shuffles need every lane).
-  for (int jw = g0 + warp * 4; jw < nb; jw += gstep) {
-    const int j = jw + quad;
-    float best = -INFINITY;
-    if (j < nb) {
-      const int lo = j * b, hi = min(lo + b, n);
+  // Eight lanes per block, so each lane has b/8 independent loads of V and D in flight.
+  const int j = j0 + threadIdx.x / 8, sub = threadIdx.x % 8;
+  float best = -INFINITY;
+  if (j < nb) {
+    const int lo = j * b, hi = min(lo + b, n);
 #pragma unroll 8
-      for (int i = lo + sub; i < hi; i += 8) {
-        const int off = i <= q ? q - i : 0;
-        const float p = Prediction(LoadT(rec, i), LoadT(dst, off));
-        best = p > best ? p : best;
-      }
+    for (int i = lo + sub; i < hi; i += 8) {
+      const int off = i <= q ? q - i : 0;
+      const float p = Prediction(LoadT(rec, i), LoadT(dst, off));
+      best = p > best ? p : best;
     }
-    for (int o = 4; o > 0; o /= 2) {
-      const float other = __shfl_xor_sync(0xFFFFFFFFu, best, o);
-      best = other > best ? other : best;
-    }
-    if (j < nb && sub == 0 && !fresh) out[j] = best;
   }
+  for (int o = 4; o > 0; o /= 2) {
+    const float other = __shfl_xor_sync(0xFFFFFFFFu, best, o);
+    best = other > best ? other : best;
+  }
+  if (j < nb && sub == 0) out[j] = best;
 }
 
 // One (entry, row) selection after the query block: top by score, then exploration by draw.
@@ -471,6 +471,8 @@ __device__ void UnionOf(const Dev& d, int layer, int e, const StepEntry& en, boo
   using Scan = cub::BlockScan<int, kSelectThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int s_count;
+  // Per row r: union blocks with id < B_r, and whether block B_r - 1 is one of them.
+  __shared__ int s_below[kMaxRows], s_last_in[kMaxRows];
   int32_t* clen = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
   if (en.seq < 0) {
     if (threadIdx.x == 0) d.union_count[e] = 0;
@@ -498,6 +500,13 @@ __device__ void UnionOf(const Dev& d, int layer, int e, const StepEntry& en, boo
       ids[at] = j;
       if (table) phys[at] = tj;
     }
+    // Row r's last block B_r - 1 < widest is visited by exactly one thread.
+    for (int r = 0; r < rows; ++r) {
+      if (j == static_cast<int>(CeilDiv(en.ctx_len + r, b)) - 1) {
+        s_below[r] = at + on;
+        s_last_in[r] = on;
+      }
+    }
     __syncthreads();
     if (threadIdx.x == 0) s_count += total;
     __syncthreads();
@@ -508,19 +517,7 @@ __device__ void UnionOf(const Dev& d, int layer, int e, const StepEntry& en, boo
   for (int r = threadIdx.x; r < rows; r += blockDim.x) {
     const int n = en.ctx_len + r;
     const int nb = static_cast<int>(CeilDiv(n, b));
-    int lo = 0, hi = count;  // union blocks with id < nb: ids are ascending, so binary search
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if (ids[mid] < nb) {
-        lo = mid + 1;
-      } else {
-        hi = mid;
-      }
-    }
-    const int below = lo;
-    int len = below * b;
-    if (below > 0 && ids[below - 1] == nb - 1) len -= nb * b - n;
-    clen[r] = len;
+    clen[r] = s_below[r] * b - (s_last_in[r] ? nb * b - n : 0);
   }
   if (threadIdx.x == 0) {
     LayerStats* st = d.stats + layer;
@@ -941,35 +938,21 @@ __global__ void __launch_bounds__(kEmaThreads)
   const int t = 2 * lane;  // this lane's first slot in a segment
   const int segs = EmaSegments(len, b);
   unsigned obs = 0, bad = 0;
-  // The warp's segments: kEmaSegs consecutive ones per round, rounds round_stride apart. Their
-  // first slots (block id * b + offset) are loaded for kPre rounds at once, lane l holding
-  // segment u = l % kEmaSegs of round l / kEmaSegs, and shuffled out per round: the V and D
-  // loads of a round then wait for no block-id load of their own.
-  constexpr int kPre = 32 / kEmaSegs;
-  static_assert(kPre * kEmaSegs == 32, "kEmaSegs must divide 32");
-  const int first = (blockIdx.x * kWarps + warp) * kEmaSegs;
-  const int round_stride = gridDim.x * kWarps * kEmaSegs;
-  int pre_base = 0;
-  for (int s0 = first, k = 0; s0 < segs; s0 += round_stride, ++k) {
-    if (k % kPre == 0) {  // uniform over the warp
-      const int sl = s0 + (lane / kEmaSegs) * round_stride + lane % kEmaSegs;
-      if (sl < segs) {
-        const EmaSeg g = EmaSegAt(sl, len, b);
-        pre_base = ids[g.k] * b + g.off;
-      }
-    }
+  for (int s0 = (blockIdx.x * kWarps + warp) * kEmaSegs; s0 < segs;
+       s0 += gridDim.x * kWarps * kEmaSegs) {
     int base[kEmaSegs], cnt[kEmaSegs];
     float z0[kEmaSegs], z1[kEmaSegs];
     E v0[kEmaSegs], v1[kEmaSegs], d0[kEmaSegs], d1[kEmaSegs], d2[kEmaSegs];
-    // Logits (independent of the block ids).
+    // Block ids and logits (independent).
 #pragma unroll
     for (int u = 0; u < kEmaSegs; ++u) {
-      base[u] = __shfl_sync(kAll, pre_base, (k % kPre) * kEmaSegs + u);
+      base[u] = 0;
       cnt[u] = 0;
       z0[u] = 0.0f;
       z1[u] = 0.0f;
       if (s0 + u < segs) {  // uniform over the warp
         const EmaSeg g = EmaSegAt(s0 + u, len, b);
+        base[u] = ids[g.k] * b + g.off;
         cnt[u] = g.cnt;
         if (t + 1 < g.cnt && z_words) {
           const float2 w = *reinterpret_cast<const float2*>(z + (g.x0 + t));
@@ -1043,6 +1026,166 @@ __global__ void __launch_bounds__(kEmaThreads)
       StoreEntries(dd, j, lo, hi, a, c);
       if (lane == 0 && EmaInD(g, g.wlo + 2 * 32)) {
         B::Store(dd + (g.wlo + 2 * 32), s_d[warp][u][2 * 32]);
+      }
+    }
+  }
+  obs = __reduce_add_sync(kAll, obs);
+  bad = __reduce_add_sync(kAll, bad);
+  if (lane == 0) {
+    s_obs[warp] = obs;
+    s_bad[warp] = bad;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    obs = __reduce_add_sync(kAll, lane < kWarps ? s_obs[lane] : 0u);
+    bad = __reduce_add_sync(kAll, lane < kWarps ? s_bad[lane] : 0u);
+    if (lane == 0) {
+      LayerStats* st = d.stats + layer;
+      if (obs) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(&st->observed),
+                  static_cast<unsigned long long>(obs));
+      }
+      if (bad) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(&st->bad_scores),
+                  static_cast<unsigned long long>(bad));
+      }
+    }
+  }
+}
+
+// The EMA for the engine's layout (b = 64, max_slots a multiple of 8, logits rows 16-byte
+// aligned): EmaWordKernel's contract and result from 16-byte accesses. A segment is one
+// compacted block (64 slots, fewer at the row's end); eight lanes take a segment, lane s its
+// slots t = 8s .. 8s + 7: the logits as two float4 (scalars past the row's end), V as one (bf16)
+// or two (fp32) aligned 16-byte words loaded and stored whole (a slot of the block past the
+// row's end, or one whose score is not finite, is written back with the raw bits it read: within
+// a row each V[i] has one owner). The segment's D entries, the contiguous range [jlo, jhi] of
+// offsets q - i, are staged through shared memory as the aligned 16-byte chunks covering it and
+// stored back whole where a chunk lies inside the range, entry by entry in the two edge chunks
+// (their other entries belong to other segments). No address outside [0, max_slots) of V or D.
+template <typename T>
+__global__ void __launch_bounds__(kEmaThreads)
+    EmaVecKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
+                 const int32_t* accepted) {
+  using B = StateBits<T>;
+  using E = typename B::E;
+  constexpr int kWarps = kEmaThreads / 32;
+  constexpr unsigned kAll = 0xFFFFFFFFu;
+  constexpr int kChunk = 16 / static_cast<int>(sizeof(T));  // entries per 16-byte chunk
+  constexpr int kVWords = 8 / kChunk;                       // 16-byte V words per lane
+  constexpr int kMaxChunks = 64 / kChunk + 1;               // chunks covering 64 entries
+  constexpr int kDWords = (kMaxChunks + 7) / 8;             // D chunks per lane
+  constexpr int kWin = kMaxChunks * kChunk;
+  __shared__ unsigned s_obs[kWarps], s_bad[kWarps];
+  __shared__ __align__(16) E s_d[kWarps][4][kWin];
+  const int e = blockIdx.y;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  // As EmaKernel: independent loads of the entry, no barrier before the work.
+  const int batch_n = d.batch->n, rows = d.batch->rows;
+  const StepEntry en = d.entries[e];
+  const int acc_in = accepted ? accepted[e] : 0;
+  const int lane_len =
+      lane < d.max_rows ? d.compact_len[static_cast<int64_t>(e) * d.max_rows + lane] : 0;
+  const float alpha = d.policy->alpha, beta = d.policy->beta;
+  const bool stride_ok = __all_sync(kAll, lane >= rows || lane_len <= stride);
+  const int len = __shfl_sync(kAll, lane_len, r % 32);
+  const int acc = accepted ? acc_in : rows;
+  const bool active =
+      e < batch_n && r < rows && en.seq >= 0 && acc >= 0 && acc <= rows && r < acc && stride_ok;
+  if (!active) return;  // uniform over the CTA
+  if (r == 0 && blockIdx.x == 0 && threadIdx.x == 0) {
+    d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] = 0;
+  }
+  const int q = en.q_pos + r;
+  const int32_t* ids = d.union_ids + static_cast<int64_t>(e) * d.max_blocks;
+  const float* z = logits + (static_cast<int64_t>(e) * rows + r) * stride;
+  T* v = reinterpret_cast<T*>(d.Record(en.seq, layer));
+  T* dd = v + d.max_slots;
+  const int segs = (len + 63) / 64;
+  const int gq = lane / 8, t0 = 8 * (lane % 8), s8 = lane % 8;
+  E* win = s_d[warp][gq];
+  unsigned obs = 0, bad = 0;
+  for (int w0 = (blockIdx.x * kWarps + warp) * 4; w0 < segs; w0 += gridDim.x * kWarps * 4) {
+    const int sg = w0 + gq;
+    int base = 0, cnt = 0, jlo = 0, jhi = -1, cb = 0, nch = 0, tmax = -1;
+    float zv[8];
+    uint4 vw[kVWords], dw[kDWords];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) zv[k] = 0.0f;
+    if (sg < segs) {
+      const int x0 = sg * 64;
+      cnt = min(64, len - x0);
+      if (t0 + 8 <= cnt) {
+        const float4 a = *reinterpret_cast<const float4*>(z + x0 + t0);
+        const float4 c = *reinterpret_cast<const float4*>(z + x0 + t0 + 4);
+        zv[0] = a.x, zv[1] = a.y, zv[2] = a.z, zv[3] = a.w;
+        zv[4] = c.x, zv[5] = c.y, zv[6] = c.z, zv[7] = c.w;
+      } else {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          if (t0 + k < cnt) zv[k] = z[x0 + t0 + k];
+        }
+      }
+      base = ids[sg] * 64;
+      if (t0 < cnt) {
+        const uint4* vp = reinterpret_cast<const uint4*>(v + base + t0);
+#pragma unroll
+        for (int w = 0; w < kVWords; ++w) vw[w] = vp[w];
+      }
+      tmax = min(q - base, cnt - 1);
+      if (tmax >= 0) {
+        jhi = q - base;
+        jlo = jhi - tmax;
+        cb = jlo - jlo % kChunk;
+        nch = (jhi - cb) / kChunk + 1;
+        const uint4* dp = reinterpret_cast<const uint4*>(dd + cb);
+#pragma unroll
+        for (int w = 0; w < kDWords; ++w) {
+          if (s8 + 8 * w < nch) dw[w] = dp[s8 + 8 * w];
+        }
+      } else {
+        tmax = -1;
+      }
+    }
+    __syncwarp();  // the previous round's readers of the window are done
+#pragma unroll
+    for (int w = 0; w < kDWords; ++w) {
+      if (s8 + 8 * w < nch) *reinterpret_cast<uint4*>(win + (s8 + 8 * w) * kChunk) = dw[w];
+    }
+    __syncwarp();
+    E* ve = reinterpret_cast<E*>(vw);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int t = t0 + k;
+      if (t >= cnt) continue;
+      if (!isfinite(zv[k])) {
+        ++bad;
+        continue;
+      }
+      ++obs;
+      ve[k] = B::Put(EmaUpdate(B::Get(ve[k]), zv[k], alpha, beta));
+      if (t <= tmax) {
+        E& x = win[jhi - t - cb];
+        x = B::Put(EmaUpdate(B::Get(x), zv[k], alpha, beta));
+      }
+    }
+    __syncwarp();
+    if (t0 < cnt) {
+      uint4* vp = reinterpret_cast<uint4*>(v + base + t0);
+#pragma unroll
+      for (int w = 0; w < kVWords; ++w) vp[w] = vw[w];
+    }
+#pragma unroll
+    for (int w = 0; w < kDWords; ++w) {
+      const int c = s8 + 8 * w;
+      if (c >= nch) continue;
+      const int j0 = cb + c * kChunk;
+      if (j0 >= jlo && j0 + kChunk - 1 <= jhi) {
+        *reinterpret_cast<uint4*>(dd + j0) = *reinterpret_cast<const uint4*>(win + c * kChunk);
+      } else {
+        for (int k = 0; k < kChunk; ++k) {
+          if (j0 + k >= jlo && j0 + k <= jhi) B::Store(dd + (j0 + k), win[c * kChunk + k]);
+        }
       }
     }
   }
@@ -1161,12 +1304,14 @@ class CudaDataPlane final : public DataPlane {
     }
     if (absl::Status s = CudaStatus(e, "EMA occupancy"); !s.ok()) return s;
     ema_resident_ = std::max(1, sms * per_sm);
+    // The 16-byte EMA kernel needs b = 64 and every 16-byte chunk of V and D inside its array.
+    ema_vec_ = g.block_size == 64 && g.max_slots % 8 == 0;
     e = d_.dtype_bytes == 4 ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                                  &per_sm, ScoresKernel<float>, kScoreThreads, 0)
+                                  &per_sm, EmaVecKernel<float>, kEmaThreads, 0)
                             : cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                                  &per_sm, ScoresKernel<uint16_t>, kScoreThreads, 0);
-    if (absl::Status s = CudaStatus(e, "Scores occupancy"); !s.ok()) return s;
-    score_resident_ = std::max(1, sms * per_sm);
+                                  &per_sm, EmaVecKernel<uint16_t>, kEmaThreads, 0);
+    if (absl::Status s = CudaStatus(e, "EMA occupancy"); !s.ok()) return s;
+    ema_vec_resident_ = std::max(1, sms * per_sm);
     return absl::OkStatus();
   }
 
@@ -1212,13 +1357,8 @@ class CudaDataPlane final : public DataPlane {
                                                      a_.max_blocks));
     }
     if (n_ > 0) {
-      // About one wave of resident CTAs over all (entry, row) pairs; no more per row than it
-      // has groups of 32 blocks.
-      const int64_t per_row =
-          std::clamp<int64_t>(score_resident_ / (static_cast<int64_t>(rows_) * n_), 1,
-                              CeilDiv(a_.max_blocks, kBlocksPerScoreCta));
-      const dim3 sgrid(static_cast<unsigned>(per_row), static_cast<unsigned>(rows_),
-                       static_cast<unsigned>(n_));
+      const dim3 sgrid(static_cast<unsigned>(CeilDiv(a_.max_blocks, kBlocksPerScoreCta)),
+                       static_cast<unsigned>(rows_), static_cast<unsigned>(n_));
       if (d_.dtype_bytes == 4) {
         ScoresKernel<float><<<sgrid, kScoreThreads, 0, stream>>>(d_, layer);
       } else {
@@ -1259,6 +1399,22 @@ class CudaDataPlane final : public DataPlane {
     }
     ProbeKernel<<<n_, kSelectThreads, 0, stream>>>(d_, layer, logits, logits_stride, accepted);
     const int64_t max_len = static_cast<int64_t>(a_.max_blocks) * d_.block;
+    if (ema_vec_ && reinterpret_cast<uintptr_t>(logits) % 16 == 0 && logits_stride % 4 == 0) {
+      // Persistent as below; a warp takes four segments (blocks) per round.
+      const int64_t rounds = CeilDiv(a_.max_blocks, (kEmaThreads / 32) * 4);
+      const unsigned chunks = static_cast<unsigned>(
+          std::clamp<int64_t>(std::min<int64_t>(rounds, ema_vec_resident_ / n_), 1, 65535));
+      for (int r = 0; r < rows_; ++r) {
+        if (d_.dtype_bytes == 4) {
+          EmaVecKernel<float><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(
+              d_, layer, r, logits, logits_stride, accepted);
+        } else {
+          EmaVecKernel<uint16_t><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(
+              d_, layer, r, logits, logits_stride, accepted);
+        }
+      }
+      return CudaStatus(cudaGetLastError(), "Observe launch");
+    }
     if (d_.block % 2 == 0 && d_.block >= kEmaSegSlots) {
       // Persistent: as many CTAs per entry as are resident on the device in one wave (at least
       // one), and no more than one round of segments per warp needs when the whole context is
@@ -1309,8 +1465,10 @@ class CudaDataPlane final : public DataPlane {
   std::vector<void*> owned_;
   // Host mirror of the call sequence (BeginStep/Select), so call-order errors need no sync.
   int32_t n_ = 0, rows_ = 1, selected_layer_ = -1;
-  int ema_resident_ = 1;    // EmaWordKernel CTAs resident on the device at once
-  int score_resident_ = 1;  // ScoresKernel CTAs resident on the device at once
+  int ema_resident_ = 1;      // EmaWordKernel CTAs resident on the device at once
+  bool ema_vec_ = false;      // EmaVecKernel applies (b = 64, max_slots % 8 == 0) when the
+                              // logits rows are 16-byte aligned
+  int ema_vec_resident_ = 1;  // EmaVecKernel CTAs resident on the device at once
 };
 
 }  // namespace

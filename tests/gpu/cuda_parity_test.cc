@@ -201,11 +201,14 @@ struct Scenario {
   uint32_t period;
 };
 
-void RunScenario(const Scenario& sc) {
+// max_slots 64 * 40 + 17 (a partial last block) runs the scalar Scores kernel; 64 * 40 + 8 (a
+// multiple of 8) the 16-byte one, whose D chunks then reach the array's last entry.
+void RunScenarioWith(const Scenario& sc, uint32_t max_slots) {
+  SCOPED_TRACE(::testing::Message() << "max_slots " << max_slots);
   Geometry g;
   g.layers = 3;
   g.max_seqs = 6;
-  g.max_slots = 64 * 40 + 17;  // partial last block
+  g.max_slots = max_slots;
   g.block_size = 64;
   g.topk = 256;
   g.max_rows = static_cast<uint32_t>(sc.rows);
@@ -238,6 +241,11 @@ void RunScenario(const Scenario& sc) {
     }
   }
   t.ExpectSameArena("end of run");
+}
+
+void RunScenario(const Scenario& sc) {
+  RunScenarioWith(sc, 64 * 40 + 17);
+  RunScenarioWith(sc, 64 * 40 + 8);
 }
 
 TEST_F(CudaTest, ParityFp32SingleRow) { RunScenario({StateDtype::kFp32, 1, 0.5, 0.1, 3}); }
