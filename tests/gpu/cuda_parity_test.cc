@@ -201,8 +201,9 @@ struct Scenario {
   uint32_t period;
 };
 
-// max_slots 64 * 40 + 17 (a partial last block) runs the scalar Scores kernel; 64 * 40 + 8 (a
-// multiple of 8) the 16-byte one, whose D chunks then reach the array's last entry.
+// max_slots 64 * 40 + 17 runs the word-access EMA kernel (EmaWordKernel); 64 * 40 + 8 (a
+// multiple of 8) the 16-byte one (EmaVecKernel), whose D chunks then reach the array's last
+// entry. Both have a partial last block.
 void RunScenarioWith(const Scenario& sc, uint32_t max_slots) {
   SCOPED_TRACE(::testing::Message() << "max_slots " << max_slots);
   Geometry g;
