@@ -1,5 +1,6 @@
 #include "spin/arena.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -14,8 +15,8 @@ uint64_t AlignUp(uint64_t x) { return (x + kArenaAlign - 1) / kArenaAlign * kAre
 // Section offsets and the total size, computed one way for InitArena, ViewArena and ArenaBytes.
 struct Layout {
   uint64_t off_policy, off_sparsity, off_stats, off_curves, off_seqs, off_fresh, off_state,
-      off_batch, off_union_count, off_union, off_phys, off_compact_len, off_scratch, off_mask,
-      off_error, total;
+      off_vsum, off_batch, off_union_count, off_union, off_phys, off_compact_len, off_scratch,
+      off_mask, off_error, total;
 };
 
 Layout ComputeLayout(const Geometry& g) {
@@ -35,6 +36,7 @@ Layout ComputeLayout(const Geometry& g) {
   l.off_seqs = take(S * sizeof(SeqRecord));
   l.off_fresh = take(S * L);
   l.off_state = take(S * L * 2 * N * StateBytes(g.dtype));
+  l.off_vsum = take(S * L * MB * sizeof(float));
   l.off_batch = take(sizeof(BatchHeader) + S * sizeof(StepEntry));
   l.off_union_count = take(S * sizeof(int32_t));
   l.off_union = take(S * MB * sizeof(int32_t));
@@ -115,6 +117,7 @@ ArenaView MakeView(void* base, const ArenaHeader& h, const Geometry& g) {
   v.seqs = reinterpret_cast<SeqRecord*>(b + h.off_seqs);
   v.fresh = b + h.off_fresh;
   v.state = b + h.off_state;
+  v.vsum = reinterpret_cast<float*>(b + h.off_vsum);
   v.batch = reinterpret_cast<BatchHeader*>(b + h.off_batch);
   v.entries = reinterpret_cast<StepEntry*>(v.batch + 1);
   v.union_count = reinterpret_cast<int32_t*>(b + h.off_union_count);
@@ -151,6 +154,7 @@ void FillHeader(ArenaHeader* h, const Geometry& g, uint64_t seed) {
   h->off_seqs = l.off_seqs;
   h->off_fresh = l.off_fresh;
   h->off_state = l.off_state;
+  h->off_vsum = l.off_vsum;
   h->off_batch = l.off_batch;
   h->off_union_count = l.off_union_count;
   h->off_union = l.off_union;
@@ -188,6 +192,7 @@ absl::StatusOr<ArenaView> InitArena(void* base, uint64_t bytes, const Geometry& 
     auto* p = reinterpret_cast<uint16_t*>(v.state);
     for (uint64_t i = 0; i < elems; ++i) p[i] = kBf16Unset;
   }
+  std::fill_n(v.vsum, static_cast<uint64_t>(g.max_seqs) * g.layers * v.max_blocks, NAN);
   std::memset(v.fresh, 1, static_cast<size_t>(g.max_seqs) * g.layers);
   v.batch->selected_layer = -1;
   if (absl::Status s = WritePolicy(v, policy); !s.ok()) return s;

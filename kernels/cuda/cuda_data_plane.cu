@@ -3,11 +3,13 @@
 // --fmad=false so no other arithmetic is contracted differently from the host.
 //
 // Per step: BeginStep (1 CTA) -> per layer: Scores (block scores of every row, grid over
-// block chunks) -> Select (one CTA per (entry, row): radix selects; the entry's last CTA to
-// finish builds the union, compacted table and lengths, and stats) ... Observe: Probe (one CTA
-// per entry, probe steps only) -> EMA (one launch per row, in row order; row 0 clears fresh):
-// EmaVec for the engine's layout (b = 64, max_slots % 8 == 0, 16-byte aligned logits rows),
-// EmaWord for other even block sizes >= 64, Ema otherwise.
+// block chunks; Scores64 for b = 64 reads D alone for blocks whose V summary is set) -> Select
+// (one CTA per (entry, row): radix selects; the entry's last CTA to finish builds the union,
+// compacted table and lengths, and stats) ... Observe: Probe (one CTA per entry, probe steps
+// only) -> EMA (one launch per row, in row order; row 0 clears fresh): EmaVec for the engine's
+// layout (b = 64, max_slots % 8 == 0, 16-byte aligned logits rows; it also refreshes the V
+// summaries of its blocks), EmaWord for other even block sizes >= 64 and Ema otherwise (both
+// followed by VSummary).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -52,6 +54,7 @@ struct Dev {
   SeqRecord* seqs;
   uint8_t* fresh;
   uint8_t* state;
+  float* vsum;  // block summaries of V (arena.h)
   BatchHeader* batch;
   StepEntry* entries;
   int32_t* union_count;
@@ -76,6 +79,9 @@ struct Dev {
 
   __device__ uint8_t* Record(int seq, int layer) const {
     return state + (static_cast<uint64_t>(seq) * layers + layer) * record_elems * dtype_bytes;
+  }
+  __device__ float* VSum(int seq, int layer) const {
+    return vsum + (static_cast<int64_t>(seq) * layers + layer) * max_blocks;
   }
   __device__ float* Scores(int e, int r) const {
     return r == 0 ? scratch0 + static_cast<int64_t>(e) * max_blocks
@@ -233,6 +239,12 @@ __global__ void ResetKernel(Dev d, int seq, uint64_t key) {
       reinterpret_cast<uint16_t*>(base)[i] = kBf16Unset;
     }
   }
+  float* vs = d.VSum(seq, 0);  // the sequence's layers are consecutive
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       i < static_cast<int64_t>(d.layers) * d.max_blocks;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    vs[i] = __int_as_float(0x7FC00000);
+  }
   if (blockIdx.x == 0) {
     for (int l = threadIdx.x; l < d.layers; l += blockDim.x) {
       d.fresh[static_cast<int64_t>(seq) * d.layers + l] = 1;
@@ -378,6 +390,76 @@ __global__ void ScoresKernel(Dev d, int layer) {
     best = other > best ? other : best;
   }
   if (j < nb && sub == 0) out[j] = best;
+}
+
+// ScoresKernel for b = 64 (the engine's block): the same scores with far fewer instructions for
+// the usual block, one wholly inside the row and at or before the query (hi - 1 <= q) whose V
+// summary is set (no unset V entry). For it max_i Prediction(V[i], D[q - i]) =
+// Prediction(vmax, max of the non-NaN D entries of the window [q - hi + 1, q - lo]): the order
+// of a maximum does not matter, so the window is read as the aligned 16-byte chunks covering it
+// (when max_slots % 8 == 0, so they lie inside D), lane s taking chunks s, s + 8, ..., and V is
+// not read at all. Other blocks are scored slot by slot as in ScoresKernel. (ncu on the H200
+// showed the slot-by-slot kernel issue-bound, 58% SM throughput and 21% DRAM at batch 64 x 128K:
+// about 38 instructions per slot for the 64-bit addressing, conversions and NaN rules.)
+template <typename T>
+__global__ void __launch_bounds__(kScoreThreads) Scores64Kernel(Dev d, int layer) {
+  constexpr int kC = 16 / static_cast<int>(sizeof(T));  // D entries per 16-byte chunk
+  const int e = blockIdx.z, r = blockIdx.y;
+  // Independent loads first (e < the host's n <= max_seqs, so the entry is in bounds).
+  const int batch_n = d.batch->n, batch_rows = d.batch->rows;
+  const StepEntry en = d.entries[e];
+  if (e >= batch_n || r >= batch_rows) return;
+  const int j0 = blockIdx.x * kBlocksPerScoreCta;
+  if (r == 0) {
+    uint8_t* mask = d.mask + static_cast<int64_t>(e) * d.max_blocks;
+    for (int j = j0 + threadIdx.x; j < min(j0 + kBlocksPerScoreCta, d.max_blocks);
+         j += blockDim.x) {
+      mask[j] = 0;
+    }
+  }
+  if (en.seq < 0 || (en.probe && r != 0)) return;  // probe steps need row 0's scores only
+  // The fresh flag (the step is dense: no scores) is read alongside the state; only the store
+  // waits for it. Every load below is in bounds either way.
+  const bool fresh = d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] != 0;
+  const int n = en.ctx_len + r, q = en.q_pos + r;
+  const int nb = static_cast<int>(CeilDiv(n, 64));
+  const T* rec = reinterpret_cast<const T*>(d.Record(en.seq, layer));
+  const T* dst = rec + d.max_slots;
+  const int j = j0 + static_cast<int>(threadIdx.x) / 8, sub = threadIdx.x % 8;
+  float best = -INFINITY, vs = NAN;
+  bool by_sum = false;  // uniform over the block's eight lanes
+  if (j < nb) {
+    const int lo = j * 64, hi = min(lo + 64, n);
+    if (hi - lo == 64 && hi - 1 <= q && d.max_slots % 8 == 0) {
+      vs = d.VSum(en.seq, layer)[j];
+      by_sum = vs == vs;
+    }
+    if (by_sum) {
+      const int wlo = q - hi + 1, whi = q - lo;
+      for (int c = wlo / kC + sub; c <= whi / kC; c += 8) {
+        const uint4 w = *reinterpret_cast<const uint4*>(dst + c * kC);
+        const T* x = reinterpret_cast<const T*>(&w);
+#pragma unroll
+        for (int k = 0; k < kC; ++k) {
+          const int o = c * kC + k;
+          const float v = LoadT(x, k);
+          if (o >= wlo && o <= whi && v > best) best = v;  // NaN (unset) never compares greater
+        }
+      }
+    } else {
+#pragma unroll 8
+      for (int i = lo + sub; i < hi; i += 8) {
+        const float p = Prediction(LoadT(rec, i), LoadT(dst, i <= q ? q - i : 0));
+        best = p > best ? p : best;
+      }
+    }
+  }
+  for (int o = 4; o > 0; o /= 2) {
+    const float other = __shfl_xor_sync(0xFFFFFFFFu, best, o);
+    best = other > best ? other : best;
+  }
+  if (by_sum) best = Prediction(vs, best);  // -inf when every D entry is unset: then vmax
+  if (j < nb && sub == 0 && !fresh) d.Scores(e, r)[j] = best;
 }
 
 // One (entry, row) selection after the query block: top by score, then exploration by draw.
@@ -1110,6 +1192,7 @@ __global__ void __launch_bounds__(kEmaThreads)
   const float* z = logits + (static_cast<int64_t>(e) * rows + r) * stride;
   T* v = reinterpret_cast<T*>(d.Record(en.seq, layer));
   T* dd = v + d.max_slots;
+  float* vsum_row = d.VSum(en.seq, layer);
   const int segs = (len + 63) / 64;
   const int gq = lane / 8, t0 = 8 * (lane % 8), s8 = lane % 8;
   E* win = s_d[warp][gq];
@@ -1136,7 +1219,7 @@ __global__ void __launch_bounds__(kEmaThreads)
         }
       }
       base = ids[sg] * 64;
-      if (t0 < cnt) {
+      if (base + t0 < d.max_slots) {  // the whole block, for its summary; t0 < cnt implies it
         const uint4* vp = reinterpret_cast<const uint4*>(v + base + t0);
 #pragma unroll
         for (int w = 0; w < kVWords; ++w) vw[w] = vp[w];
@@ -1197,6 +1280,29 @@ __global__ void __launch_bounds__(kEmaThreads)
         }
       }
     }
+    // The block's V summary from its updated entries below max_slots (every lane of the group
+    // loaded its eight).
+    float m = -INFINITY;
+    int unset = 0;
+    if (sg < segs && base + t0 < d.max_slots) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float x = B::Get(ve[k]);
+        if (x != x) {
+          unset = 1;
+        } else {
+          m = x > m ? x : m;
+        }
+      }
+    }
+    for (int o = 1; o < 8; o <<= 1) {
+      const float om = __shfl_xor_sync(kAll, m, o);
+      m = om > m ? om : m;
+      unset |= __shfl_xor_sync(kAll, unset, o);
+    }
+    if (s8 == 0 && sg < segs) {
+      vsum_row[base / 64] = unset ? __int_as_float(0x7FC00000) : (m == 0.0f ? 0.0f : m);
+    }
   }
   obs = __reduce_add_sync(kAll, obs);
   bad = __reduce_add_sync(kAll, bad);
@@ -1219,6 +1325,43 @@ __global__ void __launch_bounds__(kEmaThreads)
                   static_cast<unsigned long long>(bad));
       }
     }
+  }
+}
+
+// After EmaWordKernel / EmaKernel (EmaVecKernel keeps the summaries itself): the V summary of
+// every block of each entry's union, one warp per block. Entries the EMA did not apply keep
+// their V, so recomputing theirs changes nothing.
+template <typename T>
+__global__ void __launch_bounds__(kEmaThreads) VSummaryKernel(Dev d, int layer) {
+  const int e = blockIdx.y;
+  const int lane = threadIdx.x % 32;
+  if (e >= d.batch->n) return;
+  const StepEntry en = d.entries[e];
+  if (en.seq < 0) return;
+  const T* v = reinterpret_cast<const T*>(d.Record(en.seq, layer));
+  float* vs = d.VSum(en.seq, layer);
+  const int32_t* ids = d.union_ids + static_cast<int64_t>(e) * d.max_blocks;
+  const int count = d.union_count[e];
+  const int warps = kEmaThreads / 32;
+  for (int k = blockIdx.x * warps + static_cast<int>(threadIdx.x) / 32; k < count;
+       k += gridDim.x * warps) {
+    const int lo = ids[k] * d.block, hi = min(lo + d.block, d.max_slots);
+    float m = -INFINITY;
+    int unset = 0;
+    for (int i = lo + lane; i < hi; i += 32) {
+      const float x = LoadT(v, i);
+      if (x != x) {
+        unset = 1;
+      } else {
+        m = x > m ? x : m;
+      }
+    }
+    for (int o = 16; o > 0; o /= 2) {
+      const float om = __shfl_xor_sync(0xFFFFFFFFu, m, o);
+      m = om > m ? om : m;
+      unset |= __shfl_xor_sync(0xFFFFFFFFu, unset, o);
+    }
+    if (lane == 0) vs[ids[k]] = unset ? __int_as_float(0x7FC00000) : (m == 0.0f ? 0.0f : m);
   }
 }
 
@@ -1255,6 +1398,7 @@ class CudaDataPlane final : public DataPlane {
     d_.seqs = a_.seqs;
     d_.fresh = a_.fresh;
     d_.state = a_.state;
+    d_.vsum = a_.vsum;
     d_.batch = a_.batch;
     d_.entries = a_.entries;
     d_.union_count = a_.union_count;
@@ -1368,7 +1512,13 @@ class CudaDataPlane final : public DataPlane {
     if (n_ > 0) {
       const dim3 sgrid(static_cast<unsigned>(CeilDiv(a_.max_blocks, kBlocksPerScoreCta)),
                        static_cast<unsigned>(rows_), static_cast<unsigned>(n_));
-      if (d_.dtype_bytes == 4) {
+      if (d_.block == 64) {
+        if (d_.dtype_bytes == 4) {
+          Scores64Kernel<float><<<sgrid, kScoreThreads, 0, stream>>>(d_, layer);
+        } else {
+          Scores64Kernel<uint16_t><<<sgrid, kScoreThreads, 0, stream>>>(d_, layer);
+        }
+      } else if (d_.dtype_bytes == 4) {
         ScoresKernel<float><<<sgrid, kScoreThreads, 0, stream>>>(d_, layer);
       } else {
         ScoresKernel<uint16_t><<<sgrid, kScoreThreads, 0, stream>>>(d_, layer);
@@ -1441,6 +1591,7 @@ class CudaDataPlane final : public DataPlane {
               d_, layer, r, logits, logits_stride, accepted);
         }
       }
+      LaunchVSummaries(layer, stream);
       return CudaStatus(cudaGetLastError(), "Observe launch");
     }
     // Other block sizes: one round of kEmaSlots slots per thread when the whole context is kept
@@ -1456,10 +1607,21 @@ class CudaDataPlane final : public DataPlane {
                                                                           logits_stride, accepted);
       }
     }
+    LaunchVSummaries(layer, stream);
     return CudaStatus(cudaGetLastError(), "Observe launch");
   }
 
  private:
+  void LaunchVSummaries(int32_t layer, cudaStream_t stream) {
+    const unsigned chunks =
+        static_cast<unsigned>(std::clamp<int64_t>(CeilDiv(a_.max_blocks, kEmaThreads / 32), 1, 64));
+    if (d_.dtype_bytes == 4) {
+      VSummaryKernel<float><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(d_, layer);
+    } else {
+      VSummaryKernel<uint16_t><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(d_, layer);
+    }
+  }
+
   absl::Status CheckLayer(int32_t layer) const {
     if (layer < 0 || static_cast<uint32_t>(layer) >= a_.geometry.layers) {
       return absl::OutOfRangeError(
@@ -1522,6 +1684,9 @@ absl::StatusOr<ArenaView> InitDeviceArena(void* device_base, uint64_t bytes, con
   if (e == cudaSuccess) {
     FillUnsetKernel<<<1024, 256, 0, stream>>>(v->state, 2ull * g.max_seqs * g.layers * g.max_slots,
                                               static_cast<int>(StateBytes(g.dtype)));
+    FillUnsetKernel<<<256, 256, 0, stream>>>(
+        reinterpret_cast<uint8_t*>(v->vsum),
+        static_cast<uint64_t>(g.max_seqs) * g.layers * v->max_blocks, 4);
     e = cudaGetLastError();
   }
   if (e == cudaSuccess) e = cudaStreamSynchronize(stream);

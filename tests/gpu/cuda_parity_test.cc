@@ -171,7 +171,8 @@ class Twin {
       }
     };
     same(0, h.off_state, "header/policy/budgets/stats/curves/seqs/fresh");
-    same(h.off_state, h.off_batch, "state");
+    same(h.off_state, h.off_vsum, "state");
+    same(h.off_vsum, h.off_batch, "V block summaries");
     same(h.off_batch, h.off_scratch, "batch/outputs");
     same(h.off_error, h.total_bytes, "error");
   }

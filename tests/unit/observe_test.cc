@@ -1,5 +1,6 @@
 // Observation rules of DESIGN §5 (EMA, non-finite scores, MTP prefix-valid replay, probe miss
 // curves, reset) and the no-change guarantee of rejected calls, on the CPU backend.
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -305,6 +306,76 @@ TEST(Observe, Bf16TracksFp32) {
     total += sel[0].size();
   }
   EXPECT_GE(static_cast<double>(agree) / total, 0.9);
+}
+
+// The arena's V block summaries (arena.h) equal their definition after every call: NaN while
+// any entry of the block is unset, else the largest entry. Two sequences, MTP rows with random
+// acceptance, scores with NaN and inf, sparse steps, a reset, and a partial last block.
+TEST(Observe, VBlockSummariesFollowV) {
+  for (StateDtype dt : {StateDtype::kFp32, StateDtype::kBf16}) {
+    SCOPED_TRACE(dt == StateDtype::kFp32 ? "fp32" : "bf16");
+    const Geometry g = Geo(64 * 6 + 24, 64, 2, 2, dt);
+    TestArena t(g, Pol(0.5, 0.5f, 3));
+    const ArenaView& a = t.view();
+    auto check = [&](const char* when) {
+      for (int s = 0; s < 2; ++s) {
+        for (int l = 0; l < 2; ++l) {
+          for (uint32_t j = 0; j < a.max_blocks; ++j) {
+            float want = -INFINITY;
+            for (uint32_t i = j * 64; i < std::min<uint32_t>((j + 1) * 64, g.max_slots); ++i) {
+              const float x = t.Get(s, l, 0, static_cast<int>(i));
+              if (std::isnan(x)) {
+                want = NAN;
+                break;
+              }
+              want = std::max(want, x);
+            }
+            const float got = a.VSummaries(s, l)[j];
+            if (std::isnan(want)) {
+              ASSERT_TRUE(std::isnan(got))
+                  << when << " seq " << s << " layer " << l << " block " << j;
+            } else {
+              ASSERT_EQ(got, want) << when << " seq " << s << " layer " << l << " block " << j;
+            }
+          }
+        }
+      }
+    };
+    int set_blocks = 0;  // summaries that hold a maximum at the end (the test is not vacuous)
+    check("after init");
+    ASSERT_TRUE(t.dp().ResetSequence(0, 11).ok());
+    ASSERT_TRUE(t.dp().ResetSequence(1, 12).ok());
+    std::mt19937 rng(5);
+    std::vector<int32_t> ctx = {200, 90};
+    const int stride = 64 * 7;
+    for (int step = 0; step < 12; ++step) {
+      if (step == 6) {
+        ASSERT_TRUE(t.dp().ResetSequence(1, 13).ok());
+        check("after reset");
+      }
+      const int32_t seq[2] = {0, 1}, c[2] = {ctx[0], ctx[1]}, q[2] = {ctx[0] - 1, ctx[1] - 1};
+      ASSERT_TRUE(t.dp().BeginStep(StepBatch{seq, c, q, 2, 2}).ok());
+      int32_t acc[2];
+      for (int l = 0; l < 2; ++l) {
+        ASSERT_TRUE(t.dp().Select(l).ok());
+        std::vector<float> z(2 * 2 * stride);
+        for (float& x : z) {
+          const int u = static_cast<int>(rng() % 400);
+          x = u == 0 ? NAN : u == 1 ? INFINITY : static_cast<float>(rng() % 1000) / 100.0f;
+        }
+        for (int e = 0; e < 2; ++e) acc[e] = static_cast<int32_t>(rng() % 3);
+        ASSERT_TRUE(t.dp().Observe(l, z.data(), stride, acc).ok());
+        check("after observe");
+      }
+      for (int e = 0; e < 2; ++e)
+        ctx[e] = std::min<int32_t>(ctx[e] + std::max(1, acc[e]), 64 * 6 + 22);
+    }
+    for (int s = 0; s < 2; ++s) {
+      for (uint32_t j = 0; j < a.max_blocks; ++j)
+        set_blocks += std::isnan(a.VSummaries(s, 0)[j]) ? 0 : 1;
+    }
+    EXPECT_GE(set_blocks, 4);
+  }
 }
 
 }  // namespace

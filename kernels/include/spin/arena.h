@@ -16,7 +16,7 @@ namespace spin {
 /// "SPIN" in little-endian byte order.
 inline constexpr uint32_t kArenaMagic = 0x4E495053u;
 /// Bumped on any change of the bytes below.
-inline constexpr uint32_t kArenaLayoutVersion = 1;
+inline constexpr uint32_t kArenaLayoutVersion = 2;
 /// Section alignment inside the arena.
 inline constexpr uint64_t kArenaAlign = 256;
 /// Keep fractions of the probe-step miss curve: 5%, 10%, ..., 100%.
@@ -130,13 +130,18 @@ struct ArenaHeader {
   uint32_t header_bytes;  ///< sizeof(ArenaHeader)
   uint64_t seed;          ///< session seed for exploration
   // Section offsets from the arena base.
-  uint64_t off_policy;       ///< ArenaPolicy
-  uint64_t off_sparsity;     ///< double[L]: per-layer sparsity rho_l (the budget table)
-  uint64_t off_stats;        ///< LayerStats[L]
-  uint64_t off_curves;       ///< uint64[L][kCurvePoints]: missed top-K slots per keep fraction
-  uint64_t off_seqs;         ///< SeqRecord[S]
-  uint64_t off_fresh;        ///< uint8[S][L]: 1 until the first observation
-  uint64_t off_state;        ///< per (seq, layer): V[N] then D[N], dtype elements
+  uint64_t off_policy;    ///< ArenaPolicy
+  uint64_t off_sparsity;  ///< double[L]: per-layer sparsity rho_l (the budget table)
+  uint64_t off_stats;     ///< LayerStats[L]
+  uint64_t off_curves;    ///< uint64[L][kCurvePoints]: missed top-K slots per keep fraction
+  uint64_t off_seqs;      ///< SeqRecord[S]
+  uint64_t off_fresh;     ///< uint8[S][L]: 1 until the first observation
+  uint64_t off_state;     ///< per (seq, layer): V[N] then D[N], dtype elements
+  /// float[S][L][max_blocks]: per block j of V (slots [j b, min((j + 1) b, N))), NaN if any
+  /// entry is unset, else the largest entry (zero stored as +0). Kept equal to that function of
+  /// V by every backend (reset, and observe for the blocks of its union), so block scores can
+  /// take the vertical term of a block wholly inside the row from one value.
+  uint64_t off_vsum;
   uint64_t off_batch;        ///< BatchHeader, then StepEntry[S]
   uint64_t off_union_count;  ///< int32[S]: selected blocks of batch entry e (union over rows)
   uint64_t off_union;        ///< int32[S][max_blocks]: selected logical block ids, ascending
@@ -170,6 +175,7 @@ struct ArenaView {
   SeqRecord* seqs = nullptr;
   uint8_t* fresh = nullptr;
   uint8_t* state = nullptr;
+  float* vsum = nullptr;
   BatchHeader* batch = nullptr;
   StepEntry* entries = nullptr;
   int32_t* union_count = nullptr;
@@ -187,6 +193,10 @@ struct ArenaView {
   /// Start of V for (seq, layer); D follows after max_slots elements.
   uint8_t* StateRecord(int seq, int layer) const {
     return state + (static_cast<uint64_t>(seq) * geometry.layers + layer) * StateRecordBytes();
+  }
+  /// The block summaries of V for (seq, layer): max_blocks floats.
+  float* VSummaries(int seq, int layer) const {
+    return vsum + (static_cast<uint64_t>(seq) * geometry.layers + layer) * max_blocks;
   }
 };
 
