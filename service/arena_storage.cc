@@ -4,7 +4,6 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-
 #include "absl/strings/str_cat.h"
 #include "spin/budget.h"
 

@@ -45,19 +45,6 @@ void BlockScores(const T* v, const T* d, int32_t n, int32_t q, int32_t b, float*
   }
 }
 
-// The arena's block summary of V over [lo, hi) (arena.h, VSummaries): NaN if any entry is
-// unset, else the largest (zero as +0, so the value does not depend on the order of the walk).
-template <typename T>
-float VBlockSummary(const T* v, int32_t lo, int32_t hi) {
-  float m = -INFINITY;
-  for (int32_t i = lo; i < hi; ++i) {
-    const float x = Load(v, i);
-    if (x != x) return NAN;
-    m = x > m ? x : m;
-  }
-  return m == 0.0f ? 0.0f : m;
-}
-
 // Block order by predicted score: higher first, ties to the lower id.
 struct ByScore {
   const float* s;
@@ -334,10 +321,8 @@ class CpuDataPlane final : public DataPlane {
       }
       // Every V entry that changed lies in a union block: refresh their summaries.
       if (acc > 0) {
-        float* vs = a_.VSummaries(en.seq, layer);
         for (int32_t k = 0; k < count; ++k) {
-          const int32_t lo = ids[k] * b;
-          vs[ids[k]] = VBlockSummary(v, lo, std::min<int32_t>(lo + b, g.max_slots));
+          RefreshVSummary(a_, en.seq, layer, static_cast<uint32_t>(ids[k]));
         }
       }
       if (acc > 0) fresh = 0;

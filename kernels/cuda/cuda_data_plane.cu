@@ -624,8 +624,8 @@ __device__ void UnionOf(const Dev& d, int layer, int e, const StepEntry& en, boo
 }
 
 // Select(l) after the scores: one CTA per (row, entry) selects its row; the last CTA of an
-// entry to finish (a per-entry arrival counter, reset by that CTA for the next launch) builds
-// the union. One launch instead of a selection launch and a union launch.
+// entry to finish (a per-entry arrival counter that wraps to 0 on the last arrival) builds the
+// union. One launch instead of a selection launch and a union launch.
 __global__ void __launch_bounds__(kSelectThreads)
     SelectKernel(Dev d, int layer, const int32_t* table, int64_t table_stride) {
   __shared__ int s_last;
@@ -646,12 +646,9 @@ __global__ void __launch_bounds__(kSelectThreads)
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    const unsigned prev = atomicAdd(&d.arrive[e], 1u);
-    s_last = prev == gridDim.x - 1 ? 1 : 0;
-    if (s_last) {
-      d.arrive[e] = 0;  // every CTA of the entry has arrived
-      __threadfence();
-    }
+    // Counts 0 .. gridDim.x - 1 and wraps to 0 on the last arrival, ready for the next launch.
+    s_last = atomicInc(&d.arrive[e], gridDim.x - 1) == gridDim.x - 1 ? 1 : 0;
+    if (s_last) __threadfence();
   }
   __syncthreads();
   if (!s_last) return;
@@ -752,6 +749,74 @@ __global__ void __launch_bounds__(kSelectThreads)
   }
 }
 
+// What every EMA kernel reads first for row r of entry blockIdx.y. Every warp reads the entry
+// itself with independent loads (e < the host's n <= max_seqs, so they are in bounds), so the
+// CTA waits for one memory latency and no barrier; rows <= kMaxRows <= 32, so lane rr checks
+// row rr's compacted length against the stride. `active` (uniform over the CTA) is false when
+// the row is not applied: padding, r >= accepted, accepted out of range, or a stride below a
+// compacted row. An applied row 0 clears the fresh flag: only the Probe kernel, which ran
+// before this launch, reads it during Observe.
+struct EmaRow {
+  StepEntry en;
+  int rows, len;
+  float alpha, beta;
+  bool active;
+};
+__device__ __forceinline__ EmaRow EmaRowOf(const Dev& d, int layer, int r, int64_t stride,
+                                           const int32_t* accepted) {
+  constexpr unsigned kAll = 0xFFFFFFFFu;
+  const int e = blockIdx.y, lane = threadIdx.x % 32;
+  EmaRow w;
+  const int batch_n = d.batch->n;
+  w.rows = d.batch->rows;
+  w.en = d.entries[e];
+  const int acc_in = accepted ? accepted[e] : 0;
+  const int lane_len =
+      lane < d.max_rows ? d.compact_len[static_cast<int64_t>(e) * d.max_rows + lane] : 0;
+  w.alpha = d.policy->alpha;
+  w.beta = d.policy->beta;
+  const bool stride_ok = __all_sync(kAll, lane >= w.rows || lane_len <= stride);
+  w.len = __shfl_sync(kAll, lane_len, r % 32);
+  const int acc = accepted ? acc_in : w.rows;
+  w.active = e < batch_n && r < w.rows && w.en.seq >= 0 && acc >= 0 && acc <= w.rows && r < acc &&
+             stride_ok;
+  if (w.active && r == 0 && blockIdx.x == 0 && threadIdx.x == 0) {
+    d.fresh[static_cast<int64_t>(w.en.seq) * d.layers + layer] = 0;
+  }
+  return w;
+}
+
+// The CTA's observed and non-finite counts: warp sums, then one global atomic per CTA and
+// counter (none when zero). Every thread of the CTA calls it.
+__device__ __forceinline__ void AddEmaCounts(const Dev& d, int layer, unsigned obs, unsigned bad) {
+  constexpr unsigned kAll = 0xFFFFFFFFu;
+  constexpr int kWarps = kEmaThreads / 32;
+  __shared__ unsigned s_obs[kWarps], s_bad[kWarps];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  obs = __reduce_add_sync(kAll, obs);
+  bad = __reduce_add_sync(kAll, bad);
+  if (lane == 0) {
+    s_obs[warp] = obs;
+    s_bad[warp] = bad;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    obs = __reduce_add_sync(kAll, lane < kWarps ? s_obs[lane] : 0u);
+    bad = __reduce_add_sync(kAll, lane < kWarps ? s_bad[lane] : 0u);
+    if (lane == 0) {
+      LayerStats* st = d.stats + layer;
+      if (obs) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(&st->observed),
+                  static_cast<unsigned long long>(obs));
+      }
+      if (bad) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(&st->bad_scores),
+                  static_cast<unsigned long long>(bad));
+      }
+    }
+  }
+}
+
 // EMA update of row r for every entry; one launch per row, in row order (the prefix-valid
 // replay). Within a row the compacted slots x < len_r are exactly the union's slots i < N_r,
 // each once, so every V[i] and D[q - i] belongs to one thread and any schedule gives the
@@ -764,32 +829,15 @@ __global__ void __launch_bounds__(kEmaThreads)
     EmaKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
               const int32_t* accepted) {
   constexpr int kWarps = kEmaThreads / 32;
-  __shared__ unsigned s_obs[kWarps], s_bad[kWarps];
-  const int e = blockIdx.y;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  // Every warp reads the entry itself with independent loads (e < the host's n <= max_seqs, so
-  // they are in bounds), so the CTA waits for one memory latency and no barrier.
-  const int batch_n = d.batch->n, rows = d.batch->rows;
-  const StepEntry en = d.entries[e];
-  const int acc_in = accepted ? accepted[e] : 0;
-  const int lane_len =
-      lane < d.max_rows ? d.compact_len[static_cast<int64_t>(e) * d.max_rows + lane] : 0;
-  const float alpha = d.policy->alpha, beta = d.policy->beta;
-  // rows <= kMaxRows <= 32: lane rr checks row rr's compacted length against the stride.
-  const bool stride_ok = __all_sync(0xFFFFFFFFu, lane >= rows || lane_len <= stride);
-  const int len = __shfl_sync(0xFFFFFFFFu, lane_len, r % 32);
-  const int acc = accepted ? acc_in : rows;
-  const bool active =
-      e < batch_n && r < rows && en.seq >= 0 && acc >= 0 && acc <= rows && r < acc && stride_ok;
-  if (!active) return;  // uniform over the CTA
-  // At least one row is applied: the (sequence, layer) is no longer fresh. Only the Probe
-  // kernel, which ran before this launch, reads the flag during Observe.
-  if (r == 0 && blockIdx.x == 0 && threadIdx.x == 0) {
-    d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] = 0;
-  }
+  const EmaRow w = EmaRowOf(d, layer, r, stride, accepted);
+  if (!w.active) return;  // uniform over the CTA
+  const StepEntry& en = w.en;
+  const int len = w.len;
+  const float alpha = w.alpha, beta = w.beta;
   const int b = d.block, shift = d.block_shift, q = en.q_pos + r;
-  const int32_t* ids = d.union_ids + static_cast<int64_t>(e) * d.max_blocks;
-  const float* z = logits + (static_cast<int64_t>(e) * rows + r) * stride;
+  const int32_t* ids = d.union_ids + static_cast<int64_t>(blockIdx.y) * d.max_blocks;
+  const float* z = logits + (static_cast<int64_t>(blockIdx.y) * w.rows + r) * stride;
   T* v = reinterpret_cast<T*>(d.Record(en.seq, layer));
   T* dd = v + d.max_slots;
   unsigned obs = 0, bad = 0;
@@ -832,28 +880,7 @@ __global__ void __launch_bounds__(kEmaThreads)
     }
   }
   // Counts: warp sums, then one global atomic per CTA and counter (only when non-zero).
-  obs = __reduce_add_sync(0xFFFFFFFFu, obs);
-  bad = __reduce_add_sync(0xFFFFFFFFu, bad);
-  if (lane == 0) {
-    s_obs[warp] = obs;
-    s_bad[warp] = bad;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    obs = __reduce_add_sync(0xFFFFFFFFu, lane < kWarps ? s_obs[lane] : 0u);
-    bad = __reduce_add_sync(0xFFFFFFFFu, lane < kWarps ? s_bad[lane] : 0u);
-    if (lane == 0) {
-      LayerStats* st = d.stats + layer;
-      if (obs) {
-        atomicAdd(reinterpret_cast<unsigned long long*>(&st->observed),
-                  static_cast<unsigned long long>(obs));
-      }
-      if (bad) {
-        atomicAdd(reinterpret_cast<unsigned long long*>(&st->bad_scores),
-                  static_cast<unsigned long long>(bad));
-      }
-    }
-  }
+  AddEmaCounts(d, layer, obs, bad);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -995,30 +1022,16 @@ __global__ void __launch_bounds__(kEmaThreads)
   using B = StateBits<T>;
   using E = typename B::E;
   constexpr int kWarps = kEmaThreads / 32;
-  constexpr unsigned kAll = 0xFFFFFFFFu;
-  __shared__ unsigned s_obs[kWarps], s_bad[kWarps];
   __shared__ E s_d[kWarps][kEmaSegs][kEmaSegSlots + 2];  // a segment's D words, from wlo
-  const int e = blockIdx.y;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  // As EmaKernel: independent loads of the entry, no barrier before the work.
-  const int batch_n = d.batch->n, rows = d.batch->rows;
-  const StepEntry en = d.entries[e];
-  const int acc_in = accepted ? accepted[e] : 0;
-  const int lane_len =
-      lane < d.max_rows ? d.compact_len[static_cast<int64_t>(e) * d.max_rows + lane] : 0;
-  const float alpha = d.policy->alpha, beta = d.policy->beta;
-  const bool stride_ok = __all_sync(kAll, lane >= rows || lane_len <= stride);
-  const int len = __shfl_sync(kAll, lane_len, r % 32);
-  const int acc = accepted ? acc_in : rows;
-  const bool active =
-      e < batch_n && r < rows && en.seq >= 0 && acc >= 0 && acc <= rows && r < acc && stride_ok;
-  if (!active) return;  // uniform over the CTA
-  if (r == 0 && blockIdx.x == 0 && threadIdx.x == 0) {
-    d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] = 0;
-  }
+  const EmaRow w = EmaRowOf(d, layer, r, stride, accepted);
+  if (!w.active) return;  // uniform over the CTA
+  const StepEntry& en = w.en;
+  const int len = w.len;
+  const float alpha = w.alpha, beta = w.beta;
   const int b = d.block, q = en.q_pos + r;
-  const int32_t* ids = d.union_ids + static_cast<int64_t>(e) * d.max_blocks;
-  const float* z = logits + (static_cast<int64_t>(e) * rows + r) * stride;
+  const int32_t* ids = d.union_ids + static_cast<int64_t>(blockIdx.y) * d.max_blocks;
+  const float* z = logits + (static_cast<int64_t>(blockIdx.y) * w.rows + r) * stride;
   T* v = reinterpret_cast<T*>(d.Record(en.seq, layer));
   T* dd = v + d.max_slots;
   // Word alignment, uniform over the row: logits and V words start at even offsets from z and
@@ -1120,28 +1133,7 @@ __global__ void __launch_bounds__(kEmaThreads)
       }
     }
   }
-  obs = __reduce_add_sync(kAll, obs);
-  bad = __reduce_add_sync(kAll, bad);
-  if (lane == 0) {
-    s_obs[warp] = obs;
-    s_bad[warp] = bad;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    obs = __reduce_add_sync(kAll, lane < kWarps ? s_obs[lane] : 0u);
-    bad = __reduce_add_sync(kAll, lane < kWarps ? s_bad[lane] : 0u);
-    if (lane == 0) {
-      LayerStats* st = d.stats + layer;
-      if (obs) {
-        atomicAdd(reinterpret_cast<unsigned long long*>(&st->observed),
-                  static_cast<unsigned long long>(obs));
-      }
-      if (bad) {
-        atomicAdd(reinterpret_cast<unsigned long long*>(&st->bad_scores),
-                  static_cast<unsigned long long>(bad));
-      }
-    }
-  }
+  AddEmaCounts(d, layer, obs, bad);
 }
 
 // The EMA for the engine's layout (b = 64, max_slots a multiple of 8, logits rows 16-byte
@@ -1167,29 +1159,16 @@ __global__ void __launch_bounds__(kEmaThreads)
   constexpr int kMaxChunks = 64 / kChunk + 1;               // chunks covering 64 entries
   constexpr int kDWords = (kMaxChunks + 7) / 8;             // D chunks per lane
   constexpr int kWin = kMaxChunks * kChunk;
-  __shared__ unsigned s_obs[kWarps], s_bad[kWarps];
   __shared__ __align__(16) E s_d[kWarps][4][kWin];
-  const int e = blockIdx.y;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  // As EmaKernel: independent loads of the entry, no barrier before the work.
-  const int batch_n = d.batch->n, rows = d.batch->rows;
-  const StepEntry en = d.entries[e];
-  const int acc_in = accepted ? accepted[e] : 0;
-  const int lane_len =
-      lane < d.max_rows ? d.compact_len[static_cast<int64_t>(e) * d.max_rows + lane] : 0;
-  const float alpha = d.policy->alpha, beta = d.policy->beta;
-  const bool stride_ok = __all_sync(kAll, lane >= rows || lane_len <= stride);
-  const int len = __shfl_sync(kAll, lane_len, r % 32);
-  const int acc = accepted ? acc_in : rows;
-  const bool active =
-      e < batch_n && r < rows && en.seq >= 0 && acc >= 0 && acc <= rows && r < acc && stride_ok;
-  if (!active) return;  // uniform over the CTA
-  if (r == 0 && blockIdx.x == 0 && threadIdx.x == 0) {
-    d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] = 0;
-  }
+  const EmaRow w = EmaRowOf(d, layer, r, stride, accepted);
+  if (!w.active) return;  // uniform over the CTA
+  const StepEntry& en = w.en;
+  const int len = w.len;
+  const float alpha = w.alpha, beta = w.beta;
   const int q = en.q_pos + r;
-  const int32_t* ids = d.union_ids + static_cast<int64_t>(e) * d.max_blocks;
-  const float* z = logits + (static_cast<int64_t>(e) * rows + r) * stride;
+  const int32_t* ids = d.union_ids + static_cast<int64_t>(blockIdx.y) * d.max_blocks;
+  const float* z = logits + (static_cast<int64_t>(blockIdx.y) * w.rows + r) * stride;
   T* v = reinterpret_cast<T*>(d.Record(en.seq, layer));
   T* dd = v + d.max_slots;
   float* vsum_row = d.VSum(en.seq, layer);
@@ -1304,28 +1283,7 @@ __global__ void __launch_bounds__(kEmaThreads)
       vsum_row[base / 64] = unset ? __int_as_float(0x7FC00000) : (m == 0.0f ? 0.0f : m);
     }
   }
-  obs = __reduce_add_sync(kAll, obs);
-  bad = __reduce_add_sync(kAll, bad);
-  if (lane == 0) {
-    s_obs[warp] = obs;
-    s_bad[warp] = bad;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    obs = __reduce_add_sync(kAll, lane < kWarps ? s_obs[lane] : 0u);
-    bad = __reduce_add_sync(kAll, lane < kWarps ? s_bad[lane] : 0u);
-    if (lane == 0) {
-      LayerStats* st = d.stats + layer;
-      if (obs) {
-        atomicAdd(reinterpret_cast<unsigned long long*>(&st->observed),
-                  static_cast<unsigned long long>(obs));
-      }
-      if (bad) {
-        atomicAdd(reinterpret_cast<unsigned long long*>(&st->bad_scores),
-                  static_cast<unsigned long long>(bad));
-      }
-    }
-  }
+  AddEmaCounts(d, layer, obs, bad);
 }
 
 // After EmaWordKernel / EmaKernel (EmaVecKernel keeps the summaries itself): the V summary of

@@ -66,7 +66,10 @@ float Score(int seq, int layer, int step, int row, int slot, int q) {
 // Runs the same random multi-sequence decode through both backends and compares everything.
 class Twin {
  public:
-  Twin(const Geometry& g, const Policy& p, uint64_t seed) : cpu_(g, p, seed), g_(g) {
+  // stride_pad > 0 makes the logits rows stride_pad floats longer than the compacted maximum
+  // (an odd pad leaves rows unaligned for 16-byte loads, so the word-access EMA runs).
+  Twin(const Geometry& g, const Policy& p, uint64_t seed, int stride_pad = 0)
+      : cpu_(g, p, seed), g_(g) {
     bytes_ = ArenaBytes(g);
     dev_ = std::make_unique<DevBuf>(bytes_);
     auto v = InitDeviceArena(dev_->p, bytes_, g, seed, p);
@@ -76,7 +79,7 @@ class Twin {
     EXPECT_TRUE(dp.ok()) << dp.status();
     gpu_ = std::move(*dp);
     const size_t S = g.max_seqs, R = g.max_rows, MB = cpu_.view().max_blocks;
-    stride_ = static_cast<int64_t>(MB) * g.block_size;
+    stride_ = static_cast<int64_t>(MB) * g.block_size + stride_pad;
     d_seq_ = std::make_unique<DevBuf>(S * 4);
     d_ctx_ = std::make_unique<DevBuf>(S * 4);
     d_q_ = std::make_unique<DevBuf>(S * 4);
@@ -111,8 +114,21 @@ class Twin {
     const int MB = static_cast<int>(c.max_blocks), R = static_cast<int>(g_.max_rows);
     const int b = static_cast<int>(g_.block_size);
     for (int l = 0; l < static_cast<int>(g_.layers); ++l) {
+      std::vector<uint8_t> fresh(n, 1);  // before Select: a fresh pair writes no block scores
+      for (int e = 0; e < n; ++e) {
+        if (seq[e] >= 0) fresh[e] = c.fresh[static_cast<size_t>(seq[e]) * g_.layers + l];
+      }
       ASSERT_TRUE(cpu_.dp().Select(l, table_.data(), MB).ok());
       ASSERT_TRUE(gpu_->Select(l, d_table_->as<int32_t>(), MB).ok());
+      // Row 0's block scores (what the selection ranked) are equal, not just the selections.
+      const auto scores = ToHost(dview_.scratch, static_cast<size_t>(n) * MB);
+      for (int e = 0; e < n; ++e) {
+        if (fresh[e]) continue;
+        for (int j = 0; j < static_cast<int>(CeilDiv(ctx[e], b)); ++j) {
+          ASSERT_EQ(scores[e * MB + j], c.scratch[e * MB + j])
+              << "row-0 score, step " << step << " layer " << l << " entry " << e << " block " << j;
+        }
+      }
       const auto count = ToHost(dview_.union_count, n);
       const auto ids = ToHost(dview_.union_ids, static_cast<size_t>(n) * MB);
       const auto phys = ToHost(dview_.phys, static_cast<size_t>(n) * MB);
@@ -202,11 +218,13 @@ struct Scenario {
   uint32_t period;
 };
 
-// max_slots 64 * 40 + 17 runs the word-access EMA kernel (EmaWordKernel); 64 * 40 + 8 (a
-// multiple of 8) the 16-byte one (EmaVecKernel), whose D chunks then reach the array's last
-// entry. Both have a partial last block.
-void RunScenarioWith(const Scenario& sc, uint32_t max_slots) {
-  SCOPED_TRACE(::testing::Message() << "max_slots " << max_slots);
+// max_slots 64 * 40 + 17 runs the word-access EMA kernel (EmaWordKernel) and slot-by-slot block
+// scores; 64 * 40 + 8 (a multiple of 8) the 16-byte EMA (EmaVecKernel), whose D chunks then
+// reach the array's last entry, and scores from the V block summaries; with an odd logits
+// stride pad, EmaWordKernel + VSummaryKernel feed the summaries instead. All have a partial
+// last block.
+void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad) {
+  SCOPED_TRACE(::testing::Message() << "max_slots " << max_slots << ", stride pad " << stride_pad);
   Geometry g;
   g.layers = 3;
   g.max_seqs = 6;
@@ -220,7 +238,7 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots) {
   p.exploration = sc.gamma;
   p.alpha = 0.3f;
   p.probe_period = sc.period;
-  Twin t(g, p, 99);
+  Twin t(g, p, 99, stride_pad);
   std::mt19937 rng(sc.rows * 10 + static_cast<int>(sc.dtype));
   const int kSteps = 24;
   // Sequence s starts with context start[s]; sequence 0 ends exactly at max_slots.
@@ -246,8 +264,9 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots) {
 }
 
 void RunScenario(const Scenario& sc) {
-  RunScenarioWith(sc, 64 * 40 + 17);
-  RunScenarioWith(sc, 64 * 40 + 8);
+  RunScenarioWith(sc, 64 * 40 + 17, 0);
+  RunScenarioWith(sc, 64 * 40 + 8, 0);
+  RunScenarioWith(sc, 64 * 40 + 8, 1);
 }
 
 TEST_F(CudaTest, ParityFp32SingleRow) { RunScenario({StateDtype::kFp32, 1, 0.5, 0.1, 3}); }

@@ -37,6 +37,8 @@ class TestArena {
     if (view_.geometry.dtype == StateDtype::kFp32) return reinterpret_cast<const float*>(rec)[at];
     return Bf16ToFloat(reinterpret_cast<const uint16_t*>(rec)[at]);
   }
+  /// Writes a state element, and for V refreshes its block's summary (arena.h) as every backend
+  /// does, so the arena stays valid.
   void Set(int seq, int layer, int which, int i, float v) {
     uint8_t* rec = view_.StateRecord(seq, layer);
     const uint64_t at = static_cast<uint64_t>(which) * view_.geometry.max_slots + i;
@@ -45,6 +47,7 @@ class TestArena {
     } else {
       reinterpret_cast<uint16_t*>(rec)[at] = FloatToBf16(v);
     }
+    if (which == 0) RefreshVSummary(view_, seq, layer, i / view_.geometry.block_size);
   }
   void SetFresh(int seq, int layer, bool fresh) {
     view_.fresh[static_cast<uint64_t>(seq) * view_.geometry.layers + layer] = fresh ? 1 : 0;
