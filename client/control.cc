@@ -6,11 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "grpc_status.h"
 #include "grpcpp/grpcpp.h"
-#include "remote_data_plane.h"
 #include "spin/v1/spin.grpc.pb.h"
-#include "spin_client.h"
 
 namespace spin {
 namespace {
@@ -158,57 +155,6 @@ int CmdStats(const ControlArgs& a) {
                 static_cast<unsigned long long>(l.bad_scores()));
   }
   return 0;
-}
-
-absl::StatusOr<ReplaySummary> ReplayThroughDaemon(const std::string& target, const Trace& trace,
-                                                  const ReplayOptions& options, bool remote,
-                                                  const std::string& admin_token,
-                                                  std::string* where) {
-  client::AttachOptions ao;
-  ao.geometry = TraceGeometry(trace.meta(), trace.n_max(), options.dtype);
-  ao.policy = options.policy;
-  ao.seed = options.seed;
-  ao.client_name = remote ? "spinctl-replay-remote" : "spinctl-replay";
-  ao.admin_token = admin_token;
-  absl::StatusOr<std::unique_ptr<client::Session>> s = client::Session::Attach(target, ao);
-  if (!s.ok()) return s.status();
-  // The daemon decides where the arena lives; --backend cuda insists on a GPU arena.
-  if (options.backend == ReplayBackend::kCuda && !(*s)->on_device()) {
-    (void)(*s)->Detach();
-    return absl::FailedPreconditionError(
-        absl::StrCat("--backend cuda: spind at ", target,
-                     " keeps arenas in host memory (start it with --backend cuda, or drop "
-                     "--backend)"));
-  }
-  absl::StatusOr<ReplaySummary> out;
-  if (remote) {
-    auto rdp =
-        client::RemoteDataPlane::Create(&(*s)->stub(), (*s)->id(), (*s)->token(), ao.geometry);
-    if (!rdp.ok()) return rdp.status();
-    out = ReplayOn(**rdp, trace, options);
-  } else {
-    out = ReplayOn((*s)->data_plane(), trace, options);
-  }
-  // Through the daemon the probe thread writes the tables: report its count, not the local one.
-  if (out.ok() && options.policy.budget_mode == BudgetMode::kPerLayer) {
-    pb::GetBudgetsRequest gb;
-    gb.mutable_session()->set_session_id((*s)->id());
-    gb.mutable_session()->set_token((*s)->token());
-    pb::GetBudgetsResponse b;
-    grpc::ClientContext c;
-    Deadline(&c);
-    if (absl::Status st = client::FromGrpc((*s)->stub().GetBudgets(&c, gb, &b), "GetBudgets");
-        !st.ok()) {
-      (void)(*s)->Detach();
-      return st;
-    }
-    out->budget_recomputes = b.recomputes();
-  }
-  *where = absl::StrCat("through spind at ", target, ", session ", (*s)->id(),
-                        remote ? " (remote mode" : " (mapped arena",
-                        (*s)->on_device() ? ", GPU " : "", (*s)->device_uuid(), "), detached");
-  if (absl::Status d = (*s)->Detach(); !d.ok() && out.ok()) return d;
-  return out;
 }
 
 }  // namespace spin

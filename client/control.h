@@ -28,12 +28,4 @@ int CmdPolicySet(const ControlArgs& a, double sparsity, double exploration, floa
 int CmdBudgets(const ControlArgs& a);
 int CmdStats(const ControlArgs& a);
 
-/// Attaches a session sized for the trace, replays through it (the mapped arena with the local
-/// data plane, or with `remote` the daemon's PredictMasks/ObserveScores), and detaches.
-/// `where` receives a line naming the session.
-absl::StatusOr<ReplaySummary> ReplayThroughDaemon(const std::string& target, const Trace& trace,
-                                                  const ReplayOptions& options, bool remote,
-                                                  const std::string& admin_token,
-                                                  std::string* where);
-
 }  // namespace spin

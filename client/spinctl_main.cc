@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "control.h"
+#include "daemon_replay.h"
 #include "eval.h"
 #include "gen_trace.h"
 #include "replay.h"

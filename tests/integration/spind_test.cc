@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "daemon_replay.h"
 #include "gen_trace.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
@@ -853,6 +854,47 @@ TEST(Spind, LiveSetPolicyTakesEffectAtTheNextStep) {
 // steps accumulate in the shared arena, recomputes the table, writes it with a new epoch and
 // publishes it on WatchBudgets; a SetPolicy target change re-sizes it at once; switching to
 // uniform writes the uniform table back.
+// Replay through the daemon in remote mode reports the daemon's budget table, recomputes and
+// epoch: the client's arena there is a mirror of outputs and counters that never sees the
+// tables spind's probe thread writes (it used to report the uniform start).
+TEST(Spind, RemoteReplayReportsTheDaemonsBudgets) {
+  GenTraceOptions g;
+  g.layers = 4;
+  g.slots = 64 * 96;
+  g.steps = 80;
+  g.topk = 256;
+  g.seed = 72;
+  const std::string dir = ::testing::TempDir() + "/spind_remote_budget_trace";
+  ASSERT_TRUE(GenerateTrace(dir, g).ok());
+  absl::StatusOr<Trace> t = LoadTrace(dir);
+  ASSERT_TRUE(t.ok());
+  Daemon d({"--probe-interval-ms", "5"});
+  ASSERT_TRUE(d.ready());
+  ReplayOptions o;
+  o.policy.target_sparsity = 0.5;
+  o.policy.probe_period = 4;
+  o.policy.budget_mode = BudgetMode::kPerLayer;
+  o.local_budgets = false;  // spind owns the table
+  // Time for the probe thread between steps, as a real decode loop gives it.
+  o.progress = [](int, int) { std::this_thread::sleep_for(std::chrono::milliseconds(3)); };
+  std::string where;
+  absl::StatusOr<ReplaySummary> r =
+      ReplayThroughDaemon("unix://" + d.socket(), *t, o, /*remote=*/true, "", &where);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(where.find("remote mode"), std::string::npos) << where;
+  ASSERT_GE(r->budget_recomputes, 1u) << "the probe thread wrote no table in 80 steps";
+  EXPECT_GE(r->epoch_advance, r->budget_recomputes);
+  ASSERT_EQ(r->per_layer.size(), 4u);
+  double lo = 1, hi = 0, mean = 0;
+  for (const LayerSummary& l : r->per_layer) {
+    lo = std::min(lo, l.budget);
+    hi = std::max(hi, l.budget);
+    mean += l.budget / 4;
+  }
+  EXPECT_LT(lo, hi) << "per-layer budgets, not the mirror's uniform 0.5";
+  EXPECT_NEAR(mean, 0.5, 0.05);
+}
+
 TEST(Spind, ProbeThreadPublishesPerLayerBudgets) {
   GenTraceOptions g;
   g.layers = 4;
