@@ -1515,57 +1515,39 @@ class CudaDataPlane final : public DataPlane {
       return absl::InvalidArgumentError("logits are required");
     }
     ProbeKernel<<<n_, kSelectThreads, 0, stream>>>(d_, layer, logits, logits_stride, accepted);
+    // One EMA launch per row, in row order (the prefix-valid replay), of the kernel for the
+    // arena's state type, `chunks` CTAs per entry.
+    using EmaFn = void (*)(Dev, int, int, const float*, int64_t, const int32_t*);
+    auto per_row = [&](EmaFn fp32, EmaFn bf16, int64_t chunks) {
+      const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(chunks, 1, 65535)),
+                      static_cast<unsigned>(n_));
+      for (int r = 0; r < rows_; ++r) {
+        (d_.dtype_bytes == 4 ? fp32 : bf16)<<<grid, kEmaThreads, 0, stream>>>(
+            d_, layer, r, logits, logits_stride, accepted);
+      }
+    };
     const int64_t max_len = static_cast<int64_t>(a_.max_blocks) * d_.block;
     if (ema_vec_ && reinterpret_cast<uintptr_t>(logits) % 16 == 0 && logits_stride % 4 == 0) {
       // Persistent as below; a warp takes four segments (blocks) per round.
       const int64_t rounds = CeilDiv(a_.max_blocks, (kEmaThreads / 32) * 4);
-      const unsigned chunks = static_cast<unsigned>(
-          std::clamp<int64_t>(std::min<int64_t>(rounds, ema_vec_resident_ / n_), 1, 65535));
-      for (int r = 0; r < rows_; ++r) {
-        if (d_.dtype_bytes == 4) {
-          EmaVecKernel<float><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(
-              d_, layer, r, logits, logits_stride, accepted);
-        } else {
-          EmaVecKernel<uint16_t><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(
-              d_, layer, r, logits, logits_stride, accepted);
-        }
-      }
-      return CudaStatus(cudaGetLastError(), "Observe launch");
-    }
-    if (d_.block % 2 == 0 && d_.block >= kEmaSegSlots) {
+      per_row(EmaVecKernel<float>, EmaVecKernel<uint16_t>,
+              std::min<int64_t>(rounds, ema_vec_resident_ / n_));
+    } else if (d_.block % 2 == 0 && d_.block >= kEmaSegSlots) {
       // Persistent: as many CTAs per entry as are resident on the device in one wave (at least
       // one), and no more than one round of segments per warp needs when the whole context is
       // kept.
       const int64_t rounds =
           CeilDiv(EmaSegments(static_cast<int>(max_len), d_.block), (kEmaThreads / 32) * kEmaSegs);
-      const unsigned chunks = static_cast<unsigned>(
-          std::clamp<int64_t>(std::min<int64_t>(rounds, ema_resident_ / n_), 1, 65535));
-      for (int r = 0; r < rows_; ++r) {
-        if (d_.dtype_bytes == 4) {
-          EmaWordKernel<float><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(
-              d_, layer, r, logits, logits_stride, accepted);
-        } else {
-          EmaWordKernel<uint16_t><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(
-              d_, layer, r, logits, logits_stride, accepted);
-        }
-      }
+      per_row(EmaWordKernel<float>, EmaWordKernel<uint16_t>,
+              std::min<int64_t>(rounds, ema_resident_ / n_));
       LaunchVSummaries(layer, stream);
-      return CudaStatus(cudaGetLastError(), "Observe launch");
+    } else {
+      // Other block sizes: one round of kEmaSlots slots per thread when the whole context is
+      // kept (up to 128K slots; beyond, the CTAs stride).
+      per_row(EmaKernel<float>, EmaKernel<uint16_t>,
+              std::min<int64_t>(CeilDiv(max_len, kEmaThreads * kEmaSlots), 64));
+      LaunchVSummaries(layer, stream);
     }
-    // Other block sizes: one round of kEmaSlots slots per thread when the whole context is kept
-    // (up to 128K slots; beyond, the CTAs stride).
-    const unsigned chunks = static_cast<unsigned>(
-        std::clamp<int64_t>(CeilDiv(max_len, kEmaThreads * kEmaSlots), 1, 64));
-    for (int r = 0; r < rows_; ++r) {
-      if (d_.dtype_bytes == 4) {
-        EmaKernel<float><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(d_, layer, r, logits,
-                                                                       logits_stride, accepted);
-      } else {
-        EmaKernel<uint16_t><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(d_, layer, r, logits,
-                                                                          logits_stride, accepted);
-      }
-    }
-    LaunchVSummaries(layer, stream);
     return CudaStatus(cudaGetLastError(), "Observe launch");
   }
 
