@@ -275,6 +275,49 @@ TEST_F(CudaTest, ParityBf16SingleRow) { RunScenario({StateDtype::kBf16, 1, 0.4, 
 TEST_F(CudaTest, ParityBf16Mtp) { RunScenario({StateDtype::kBf16, 2, 0.7, 0.25, 2}); }
 TEST_F(CudaTest, ParityNoExplorationNoProbes) { RunScenario({StateDtype::kFp32, 1, 0.3, 0.0, 0}); }
 
+// BeginStep keeps each entry in registers, kMaxSequences / 1024 rounds per thread: a batch of
+// more than 1024 entries (padding among them) uses the second round, and must still equal the
+// CPU. A sequence twice in one batch is refused as a whole (shared bitmap), as on the CPU.
+TEST_F(CudaTest, BeginStepOverMoreThan1024EntriesAndDuplicates) {
+  Geometry g;
+  g.layers = 1;
+  g.max_seqs = 1100;
+  g.max_slots = 256;
+  g.topk = 64;
+  Policy p;
+  p.target_sparsity = 0.5;
+  p.probe_period = 3;
+  Twin t(g, p, 9);
+  for (int s = 0; s < 1100; ++s) t.Reset(s, 500 + s);
+  std::vector<int32_t> seq(1100), ctx(1100), q(1100), acc(1100, 1);
+  for (int step = 0; step < 4; ++step) {
+    for (int e = 0; e < 1100; ++e) {
+      seq[e] = e % 97 == 5 ? -1 : e;  // some padding, in both rounds
+      ctx[e] = 100 + (e % 50) + step;
+      q[e] = ctx[e] - 1;
+    }
+    t.Step(seq, ctx, q, 1, acc, step);
+  }
+  t.ExpectSameArena("after 1100-entry steps");
+  // Sequence 1050 (second round) twice: refused, nothing advanced.
+  const auto steps_before = ToHost(&t.dview().seqs[1050].steps, 1);
+  std::vector<int32_t> dup = {3, 1050, 7, 1050};
+  const int32_t c[4] = {120, 120, 120, 120}, qq[4] = {119, 119, 119, 119};
+  DevBuf ds(16), dc(16), dq(16);
+  CUDA_OK(cudaMemcpy(ds.p, dup.data(), 16, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dc.p, c, 16, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dq.p, qq, 16, cudaMemcpyHostToDevice));
+  ASSERT_TRUE(t.gpu()
+                  .BeginStep(StepBatch{ds.as<int32_t>(), dc.as<int32_t>(), dq.as<int32_t>(), 4, 1})
+                  .ok());
+  auto err = ReadDeviceError(t.dview());
+  ASSERT_TRUE(err.ok());
+  EXPECT_EQ(*err, kArenaBadBatch);
+  EXPECT_EQ(ToHost(&t.dview().batch->n, 1)[0], 0);
+  EXPECT_EQ(ToHost(&t.dview().seqs[1050].steps, 1), steps_before);
+  EXPECT_EQ(ToHost(&t.dview().seqs[3].steps, 1)[0], 4u);  // not advanced either
+}
+
 TEST_F(CudaTest, BadBatchRecordsAnErrorAndRunsNoEntry) {
   Geometry g;
   g.layers = 1;
