@@ -18,12 +18,19 @@ inline float Load(const float* p, int64_t i) { return p[i]; }
 inline float Load(const uint16_t* p, int64_t i) { return Bf16ToFloat(p[i]); }
 inline void Store(float* p, int64_t i, float v) { p[i] = v; }
 inline void Store(uint16_t* p, int64_t i, float v) { p[i] = FloatToBf16(v); }
+// The value Store(p, i, v) leaves, as Load reads it back.
+inline float AsStored(const float*, float v) { return v; }
+inline float AsStored(const uint16_t*, float v) { return Bf16ToFloat(FloatToBf16(v)); }
 
 // S[j] = max over the valid slots i of block j of Prediction(V[i], D[clamp(q - i, 0, N_max-1)]).
 // Slots past the query (i > q) read D[0]. The common case, a block wholly at or before the
-// query, walks D backwards without a clamp so the compiler can vectorise it.
+// query, walks D backwards without a clamp so the compiler can vectorise it; when such a block
+// also has its V summary set (vsum[j], arena.h: no unset V entry, vmax the largest), the score
+// is Prediction(vmax, the largest set D entry of its window), the same value without reading V
+// (no V[i] is NaN, so no slot gives +inf, and a maximum of maxima is the maximum).
 template <typename T>
-void BlockScores(const T* v, const T* d, int32_t n, int32_t q, int32_t b, float* s) {
+void BlockScores(const T* v, const T* d, const float* vsum, int32_t n, int32_t q, int32_t b,
+                 float* s) {
   const int32_t nb = static_cast<int32_t>(CeilDiv(n, b));
   for (int32_t j = 0; j < nb; ++j) {
     const int32_t lo = j * b;
@@ -31,9 +38,18 @@ void BlockScores(const T* v, const T* d, int32_t n, int32_t q, int32_t b, float*
     float best = -INFINITY;
     if (hi - 1 <= q) {
       const T* dd = d + (q - lo);
-      for (int32_t k = 0; k < hi - lo; ++k) {
-        const float p = Prediction(Load(v, lo + k), Load(dd, -k));
-        best = p > best ? p : best;
+      const float vmax = hi - lo == b ? vsum[j] : NAN;
+      if (vmax == vmax) {
+        for (int32_t k = 0; k < b; ++k) {
+          const float x = Load(dd, -k);
+          best = x > best ? x : best;  // an unset (NaN) entry never compares greater
+        }
+        best = Prediction(vmax, best);
+      } else {
+        for (int32_t k = 0; k < hi - lo; ++k) {
+          const float p = Prediction(Load(v, lo + k), Load(dd, -k));
+          best = p > best ? p : best;
+        }
       }
     } else {
       for (int32_t i = lo; i < hi; ++i) {
@@ -198,19 +214,20 @@ class CpuDataPlane final : public DataPlane {
       const bool dense = fresh || en.probe;
       const T* v = reinterpret_cast<const T*>(a_.StateRecord(en.seq, layer));
       const T* d = v + g.max_slots;
+      const float* vsum = a_.VSummaries(en.seq, layer);
       uint8_t* mask = a_.mask + static_cast<int64_t>(e) * a_.max_blocks;
       float* row0 = a_.scratch + static_cast<int64_t>(e) * a_.max_blocks;
       const int32_t widest_blocks = static_cast<int32_t>(CeilDiv(en.ctx_len + rows - 1, b));
       std::memset(mask, dense ? 1 : 0, widest_blocks);
       if (dense) {
         // A probe step keeps row 0's predicted block scores for the miss curve in Observe.
-        if (!fresh) BlockScores(v, d, en.ctx_len, en.q_pos, b, row0);
+        if (!fresh) BlockScores(v, d, vsum, en.ctx_len, en.q_pos, b, row0);
       } else {
         const uint64_t key = ExplorationKey(seed, a_.seqs[en.seq].key);
         for (int32_t r = 0; r < rows; ++r) {
           float* s = r == 0 ? row0 : row_scores_.data();
           const int32_t n = en.ctx_len + r, q = en.q_pos + r;
-          BlockScores(v, d, n, q, b, s);
+          BlockScores(v, d, vsum, n, q, b, s);
           SelectRow(s, static_cast<int32_t>(CeilDiv(n, b)), q / b, rho, gamma, key, en.step, layer,
                     r, mask);
         }
@@ -302,27 +319,40 @@ class CpuDataPlane final : public DataPlane {
       const int32_t count = a_.union_count[e];
       const int32_t acc = accepted ? accepted[e] : rows;
       uint64_t observed = 0, bad = 0;
+      // The V summary of each block the last applied row touched (earlier rows touch a subset;
+      // other union blocks keep their V, so their summaries stand) is folded during that row's
+      // pass from the entries as stored, plus the block's entries past the row's end.
+      float* vsum = a_.VSummaries(en.seq, layer);
       for (int32_t r = 0; r < acc; ++r) {
         const int32_t n = en.ctx_len + r, q = en.q_pos + r;
+        const bool last = r == acc - 1;
         const float* z = logits + (static_cast<int64_t>(e) * rows + r) * stride;
         for (int32_t k = 0; k < count && ids[k] * b < n; ++k) {
           const int32_t lo = ids[k] * b, hi = std::min(lo + b, n);
+          float m = -INFINITY;
+          bool unset = false;
+          auto fold = [&](float x) {
+            unset |= x != x;
+            m = x > m ? x : m;  // a NaN never compares greater
+          };
           for (int32_t i = lo; i < hi; ++i) {
             const float zi = z[static_cast<int64_t>(k) * b + (i - lo)];
             if (!std::isfinite(zi)) {
               ++bad;
+              if (last) fold(Load(v, i));
               continue;
             }
             ++observed;
-            Store(v, i, EmaUpdate(Load(v, i), zi, alpha, beta));
+            const float nv = EmaUpdate(Load(v, i), zi, alpha, beta);
+            Store(v, i, nv);
+            if (last) fold(AsStored(v, nv));
             if (i <= q) Store(d, q - i, EmaUpdate(Load(d, q - i), zi, alpha, beta));
           }
-        }
-      }
-      // Every V entry that changed lies in a union block: refresh their summaries.
-      if (acc > 0) {
-        for (int32_t k = 0; k < count; ++k) {
-          RefreshVSummary(a_, en.seq, layer, static_cast<uint32_t>(ids[k]));
+          if (last) {
+            const int32_t end = std::min<int32_t>(lo + b, static_cast<int32_t>(g.max_slots));
+            for (int32_t i = hi; i < end; ++i) fold(Load(v, i));
+            vsum[ids[k]] = unset ? NAN : (m == 0.0f ? 0.0f : m);
+          }
         }
       }
       if (acc > 0) fresh = 0;
