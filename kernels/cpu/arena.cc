@@ -203,23 +203,6 @@ absl::StatusOr<ArenaView> InitArena(void* base, uint64_t bytes, const Geometry& 
   return v;
 }
 
-void RefreshVSummary(const ArenaView& a, int seq, int layer, uint32_t j) {
-  const uint32_t b = a.geometry.block_size, n = a.geometry.max_slots;
-  const uint8_t* rec = a.StateRecord(seq, layer);
-  float m = -INFINITY;
-  for (uint32_t i = j * b; i < std::min((j + 1) * b, n); ++i) {
-    const float x = a.geometry.dtype == StateDtype::kFp32
-                        ? reinterpret_cast<const float*>(rec)[i]
-                        : Bf16ToFloat(reinterpret_cast<const uint16_t*>(rec)[i]);
-    if (x != x) {
-      m = NAN;
-      break;
-    }
-    m = x > m ? x : m;
-  }
-  a.VSummaries(seq, layer)[j] = m == 0.0f ? 0.0f : m;  // NaN stays NaN
-}
-
 absl::StatusOr<ArenaHeader> MakeArenaHeader(const Geometry& g, uint64_t seed) {
   if (absl::Status s = ValidateGeometry(g); !s.ok()) return s;
   ArenaHeader h;

@@ -1,6 +1,7 @@
 // Test helpers: an arena in host memory with a CPU data plane, and direct access to its state.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <memory>
@@ -47,7 +48,16 @@ class TestArena {
     } else {
       reinterpret_cast<uint16_t*>(rec)[at] = FloatToBf16(v);
     }
-    if (which == 0) RefreshVSummary(view_, seq, layer, i / view_.geometry.block_size);
+    if (which != 0) return;
+    // The block's summary (arena.h, off_vsum): NaN if any V entry is unset, else the largest.
+    const int b = static_cast<int>(view_.geometry.block_size), j = i / b;
+    const int end = std::min<int>((j + 1) * b, static_cast<int>(view_.geometry.max_slots));
+    float m = -INFINITY;
+    for (int k = j * b; k < end; ++k) {
+      const float x = Get(seq, layer, 0, k);
+      m = std::isnan(x) || std::isnan(m) ? NAN : std::max(m, x);
+    }
+    view_.VSummaries(seq, layer)[j] = m == 0.0f ? 0.0f : m;
   }
   void SetFresh(int seq, int layer, bool fresh) {
     view_.fresh[static_cast<uint64_t>(seq) * view_.geometry.layers + layer] = fresh ? 1 : 0;

@@ -200,10 +200,6 @@ struct ArenaView {
   }
 };
 
-/// Recomputes the V summary of block j of (seq, layer) from V (see ArenaHeader::off_vsum): what
-/// every backend does after changing V entries of the block.
-void RefreshVSummary(const ArenaView& a, int seq, int layer, uint32_t j);
-
 /// Writes a fresh arena into [base, base + bytes): header, policy, uniform budget table, every
 /// sequence closed, all state unset, outputs zeroed. `base` must be 256-byte aligned.
 absl::StatusOr<ArenaView> InitArena(void* base, uint64_t bytes, const Geometry& g, uint64_t seed,
