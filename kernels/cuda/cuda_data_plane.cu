@@ -10,6 +10,7 @@
 // layout (b = 64, max_slots % 8 == 0, 16-byte aligned logits rows; it also refreshes the V
 // summaries of its blocks), EmaWord for other even block sizes >= 64 and Ema otherwise (both
 // followed by VSummary).
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -70,6 +71,7 @@ struct Dev {
   unsigned long long* keys;  // [S][R][MB]
   int32_t* hits;             // [S][MB]: dense top-K slots per block (probe steps)
   unsigned* arrive;          // [S]: SelectKernel CTAs of the entry done (0 between launches)
+  uint64_t* xkeys;           // [S]: the entry's exploration (Philox) key, written by BeginStep
   // Geometry.
   int32_t layers, max_seqs, max_slots, block, topk, max_rows, max_blocks;
   int32_t dtype_bytes;
@@ -103,6 +105,12 @@ __device__ __forceinline__ uint32_t FloatKey(float f) {
 
 __device__ void RecordError(uint32_t* error, uint32_t code) { atomicCAS(error, 0u, code); }
 
+// Blocks of a row of n >= 0 slots: CeilDiv in 32 bits (numerics.h's 64-bit division is a
+// long instruction sequence on the device), by shift for a power-of-two block.
+__device__ __forceinline__ int BlocksOf(const Dev& d, int n) {
+  return d.block_shift >= 0 ? (n + d.block - 1) >> d.block_shift : (n + d.block - 1) / d.block;
+}
+
 // ---------------------------------------------------------------------------------------------
 // CTA-wide exact top-t by key, ties to the lower index, among candidates [0, n) with
 // cand(u, j) true. Calls take(u, j) for each chosen j. All threads of the CTA must call it.
@@ -125,81 +133,128 @@ __device__ __forceinline__ void ForRounds(int n, F f) {
   }
 }
 
+// Radix digits of CtaTopT: 11 bits, so a 32-bit key takes at most 3 passes and a 64-bit key
+// at most 6 (8-bit digits took 4 and 8; with the early exit below, scores usually need 2 and
+// exploration draws 1). Thread t owns bins [t * kBinsPerThread, (t + 1) * kBinsPerThread) in the
+// digit search.
+constexpr int kDigitBits = 11;
+constexpr int kDigitBins = 1 << kDigitBits;
+constexpr int kBinsPerThread = kDigitBins / kSelectThreads;
+static_assert(kBinsPerThread * kSelectThreads == kDigitBins, "whole bins per thread");
+
+// CtaTopT's shared state, declared once per kernel so both key widths share it. hist is all
+// zero between passes (each pass zeroes every bin as it reads them), so it is cleared once per
+// launch, before the first CtaTopT.
+struct TopTShared {
+  unsigned hist[kDigitBins];
+  unsigned wsum[kSelectThreads / 32];
+  unsigned eq[kSelectRegRounds][kSelectThreads / 32];  // tie counts per round and warp
+  unsigned long long prefix;
+  int remaining, running, done;
+};
+
 template <typename Key, int KPT, typename KeyFn, typename CandFn, typename TakeFn>
-__device__ void CtaTopT(int n, int t, KeyFn key, CandFn cand, TakeFn take) {
+__device__ void CtaTopT(TopTShared& sh, int n, int t, KeyFn key, CandFn cand, TakeFn take) {
   using Scan = cub::BlockScan<int, kSelectThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ unsigned int hist[256];
-  __shared__ unsigned long long s_prefix;
-  __shared__ int s_remaining, s_running, s_done;
+  constexpr unsigned kAll = 0xFFFFFFFFu;
   if (t <= 0) return;
   if (threadIdx.x == 0) {
-    s_prefix = 0;
-    s_remaining = t;
-    s_done = 0;
+    sh.prefix = 0;
+    sh.remaining = t;
+    sh.done = 0;
   }
-  unsigned long long mask = 0;
-  const int lane = threadIdx.x % 32;
-  for (int shift = static_cast<int>(sizeof(Key)) * 8 - 8; shift >= 0; shift -= 8) {
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
-    __syncthreads();
-    const unsigned long long prefix = s_prefix;
+  __syncthreads();
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int b0 = kBinsPerThread * static_cast<int>(threadIdx.x);
+  // Bits [hi, 8 * sizeof(Key)) of the threshold are fixed (prefix); each pass fixes the next
+  // kDigitBits below hi.
+  for (int hi = static_cast<int>(sizeof(Key)) * 8; hi > 0;) {
+    const int width = hi < kDigitBits ? hi : kDigitBits;
+    const int shift = hi - width;
+    const unsigned long long fixed = hi >= 64 ? 0ull : ~0ull << hi;
+    const unsigned long long prefix = sh.prefix;
+    const int dmask = (1 << width) - 1;
     // Every lane takes part in each round so a warp whose candidates all share one digit (the
-    // usual case in the first pass: the top byte of nearby floats) counts them with one atomic;
+    // usual case in the first pass: the top bits of nearby floats) counts them with one atomic;
     // otherwise each candidate adds its own. (__match_any_sync grouping measured slower on the
     // H200: Select 22.6 -> 19.7 us at batch 64 x 128K without it.)
     ForRounds<KPT>(n, [&](int u, int j) {
-      int digit = 256;
+      int digit = kDigitBins;
       if (j < n && cand(u, j)) {
         const unsigned long long k = static_cast<unsigned long long>(key(u, j));
-        if ((k & mask) == prefix) digit = static_cast<int>((k >> shift) & 0xFF);
+        if ((k & fixed) == prefix) digit = static_cast<int>(k >> shift) & dmask;
       }
-      const int first = __shfl_sync(0xFFFFFFFFu, digit, 0);
-      if (__all_sync(0xFFFFFFFFu, digit == first)) {
-        if (lane == 0 && digit < 256) atomicAdd(&hist[digit], 32u);
-      } else if (digit < 256) {
-        atomicAdd(&hist[digit], 1u);
+      const int first = __shfl_sync(kAll, digit, 0);
+      if (__all_sync(kAll, digit == first)) {
+        if (lane == 0 && digit < kDigitBins) atomicAdd(&sh.hist[digit], 32u);
+      } else if (digit < kDigitBins) {
+        atomicAdd(&sh.hist[digit], 1u);
       }
     });
     __syncthreads();
-    if (threadIdx.x < 32) {
-      // Lane l owns digits 8l .. 8l+7; find the digit holding the remaining-th largest key.
-      unsigned own = 0;
-      for (int i = 0; i < 8; ++i) own += hist[lane * 8 + i];
-      unsigned above = own;  // keys in digits >= 8 * lane
+    // Thread t's bins (zeroed for the next pass); higher warps and lanes hold higher digits.
+    unsigned c[kBinsPerThread], own = 0;
+#pragma unroll
+    for (int i = 0; i < kBinsPerThread; ++i) {
+      c[i] = sh.hist[b0 + i];
+      sh.hist[b0 + i] = 0;
+      own += c[i];
+    }
+    const unsigned wtot = __reduce_add_sync(kAll, own);
+    if (lane == 0) sh.wsum[warp] = wtot;
+    const unsigned rem = static_cast<unsigned>(sh.remaining);  // read before anyone writes it
+    __syncthreads();
+    // Every warp finds the warp holding the rem-th largest key (suffix sums over warps); that
+    // warp finds the lane, and the lane the digit.
+    const unsigned x = lane < kSelectThreads / 32 ? sh.wsum[lane] : 0u;
+    unsigned above = x;  // keys in warps >= lane
+    for (int o = 1; o < 32; o <<= 1) {
+      const unsigned v = __shfl_down_sync(kAll, above, o);
+      if (lane + o < 32) above += v;
+    }
+    const unsigned hit = __ballot_sync(kAll, above >= rem);
+    const int bw = hit ? 31 - __clz(hit) : 0;
+    if (warp == bw) {
+      const unsigned higher_warps = __shfl_sync(kAll, above, bw) - __shfl_sync(kAll, x, bw);
+      unsigned mine = own;  // keys in this warp's lanes >= lane
       for (int o = 1; o < 32; o <<= 1) {
-        const unsigned v = __shfl_down_sync(0xFFFFFFFFu, above, o);
-        if (lane + o < 32) above += v;
+        const unsigned v = __shfl_down_sync(kAll, mine, o);
+        if (lane + o < 32) mine += v;
       }
-      const int remaining = s_remaining;
-      const unsigned hit = __ballot_sync(0xFFFFFFFFu, above >= static_cast<unsigned>(remaining));
-      const int owner = hit ? 31 - __clz(hit) : 0;
-      __syncwarp();  // every lane has read s_remaining before the owner writes it
-      if (lane == owner) {
-        int rem = remaining - static_cast<int>(above - own);  // minus keys in higher lanes
-        int d = lane * 8 + 7;
-        for (; d > lane * 8; --d) {
-          if (static_cast<int>(hist[d]) >= rem) break;
-          rem -= static_cast<int>(hist[d]);
+      mine += higher_warps;
+      const unsigned hit2 = __ballot_sync(kAll, mine >= rem);
+      if (lane == (hit2 ? 31 - __clz(hit2) : 0)) {
+        int r = static_cast<int>(rem - (mine - own));  // minus keys in higher digits
+        int dsel = b0;
+        unsigned cnt = c[0];
+#pragma unroll
+        for (int i = kBinsPerThread - 1; i > 0; --i) {
+          if (static_cast<int>(c[i]) >= r) {
+            dsel = b0 + i;
+            cnt = c[i];
+            break;
+          }
+          r -= static_cast<int>(c[i]);
         }
-        const unsigned long long next = prefix | (static_cast<unsigned long long>(d) << shift);
-        if (static_cast<int>(hist[d]) == rem && next != 0) {
+        const unsigned long long next = prefix | (static_cast<unsigned long long>(dsel) << shift);
+        if (static_cast<int>(cnt) == r && next != 0) {
           // The whole bucket is taken: every key >= next, and no tie-breaking is needed.
-          s_prefix = next - 1;
-          s_remaining = 0;
-          s_done = 1;
+          sh.prefix = next - 1;
+          sh.remaining = 0;
+          sh.done = 1;
         } else {
-          s_remaining = rem;
-          s_prefix = next;
+          sh.remaining = r;
+          sh.prefix = next;
         }
       }
     }
-    mask |= 0xFFull << shift;
     __syncthreads();
-    if (s_done) break;
+    hi = shift;
+    if (sh.done) break;
   }
-  const unsigned long long thr = s_prefix;
-  const int ties = s_remaining;  // how many keys equal to thr to take, lowest index first
+  const unsigned long long thr = sh.prefix;
+  const int ties = sh.remaining;  // how many keys equal to thr to take, lowest index first
   if (ties == 0) {
     // Every key above thr and none equal to it (the usual case: the last bucket was taken
     // whole), so no ordered scan is needed.
@@ -208,7 +263,39 @@ __device__ void CtaTopT(int n, int t, KeyFn key, CandFn cand, TakeFn take) {
     });
     return;
   }
-  if (threadIdx.x == 0) s_running = 0;
+  if constexpr (KPT > 0) {
+    // Equal keys are taken in element order: per round a ballot per warp, one barrier for the
+    // warps' counts, then each element's rank among the equal keys before it (earlier rounds,
+    // earlier warps of its round, lower lanes).
+    unsigned eqbal[KPT];
+    ForRounds<KPT>(n, [&](int u, int j) {
+      const bool eq = j < n && cand(u, j) && static_cast<unsigned long long>(key(u, j)) == thr;
+      eqbal[u] = __ballot_sync(kAll, eq);
+      if (lane == 0) sh.eq[u][warp] = static_cast<unsigned>(__popc(eqbal[u]));
+    });
+    __syncthreads();
+    unsigned earlier = 0;  // equal keys in earlier rounds
+    const unsigned below = (1u << lane) - 1u;
+    ForRounds<KPT>(n, [&](int u, int j) {
+      const unsigned x = lane < kSelectThreads / 32 ? sh.eq[u][lane] : 0u;
+      unsigned incl = x;
+      for (int o = 1; o < 32; o <<= 1) {
+        const unsigned v = __shfl_up_sync(kAll, incl, o);
+        if (lane >= o) incl += v;
+      }
+      const unsigned before = earlier + __shfl_sync(kAll, incl, warp) - __shfl_sync(kAll, x, warp) +
+                              static_cast<unsigned>(__popc(eqbal[u] & below));
+      if (j < n && cand(u, j)) {
+        const unsigned long long k = static_cast<unsigned long long>(key(u, j));
+        if (k > thr || (((eqbal[u] >> lane) & 1u) != 0 && before < static_cast<unsigned>(ties))) {
+          take(u, j);
+        }
+      }
+      earlier += __shfl_sync(kAll, incl, 31);
+    });
+    return;
+  }
+  if (threadIdx.x == 0) sh.running = 0;
   __syncthreads();
   ForRounds<KPT>(n, [&](int u, int j) {
     const bool c = j < n && cand(u, j);
@@ -216,10 +303,10 @@ __device__ void CtaTopT(int n, int t, KeyFn key, CandFn cand, TakeFn take) {
     const int eq = (c && k == thr) ? 1 : 0;
     int before, total;
     Scan(scan_tmp).ExclusiveSum(eq, before, total);
-    const int running = s_running;
+    const int running = sh.running;
     if (c && (k > thr || (eq && running + before < ties))) take(u, j);
     __syncthreads();
-    if (threadIdx.x == 0) s_running = running + total;
+    if (threadIdx.x == 0) sh.running = running + total;
     __syncthreads();
   });
 }
@@ -274,14 +361,14 @@ __global__ void __launch_bounds__(kBeginThreads)
   if (threadIdx.x == 0) bad = 0;
   for (int w = threadIdx.x; w < (kMaxSequences + 31) / 32; w += blockDim.x) seen[w] = 0;
   int s[kBeginRounds], c[kBeginRounds], q[kBeginRounds];
-  uint64_t steps[kBeginRounds];
+  uint64_t steps[kBeginRounds], keys[kBeginRounds];
   uint32_t open[kBeginRounds];
 #pragma unroll
   for (int u = 0; u < kBeginRounds; ++u) {
     const int e = u * kBeginThreads + static_cast<int>(threadIdx.x);
     s[u] = -1;
     c[u] = q[u] = 0;
-    steps[u] = 0;
+    steps[u] = keys[u] = 0;
     open[u] = 0;
     if (e < n) {
       s[u] = seq[e];
@@ -294,6 +381,7 @@ __global__ void __launch_bounds__(kBeginThreads)
     if (s[u] >= 0 && s[u] < d.max_seqs) {
       open[u] = d.seqs[s[u]].open;
       steps[u] = d.seqs[s[u]].steps;
+      keys[u] = d.seqs[s[u]].key;
     }
   }
   __syncthreads();  // the bitmap is clear
@@ -336,6 +424,7 @@ __global__ void __launch_bounds__(kBeginThreads)
       en.probe = period > 0 && steps[u] % period == 0 ? 1u : 0u;
       d.seqs[en.seq].steps = steps[u] + 1;
       d.entries[e] = en;
+      d.xkeys[e] = ExplorationKey(d.seed, keys[u]);
     } else {
       d.entries[e].seq = en.seq;
     }
@@ -369,7 +458,7 @@ __global__ void ScoresKernel(Dev d, int layer) {
   const bool dense = fresh || en.probe;
   if (dense && (fresh || r != 0)) return;  // dense steps need row 0's scores on probes only
   const int n = en.ctx_len + r, q = en.q_pos + r, b = d.block;
-  const int nb = static_cast<int>(CeilDiv(n, b));
+  const int nb = BlocksOf(d, n);
   const T* rec = reinterpret_cast<const T*>(d.Record(en.seq, layer));
   const T* dst = rec + d.max_slots;
   float* out = d.Scores(e, r);
@@ -392,6 +481,48 @@ __global__ void ScoresKernel(Dev d, int layer) {
   if (j < nb && sub == 0) out[j] = best;
 }
 
+// Largest non-NaN entry of the 64-entry window [wlo, wlo + 63] of D (max_slots % 8 == 0, so
+// every 16-byte chunk touching it lies in D), -inf if none, over the block's eight lanes (lane
+// sub returns its share). The window covers chunks c0 .. c0 + 64 / kC, the last one only when
+// it is unaligned (s = wlo % kC > 0), and then the first chunk's entries s .. kC - 1 and the last
+// chunk's 0 .. s - 1 are the window's: lane 0 merges the two into one chunk, so every lane
+// takes whole chunks (c0 + sub, and for fp32 c0 + sub + 8) with no per-entry bounds, and the
+// maximum is taken with NaN-ignoring packed max instructions.
+__device__ __forceinline__ uint4 MergeTail(uint4 head, uint4 tail, int bits) {
+  // Bits [bits, 128) from head, [0, bits) from tail; 0 < bits < 128.
+  const unsigned long long lo = bits >= 64 ? 0ull : ~0ull << bits;
+  const unsigned long long hi = bits <= 64 ? ~0ull : ~0ull << (bits - 64);
+  const uint32_t m[4] = {static_cast<uint32_t>(lo), static_cast<uint32_t>(lo >> 32),
+                         static_cast<uint32_t>(hi), static_cast<uint32_t>(hi >> 32)};
+  return make_uint4((head.x & m[0]) | (tail.x & ~m[0]), (head.y & m[1]) | (tail.y & ~m[1]),
+                    (head.z & m[2]) | (tail.z & ~m[2]), (head.w & m[3]) | (tail.w & ~m[3]));
+}
+__device__ __forceinline__ float ChunkMax(uint4 w, const float*) {
+  return fmaxf(fmaxf(__uint_as_float(w.x), __uint_as_float(w.y)),
+               fmaxf(__uint_as_float(w.z), __uint_as_float(w.w)));
+}
+__device__ __forceinline__ float ChunkMax(uint4 w, const uint16_t*) {
+  const auto as2 = [](uint32_t x) { return *reinterpret_cast<const __nv_bfloat162*>(&x); };
+  const __nv_bfloat162 m = __hmax2(__hmax2(as2(w.x), as2(w.y)), __hmax2(as2(w.z), as2(w.w)));
+  return fmaxf(__low2float(m), __high2float(m));
+}
+template <typename T>
+__device__ __forceinline__ float WindowMax(const T* dst, int wlo, int sub) {
+  constexpr int kC = 16 / static_cast<int>(sizeof(T));  // entries per chunk
+  constexpr int kPer = 64 / kC / 8;                     // whole chunks per lane
+  const int c0 = wlo / kC, sh = wlo - c0 * kC;
+  const uint4* chunk = reinterpret_cast<const uint4*>(dst) + c0;
+  uint4 w[kPer];
+#pragma unroll
+  for (int p = 0; p < kPer; ++p) w[p] = chunk[sub + 8 * p];
+  if (sub == 0 && sh > 0)
+    w[0] = MergeTail(w[0], chunk[64 / kC], sh * 8 * static_cast<int>(sizeof(T)));
+  float best = ChunkMax(w[0], dst);
+#pragma unroll
+  for (int p = 1; p < kPer; ++p) best = fmaxf(best, ChunkMax(w[p], dst));
+  return best == best ? best : -INFINITY;  // NaN: every entry unset
+}
+
 // ScoresKernel for b = 64 (the engine's block): the same scores with far fewer instructions for
 // the usual block, one wholly inside the row and at or before the query (hi - 1 <= q) whose V
 // summary is set (no unset V entry). For it max_i Prediction(V[i], D[q - i]) =
@@ -403,7 +534,6 @@ __global__ void ScoresKernel(Dev d, int layer) {
 // about 38 instructions per slot for the 64-bit addressing, conversions and NaN rules.)
 template <typename T>
 __global__ void __launch_bounds__(kScoreThreads) Scores64Kernel(Dev d, int layer) {
-  constexpr int kC = 16 / static_cast<int>(sizeof(T));  // D entries per 16-byte chunk
   const int e = blockIdx.z, r = blockIdx.y;
   // Independent loads first (e < the host's n <= max_seqs, so the entry is in bounds).
   const int batch_n = d.batch->n, batch_rows = d.batch->rows;
@@ -435,17 +565,7 @@ __global__ void __launch_bounds__(kScoreThreads) Scores64Kernel(Dev d, int layer
       by_sum = vs == vs;
     }
     if (by_sum) {
-      const int wlo = q - hi + 1, whi = q - lo;
-      for (int c = wlo / kC + sub; c <= whi / kC; c += 8) {
-        const uint4 w = *reinterpret_cast<const uint4*>(dst + c * kC);
-        const T* x = reinterpret_cast<const T*>(&w);
-#pragma unroll
-        for (int k = 0; k < kC; ++k) {
-          const int o = c * kC + k;
-          const float v = LoadT(x, k);
-          if (o >= wlo && o <= whi && v > best) best = v;  // NaN (unset) never compares greater
-        }
-      }
+      best = WindowMax(dst, q - hi + 1, sub);
     } else {
 #pragma unroll 8
       for (int i = lo + sub; i < hi; i += 8) {
@@ -462,33 +582,57 @@ __global__ void __launch_bounds__(kScoreThreads) Scores64Kernel(Dev d, int layer
   if (j < nb && sub == 0 && !fresh) d.Scores(e, r)[j] = best;
 }
 
-// One (entry, row) selection after the query block: top by score, then exploration by draw.
-// Per block: a key and a state (0 = candidate, 1 = query block, 2 = chosen by score). With
-// KPT > 0 (nb <= KPT * kSelectThreads) they live in registers, element u * blockDim.x + tid in
-// slot u, so the radix passes never go back to memory; KPT == 0 keeps them in the private
-// scratch (any nb). Both visit the same elements in the same order, so they choose the same set.
+// One (entry, row) selection: the query block, top by score, then exploration by draw. Per
+// block a key and a state (0 = candidate, 1 = query block, 2 = chosen by score). With KPT > 0
+// (nb <= KPT * kSelectThreads) they live in registers, element u * blockDim.x + tid in slot u,
+// so the radix passes never go back to memory; KPT == 0 keeps them in the private scratch (any
+// nb). Both visit the same elements in the same order, so they choose the same set.
+//
+// The CTA is a chain of latencies, so the loads that do not depend on each other go out
+// together: the scores, then (KPT > 0, exploration on) every block's Philox draw is computed
+// while they are in flight (the entry's Philox key comes from BeginStep, so no load waits for
+// the sequence record), and only then the fresh flag, loaded by the caller alongside, decides
+// whether anything is selected.
 template <int KPT>
-__device__ __forceinline__ void SelectRow(const Dev& d, int layer, int e, int r,
-                                          const StepEntry& en, int nb, int qb, int top, int explore,
-                                          uint8_t* mask) {
+__device__ __forceinline__ void SelectRow(const Dev& d, TopTShared& sh, int layer, int e, int r,
+                                          const StepEntry& en, uint64_t xkey, bool fresh, int nb,
+                                          int m, int explore, uint8_t* mask) {
   constexpr int kRegs = KPT > 0 ? KPT : 1;
+  const float* s = d.Scores(e, r);
+  float score[kRegs];
   unsigned long long rkey[kRegs];
   uint8_t rsel[kRegs];
 #pragma unroll
   for (int u = 0; u < kRegs; ++u) {
+    score[u] = 0.0f;
     rkey[u] = 0;
     rsel[u] = 1;
   }
+  if constexpr (KPT > 0) {
+    if (m < nb) {
+      ForRounds<KPT>(nb, [&](int u, int j) {
+        if (j < nb) score[u] = s[j];
+      });
+      if (explore > 0) {
+        ForRounds<KPT>(nb, [&](int u, int j) {
+          if (j < nb) {
+            rkey[u] = ~ExplorationDraw(xkey, en.step, static_cast<uint32_t>(layer),
+                                       static_cast<uint32_t>(r), static_cast<uint32_t>(j));
+          }
+        });
+      }
+    }
+  }
+  if (fresh) return;  // dense: the union keeps every block
+  if (m >= nb) {
+    for (int j = threadIdx.x; j < nb; j += blockDim.x) mask[j] = 1;
+    return;
+  }
+  const int qb = min((en.q_pos + r) / d.block, nb - 1);
+  const int top = m - 1 - explore;
   const int64_t row_off = (static_cast<int64_t>(e) * d.max_rows + r) * d.max_blocks;
   uint8_t* gsel = d.sel + row_off;
   unsigned long long* gkey = d.keys + row_off;
-  auto key_of = [&](int u, int j) -> unsigned long long& {
-    if constexpr (KPT > 0) {
-      return rkey[u];
-    } else {
-      return gkey[j];
-    }
-  };
   auto sel_of = [&](int u, int j) -> uint8_t& {
     if constexpr (KPT > 0) {
       return rsel[u];
@@ -496,17 +640,28 @@ __device__ __forceinline__ void SelectRow(const Dev& d, int layer, int e, int r,
       return gsel[j];
     }
   };
-  const float* s = d.Scores(e, r);
+  unsigned skey[kRegs];
   ForRounds<KPT>(nb, [&](int u, int j) {
     if (j < nb) {
       sel_of(u, j) = j == qb ? 1 : 0;
-      key_of(u, j) = FloatKey(s[j]);
+      if constexpr (KPT > 0) {
+        skey[u] = FloatKey(score[u]);
+      } else {
+        gkey[j] = FloatKey(s[j]);
+      }
     }
   });
   if (threadIdx.x == 0) mask[qb] = 1;
   __syncthreads();
   CtaTopT<uint32_t, KPT>(
-      nb, top, [&](int u, int j) { return static_cast<uint32_t>(key_of(u, j)); },
+      sh, nb, top,
+      [&](int u, int j) {
+        if constexpr (KPT > 0) {
+          return skey[u];
+        } else {
+          return static_cast<uint32_t>(gkey[j]);
+        }
+      },
       [&](int u, int j) { return sel_of(u, j) == 0; },
       [&](int u, int j) {
         sel_of(u, j) = 2;  // no longer an exploration candidate
@@ -514,50 +669,60 @@ __device__ __forceinline__ void SelectRow(const Dev& d, int layer, int e, int r,
       });
   __syncthreads();
   if (explore <= 0) return;
-  const uint64_t key = ExplorationKey(d.seed, d.seqs[en.seq].key);
-  ForRounds<KPT>(nb, [&](int u, int j) {
-    if (j < nb && sel_of(u, j) == 0) {
-      key_of(u, j) = ~ExplorationDraw(key, en.step, static_cast<uint32_t>(layer),
-                                      static_cast<uint32_t>(r), static_cast<uint32_t>(j));
-    }
-  });
-  __syncthreads();
+  if constexpr (KPT == 0) {
+    ForRounds<KPT>(nb, [&](int, int j) {
+      if (j < nb && gsel[j] == 0) {
+        gkey[j] = ~ExplorationDraw(xkey, en.step, static_cast<uint32_t>(layer),
+                                   static_cast<uint32_t>(r), static_cast<uint32_t>(j));
+      }
+    });
+    __syncthreads();
+  }
   CtaTopT<unsigned long long, KPT>(
-      nb, explore, [&](int u, int j) { return key_of(u, j); },
+      sh, nb, explore,
+      [&](int u, int j) {
+        if constexpr (KPT > 0) {
+          return rkey[u];
+        } else {
+          return gkey[j];
+        }
+      },
       [&](int u, int j) { return sel_of(u, j) == 0; }, [&](int, int j) { mask[j] = 1; });
 }
 
-// One (entry, row) selection, unless the step is dense for the entry: query block, top by
-// score, exploration by draw. All threads of the CTA call it.
-__device__ void SelectRowOf(const Dev& d, int layer, int e, int r, const StepEntry& en,
-                            bool fresh) {
-  if (en.seq < 0 || fresh || en.probe) return;  // dense: the union keeps every block
-  const int n = en.ctx_len + r, q = en.q_pos + r;
-  const int nb = static_cast<int>(CeilDiv(n, d.block));
+// One (entry, row) selection unless the step is dense for the entry (padding, probe, fresh).
+// All threads of the CTA call it.
+__device__ void SelectRowOf(const Dev& d, TopTShared& sh, int layer, int e, int r,
+                            const StepEntry& en, uint64_t xkey, bool fresh, double rho,
+                            double gamma) {
+  if (en.seq < 0 || en.probe) return;  // padding, or dense: the union keeps every block
+  const int nb = BlocksOf(d, en.ctx_len + r);
+  const int m = KeptBlocks(nb, d.topk, d.block, rho);
+  const int explore = ExplorationBlocks(m, gamma);
   uint8_t* mask = d.mask + static_cast<int64_t>(e) * d.max_blocks;
-  const int m = KeptBlocks(nb, d.topk, d.block, d.sparsity[layer]);
-  if (m >= nb) {
-    for (int j = threadIdx.x; j < nb; j += blockDim.x) mask[j] = 1;
-    return;
-  }
-  const int qb = min(q / d.block, nb - 1);
-  const int explore = ExplorationBlocks(m, d.policy->exploration);
-  const int top = m - 1 - explore;
-  if (nb <= kSelectRegRounds * kSelectThreads) {
-    SelectRow<kSelectRegRounds>(d, layer, e, r, en, nb, qb, top, explore, mask);
+  // The smallest register variant that holds the row (fewer unrolled rounds: less code for the
+  // instruction cache, which ncu showed missing in this kernel).
+  if (nb <= kSelectRegRounds / 2 * kSelectThreads) {
+    SelectRow<kSelectRegRounds / 2>(d, sh, layer, e, r, en, xkey, fresh, nb, m, explore, mask);
+  } else if (nb <= kSelectRegRounds * kSelectThreads) {
+    SelectRow<kSelectRegRounds>(d, sh, layer, e, r, en, xkey, fresh, nb, m, explore, mask);
   } else {
-    SelectRow<0>(d, layer, e, r, en, nb, qb, top, explore, mask);
+    SelectRow<0>(d, sh, layer, e, r, en, xkey, fresh, nb, m, explore, mask);
   }
 }
 
 // The entry's union of its rows' masks, ascending; compacted table and lengths; statistics.
 // Run by one CTA per entry after every row's selection is visible; mask entries written by
-// other CTAs of this launch are read through L2 (__ldcg).
+// other CTAs of this launch are read through L2 (__ldcg). Thread t takes kUnionRun consecutive
+// blocks per round (a round covers kUnionRun * kSelectThreads blocks: 128K slots at b = 64):
+// a warp scan of the threads' counts, one barrier for the warp totals, then every thread
+// writes its blocks at their places.
+constexpr int kUnionRun = 4;
 __device__ void UnionOf(const Dev& d, int layer, int e, const StepEntry& en, bool fresh, int rows,
                         const int32_t* table, int64_t table_stride) {
-  using Scan = cub::BlockScan<int, kSelectThreads>;
-  __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ int s_count;
+  constexpr unsigned kAll = 0xFFFFFFFFu;
+  constexpr int kWarps = kSelectThreads / 32;
+  __shared__ unsigned s_wt[2][kWarps];  // warp totals, by round parity
   // Per row r: union blocks with id < B_r, and whether block B_r - 1 is one of them.
   __shared__ int s_below[kMaxRows], s_last_in[kMaxRows];
   int32_t* clen = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
@@ -567,44 +732,69 @@ __device__ void UnionOf(const Dev& d, int layer, int e, const StepEntry& en, boo
     return;
   }
   const bool dense = fresh || en.probe;
-  const int b = d.block;
-  const int widest = static_cast<int>(CeilDiv(en.ctx_len + rows - 1, b));
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int widest = BlocksOf(d, en.ctx_len + rows - 1);
   uint8_t* mask = d.mask + static_cast<int64_t>(e) * d.max_blocks;
   int32_t* ids = d.union_ids + static_cast<int64_t>(e) * d.max_blocks;
   int32_t* phys = d.phys + static_cast<int64_t>(e) * d.max_blocks;
-  if (threadIdx.x == 0) s_count = 0;
-  __syncthreads();
-  for (int base = 0; base < widest; base += blockDim.x) {
-    const int j = base + threadIdx.x;
-    // The engine's entry is read ahead of the scan (j < widest <= max_blocks <= the stride).
-    const int32_t tj = table && j < widest ? table[e * table_stride + j] : 0;
-    const int on = j < widest && (dense || __ldcg(mask + j)) ? 1 : 0;
-    if (dense && j < widest) mask[j] = 1;
-    int before, total;
-    Scan(scan_tmp).ExclusiveSum(on, before, total);
-    const int at = s_count + before;
-    if (on) {
-      ids[at] = j;
-      if (table) phys[at] = tj;
+  const int32_t* row_table = table ? table + e * table_stride : nullptr;
+  int base = 0;  // union blocks in earlier rounds
+  for (int round = 0; round * kUnionRun * kSelectThreads < widest; ++round) {
+    const int j0 = (round * kSelectThreads + static_cast<int>(threadIdx.x)) * kUnionRun;
+    bool on[kUnionRun];
+    int32_t tj[kUnionRun];
+    int c = 0;
+#pragma unroll
+    for (int i = 0; i < kUnionRun; ++i) {
+      const int j = j0 + i;
+      // The engine's entry is read ahead of the scan (j < widest <= max_blocks <= the stride).
+      tj[i] = row_table && j < widest ? row_table[j] : 0;
+      on[i] = j < widest && (dense || __ldcg(mask + j));
+      if (dense && j < widest) mask[j] = 1;
+      c += on[i] ? 1 : 0;
     }
-    // Row r's last block B_r - 1 < widest is visited by exactly one thread.
-    for (int r = 0; r < rows; ++r) {
-      if (j == static_cast<int>(CeilDiv(en.ctx_len + r, b)) - 1) {
-        s_below[r] = at + on;
-        s_last_in[r] = on;
+    int incl = c;  // this warp's blocks up to this thread's
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(kAll, incl, o);
+      if (lane >= o) incl += v;
+    }
+    if (lane == 31) s_wt[round & 1][warp] = static_cast<unsigned>(incl);
+    __syncthreads();
+    int wincl = lane < kWarps ? static_cast<int>(s_wt[round & 1][lane]) : 0;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(kAll, wincl, o);
+      if (lane >= o) wincl += v;
+    }
+    const int round_total = __shfl_sync(kAll, wincl, 31);
+    const int earlier_warps = __shfl_sync(kAll, wincl, warp) -
+                              static_cast<int>(s_wt[round & 1][warp]);  // lane warp: its own
+    int at = base + earlier_warps + incl - c;
+#pragma unroll
+    for (int i = 0; i < kUnionRun; ++i) {
+      const int j = j0 + i;
+      if (on[i]) {
+        ids[at] = j;
+        if (row_table) phys[at] = tj[i];
+      }
+      at += on[i] ? 1 : 0;
+      // Row r's last block B_r - 1 < widest is visited by exactly one thread.
+      for (int r = 0; r < rows; ++r) {
+        if (j == BlocksOf(d, en.ctx_len + r) - 1) {
+          s_below[r] = at;
+          s_last_in[r] = on[i] ? 1 : 0;
+        }
       }
     }
-    __syncthreads();
-    if (threadIdx.x == 0) s_count += total;
-    __syncthreads();
+    base += round_total;
   }
-  const int count = s_count;
+  __syncthreads();  // s_below, s_last_in
+  const int count = base;
   if (threadIdx.x == 0) d.union_count[e] = count;
   // Row r's compacted length: union blocks below B_r, the last one possibly partial.
   for (int r = threadIdx.x; r < rows; r += blockDim.x) {
     const int n = en.ctx_len + r;
-    const int nb = static_cast<int>(CeilDiv(n, b));
-    clen[r] = s_below[r] * b - (s_last_in[r] ? nb * b - n : 0);
+    const int nb = BlocksOf(d, n);
+    clen[r] = s_below[r] * d.block - (s_last_in[r] ? nb * d.block - n : 0);
   }
   if (threadIdx.x == 0) {
     LayerStats* st = d.stats + layer;
@@ -625,38 +815,42 @@ __device__ void UnionOf(const Dev& d, int layer, int e, const StepEntry& en, boo
 
 // Select(l) after the scores: one CTA per (row, entry) selects its row; the last CTA of an
 // entry to finish (a per-entry arrival counter that wraps to 0 on the last arrival) builds the
-// union. One launch instead of a selection launch and a union launch.
-__global__ void __launch_bounds__(kSelectThreads)
+// union. One launch instead of a selection launch and a union launch; with one row per entry
+// the CTA is its entry's only one and needs no counter.
+__global__ void __launch_bounds__(kSelectThreads, 1)
     SelectKernel(Dev d, int layer, const int32_t* table, int64_t table_stride) {
+  __shared__ TopTShared sh;
   __shared__ int s_last;
   const int e = blockIdx.y, r = blockIdx.x;
   // Independent loads first (e < the host's n <= max_seqs, so the entry is in bounds).
   const int batch_n = d.batch->n, rows = d.batch->rows;
   const StepEntry en = d.entries[e];
+  const double rho = d.sparsity[layer], gamma = d.policy->exploration;
+  const uint64_t xkey = d.xkeys[e];
   // Uniform over the entry's CTAs: either all of them arrive or none. rows is the host's
   // (the grid) unless the batch was refused, and then batch_n is 0.
   if (e >= batch_n) return;
   if (e == 0 && r == 0 && threadIdx.x == 0) d.batch->selected_layer = layer;
-  {
-    const bool fresh = en.seq >= 0 && d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] != 0;
-    if (r < rows) SelectRowOf(d, layer, e, r, en, fresh);
-  }
+  // CtaTopT's precondition; the next barrier publishes it.
+  for (int i = threadIdx.x; i < kDigitBins; i += blockDim.x) sh.hist[i] = 0;
+  // Read with the scores; nothing writes the entry or the fresh flag during Select.
+  const bool fresh = en.seq >= 0 && d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] != 0;
+  if (r < rows) SelectRowOf(d, sh, layer, e, r, en, xkey, fresh, rho, gamma);
   // The CTA's mask writes, ordered before its arrival by the barrier and thread 0's (cumulative)
   // fence; the last CTA's fence orders the arrivals before its reads of the other rows' masks.
+  // With one CTA per entry the barrier alone makes its writes visible to its own union.
   __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    // Counts 0 .. gridDim.x - 1 and wraps to 0 on the last arrival, ready for the next launch.
-    s_last = atomicInc(&d.arrive[e], gridDim.x - 1) == gridDim.x - 1 ? 1 : 0;
-    if (s_last) __threadfence();
+  if (gridDim.x > 1) {
+    if (threadIdx.x == 0) {
+      __threadfence();
+      // Counts 0 .. gridDim.x - 1 and wraps to 0 on the last arrival, ready for the next launch.
+      s_last = atomicInc(&d.arrive[e], gridDim.x - 1) == gridDim.x - 1 ? 1 : 0;
+      if (s_last) __threadfence();
+    }
+    __syncthreads();
+    if (!s_last) return;
   }
-  __syncthreads();
-  if (!s_last) return;
-  // The entry is read again rather than kept live across the selection (register pressure);
-  // nothing writes it or the fresh flag during Select.
-  const StepEntry u = d.entries[e];
-  const bool fresh = u.seq >= 0 && d.fresh[static_cast<int64_t>(u.seq) * d.layers + layer] != 0;
-  UnionOf(d, layer, e, u, fresh, d.batch->rows, table, table_stride);
+  UnionOf(d, layer, e, en, fresh, rows, table, table_stride);
 }
 
 __global__ void RemapKernel(Dev d, int32_t* idx, int count) {
@@ -703,12 +897,14 @@ __global__ void __launch_bounds__(kSelectThreads)
   }
   __shared__ int s_finite;
   __shared__ unsigned long long s_missed[kCurvePoints + 1];
+  __shared__ TopTShared sh;
   const int b = d.block, n = en.ctx_len;
-  const int nb = static_cast<int>(CeilDiv(n, b));
+  const int nb = BlocksOf(d, n);
   const float* z = logits + static_cast<int64_t>(e) * rows * stride;
   int32_t* hits = d.hits + static_cast<int64_t>(e) * d.max_blocks;
   if (threadIdx.x == 0) s_finite = 0;
   for (int j = threadIdx.x; j < nb; j += blockDim.x) hits[j] = 0;
+  for (int i = threadIdx.x; i < kDigitBins; i += blockDim.x) sh.hist[i] = 0;  // CtaTopT needs
   __syncthreads();
   int local = 0;
   for (int i = threadIdx.x; i < n; i += blockDim.x) local += isfinite(z[i]) ? 1 : 0;
@@ -718,7 +914,7 @@ __global__ void __launch_bounds__(kSelectThreads)
   if (k == 0) return;
   // Dense top-K of row 0 (ties to the lower slot), counted per block.
   CtaTopT<uint32_t, 0>(
-      n, k, [&](int, int i) { return FloatKey(z[i]); },
+      sh, n, k, [&](int, int i) { return FloatKey(z[i]); },
       [&](int, int i) { return isfinite(z[i]) != 0; },
       [&](int, int i) { atomicAdd(&hits[i / b], 1); });
   __syncthreads();
@@ -732,8 +928,8 @@ __global__ void __launch_bounds__(kSelectThreads)
     if (threadIdx.x == 0) s_covered = hits[qb];
     __syncthreads();
     CtaTopT<uint32_t, 0>(
-        nb, m - 1, [&](int, int j) { return FloatKey(s[j]); }, [&](int, int j) { return j != qb; },
-        [&](int, int j) { atomicAdd(&s_covered, hits[j]); });
+        sh, nb, m - 1, [&](int, int j) { return FloatKey(s[j]); },
+        [&](int, int j) { return j != qb; }, [&](int, int j) { atomicAdd(&s_covered, hits[j]); });
     __syncthreads();
     if (threadIdx.x == 0) s_missed[p] = static_cast<unsigned long long>(k - s_covered);
     __syncthreads();
@@ -1397,6 +1593,8 @@ class CudaDataPlane final : public DataPlane {
     d_.keys = static_cast<unsigned long long*>(p);
     if (auto s = alloc(S * MB * sizeof(int32_t), &p); !s.ok()) return s;
     d_.hits = static_cast<int32_t*>(p);
+    if (auto s = alloc(S * sizeof(uint64_t), &p); !s.ok()) return s;
+    d_.xkeys = static_cast<uint64_t*>(p);
     if (auto s = alloc(S * sizeof(unsigned), &p); !s.ok()) return s;
     d_.arrive = static_cast<unsigned*>(p);
     if (auto s = CudaStatus(cudaMemset(p, 0, S * sizeof(unsigned)), "clear arrival counters");
