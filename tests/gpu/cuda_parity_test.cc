@@ -468,5 +468,15 @@ TEST_F(CudaTest, GraphReplayMatchesEagerReference) {
   cudaStreamDestroy(stream);
 }
 
+// The device narrows bf16 state with the hardware conversion (numerics.h); the host with the
+// integer definition. Parity of bf16 state rests on their agreeing for every float.
+TEST(CudaNumerics, DeviceBf16NarrowingEqualsTheReferenceForEveryFloat) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device";
+  uint64_t mismatches = 0;
+  uint32_t first = 0;
+  ASSERT_EQ(CountBf16Mismatches(&mismatches, &first), cudaSuccess);
+  EXPECT_EQ(mismatches, 0u) << "first differing input bits 0x" << std::hex << first;
+}
+
 }  // namespace
 }  // namespace spin::testing

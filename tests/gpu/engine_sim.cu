@@ -32,7 +32,44 @@ __global__ void GatherKernel(ArenaView a, int layer, int layers, const float* de
   }
 }
 
+// Every 32-bit pattern once (grid-stride over 2^32); counts differences per warp, then one
+// atomic per warp.
+__global__ void Bf16CheckKernel(unsigned long long* mismatches, uint32_t* first) {
+  constexpr uint64_t kAll = 1ull << 32;
+  unsigned long long local = 0;
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < kAll;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    const float f = __uint_as_float(static_cast<uint32_t>(i));
+    if (FloatToBf16(f) != FloatToBf16Bits(f)) {
+      ++local;
+      atomicMin(first, static_cast<uint32_t>(i));
+    }
+  }
+  for (int o = 16; o > 0; o /= 2) local += __shfl_xor_sync(0xFFFFFFFFu, local, o);
+  if (threadIdx.x % 32 == 0 && local) atomicAdd(mismatches, local);
+}
+
 }  // namespace
+
+cudaError_t CountBf16Mismatches(uint64_t* mismatches, uint32_t* first) {
+  unsigned long long* d_count = nullptr;
+  uint32_t* d_first = nullptr;
+  cudaError_t e = cudaMalloc(&d_count, sizeof(*d_count));
+  if (e == cudaSuccess) e = cudaMalloc(&d_first, sizeof(*d_first));
+  if (e == cudaSuccess) e = cudaMemset(d_count, 0, sizeof(*d_count));
+  if (e == cudaSuccess) e = cudaMemset(d_first, 0xFF, sizeof(*d_first));
+  if (e == cudaSuccess) {
+    Bf16CheckKernel<<<4096, 256>>>(d_count, d_first);
+    e = cudaGetLastError();
+  }
+  unsigned long long count = 0;
+  if (e == cudaSuccess) e = cudaMemcpy(&count, d_count, sizeof(count), cudaMemcpyDeviceToHost);
+  if (e == cudaSuccess) e = cudaMemcpy(first, d_first, sizeof(*first), cudaMemcpyDeviceToHost);
+  *mismatches = count;
+  cudaFree(d_count);
+  cudaFree(d_first);
+  return e;
+}
 
 cudaError_t LaunchGatherLogits(const ArenaView& a, int layer, const float* dense, int64_t n_max,
                                float* logits, int64_t stride, cudaStream_t stream) {

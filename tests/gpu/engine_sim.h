@@ -14,4 +14,9 @@ namespace spin::testing {
 cudaError_t LaunchGatherLogits(const ArenaView& a, int layer, const float* dense, int64_t n_max,
                                float* logits, int64_t stride, cudaStream_t stream);
 
+/// Runs FloatToBf16 on the device (the hardware conversion) and FloatToBf16Bits (the integer
+/// definition the host uses) on every one of the 2^32 float bit patterns; writes how many
+/// results differ to *mismatches (host memory) and the first differing input to *first.
+cudaError_t CountBf16Mismatches(uint64_t* mismatches, uint32_t* first);
+
 }  // namespace spin::testing

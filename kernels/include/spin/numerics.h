@@ -11,6 +11,7 @@
 #include <cstring>
 
 #if defined(__CUDACC__)
+#include <cuda_bf16.h>
 #define SPIN_HD __host__ __device__ __forceinline__
 #else
 #define SPIN_HD inline
@@ -46,12 +47,27 @@ SPIN_HD float BitsFloat(uint32_t u) {
 /// Widens bf16 to float (exact).
 SPIN_HD float Bf16ToFloat(uint16_t h) { return BitsFloat(static_cast<uint32_t>(h) << 16); }
 
-/// Narrows float to bf16, rounding to nearest even; every NaN becomes kBf16Unset.
-SPIN_HD uint16_t FloatToBf16(float f) {
+/// Narrows float to bf16, rounding to nearest even; every NaN becomes kBf16Unset. The integer
+/// definition, used on the host.
+SPIN_HD uint16_t FloatToBf16Bits(float f) {
   uint32_t u = FloatBits(f);
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return kBf16Unset;
   u += 0x7FFFu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
+}
+
+/// FloatToBf16Bits. On the device: the hardware conversion (cvt.rn.bf16.f32 rounds to nearest
+/// even, keeps subnormals and overflows to inf, as the integer definition does) with NaN mapped
+/// to kBf16Unset instead of the hardware's canonical NaN; three instructions instead of about
+/// six (the EMA narrows two values per slot). The GPU test
+/// CudaNumerics.DeviceBf16NarrowingEqualsTheReferenceForEveryFloat checks all 2^32 inputs.
+SPIN_HD uint16_t FloatToBf16(float f) {
+#if defined(__CUDA_ARCH__)
+  const uint16_t h = __bfloat16_as_ushort(__float2bfloat16_rn(f));
+  return f != f ? kBf16Unset : h;
+#else
+  return FloatToBf16Bits(f);
+#endif
 }
 
 /// One Philox4x32-10 block (Salmon et al., SC'11): 128-bit counter, 64-bit key.
