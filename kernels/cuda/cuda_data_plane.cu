@@ -528,8 +528,9 @@ __device__ __forceinline__ float WindowMax(const T* dst, int wlo, int sub) {
 // summary is set (no unset V entry). For it max_i Prediction(V[i], D[q - i]) =
 // Prediction(vmax, max of the non-NaN D entries of the window [q - hi + 1, q - lo]): the order
 // of a maximum does not matter, so the window is read as the aligned 16-byte chunks covering it
-// (when max_slots % 8 == 0, so they lie inside D), lane s taking chunks s, s + 8, ..., and V is
-// not read at all. Other blocks are scored slot by slot as in ScoresKernel. (ncu on the H200
+// (when max_slots % 8 == 0, so they lie inside D; WindowMax), and V is not read at all. The
+// window is loaded together with the summary, before knowing whether the summary is set (then
+// it is not used). Other blocks are scored slot by slot as in ScoresKernel. (ncu on the H200
 // showed the slot-by-slot kernel issue-bound, 58% SM throughput and 21% DRAM at batch 64 x 128K:
 // about 38 instructions per slot for the 64-bit addressing, conversions and NaN rules.)
 template <typename T>
@@ -560,12 +561,14 @@ __global__ void __launch_bounds__(kScoreThreads) Scores64Kernel(Dev d, int layer
   bool by_sum = false;  // uniform over the block's eight lanes
   if (j < nb) {
     const int lo = j * 64, hi = min(lo + 64, n);
+    float wmax = -INFINITY;
     if (hi - lo == 64 && hi - 1 <= q && d.max_slots % 8 == 0) {
       vs = d.VSum(en.seq, layer)[j];
+      wmax = WindowMax(dst, q - hi + 1, sub);  // its loads go out with the summary's
       by_sum = vs == vs;
     }
     if (by_sum) {
-      best = WindowMax(dst, q - hi + 1, sub);
+      best = wmax;
     } else {
 #pragma unroll 8
       for (int i = lo + sub; i < hi; i += 8) {
@@ -1421,19 +1424,36 @@ __global__ void __launch_bounds__(kEmaThreads)
     }
     __syncwarp();
     E* ve = reinterpret_cast<E*>(vw);
+    bool finite = true;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const int t = t0 + k;
-      if (t >= cnt) continue;
-      if (!isfinite(zv[k])) {
-        ++bad;
-        continue;
+    for (int k = 0; k < 8; ++k) finite = finite && isfinite(zv[k]);
+    if (finite && t0 + 7 <= tmax && t0 + 8 <= cnt) {
+      // The usual lane: eight slots in the segment, at or before the query, finite scores. Slot
+      // t0 + k's D entry is xd[-k].
+      obs += 8;
+      E* xd = win + (jhi - t0 - cb);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float bz = ScaledScore(zv[k], beta);
+        ve[k] = B::Put(EmaUpdateScaled(B::Get(ve[k]), zv[k], alpha, bz));
+        xd[-k] = B::Put(EmaUpdateScaled(B::Get(xd[-k]), zv[k], alpha, bz));
       }
-      ++obs;
-      ve[k] = B::Put(EmaUpdate(B::Get(ve[k]), zv[k], alpha, beta));
-      if (t <= tmax) {
-        E& x = win[jhi - t - cb];
-        x = B::Put(EmaUpdate(B::Get(x), zv[k], alpha, beta));
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const int t = t0 + k;
+        if (t >= cnt) continue;
+        if (!isfinite(zv[k])) {
+          ++bad;
+          continue;
+        }
+        ++obs;
+        const float bz = ScaledScore(zv[k], beta);
+        ve[k] = B::Put(EmaUpdateScaled(B::Get(ve[k]), zv[k], alpha, bz));
+        if (t <= tmax) {
+          E& x = win[jhi - t - cb];
+          x = B::Put(EmaUpdateScaled(B::Get(x), zv[k], alpha, bz));
+        }
       }
     }
     __syncwarp();

@@ -136,14 +136,25 @@ SPIN_HD int32_t ExplorationBlocks(int32_t kept, double exploration) {
 }
 
 /// One EMA update of a state entry: z if unset (NaN), else fmaf(alpha, v, beta * z), where
-/// beta = (float)(1 - alpha) is computed once by the caller.
-SPIN_HD float EmaUpdate(float v, float z, float alpha, float beta) {
+/// beta = (float)(1 - alpha) is computed once by the caller. EmaUpdateScaled takes beta * z
+/// (bz) already computed, for a caller that updates two entries with one score.
+SPIN_HD float EmaUpdateScaled(float v, float z, float alpha, float bz) {
   if (v != v) return z;
 #if defined(__CUDA_ARCH__)
-  return __fmaf_rn(alpha, v, __fmul_rn(beta, z));
+  return __fmaf_rn(alpha, v, bz);
 #else
-  return std::fma(alpha, v, beta * z);
+  return std::fma(alpha, v, bz);
 #endif
+}
+SPIN_HD float ScaledScore(float z, float beta) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(beta, z);
+#else
+  return beta * z;
+#endif
+}
+SPIN_HD float EmaUpdate(float v, float z, float alpha, float beta) {
+  return EmaUpdateScaled(v, z, alpha, ScaledScore(z, beta));
 }
 
 /// NaN-ignoring max of the vertical and diagonal predictions; +inf when both are unset.
