@@ -881,20 +881,24 @@ __global__ void RemapKernel(Dev d, int32_t* idx, int count) {
 __global__ void __launch_bounds__(kSelectThreads)
     ProbeKernel(Dev d, int layer, const float* logits, int64_t stride, const int32_t* accepted) {
   const int e = blockIdx.x;
-  if (e >= d.batch->n) return;
+  // Every load of the validation at once (e < the host's n <= max_seqs, and the lengths and
+  // accepted count are the entry's own, so every address is in bounds); off probe steps that is
+  // all the kernel does.
+  const int batch_n = d.batch->n, rows = d.batch->rows;
   const StepEntry en = d.entries[e];
-  if (en.seq < 0) return;
-  const int rows = d.batch->rows;
   const int32_t* clen = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
-  if (threadIdx.x == 0) {
-    if (accepted && (accepted[e] < 0 || accepted[e] > rows))
-      RecordError(d.error, kArenaBadAccepted);
-    for (int r = 0; r < rows; ++r) {
-      if (clen[r] > stride) RecordError(d.error, kArenaBadStride);
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const int len = lane < d.max_rows ? clen[lane] : 0;
+    const int acc = accepted ? accepted[e] : 0;
+    const bool long_row = __any_sync(0xFFFFFFFFu, lane < rows && len > stride);
+    if (lane == 0 && e < batch_n && en.seq >= 0) {
+      if (accepted && (acc < 0 || acc > rows)) RecordError(d.error, kArenaBadAccepted);
+      if (long_row) RecordError(d.error, kArenaBadStride);
     }
   }
-  const bool fresh = d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] != 0;
-  if (!en.probe || fresh) return;
+  if (e >= batch_n || en.seq < 0 || !en.probe) return;
+  if (d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] != 0) return;
   for (int r = 0; r < rows; ++r) {
     if (clen[r] > stride) return;
   }
@@ -1150,6 +1154,17 @@ SPIN_HD EmaDRange EmaDRangeOf(int base, int cnt, int q, int dpar) {
   return r;
 }
 SPIN_HD bool EmaInD(const EmaDRange& r, int j) { return j >= r.jlo && j <= r.jhi; }
+
+// The larger of a and b, NaN if either is NaN.
+__device__ __forceinline__ float MaxNaN(float a, float b) {
+#if __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return a != a || b != b ? __int_as_float(0x7FC00000) : fmaxf(a, b);
+#endif
+}
 
 // Raw state entries (fp32 bits or bf16) and their word loads and stores; the lower address is
 // the low half.
@@ -1427,7 +1442,9 @@ __global__ void __launch_bounds__(kEmaThreads)
     bool finite = true;
 #pragma unroll
     for (int k = 0; k < 8; ++k) finite = finite && isfinite(zv[k]);
-    if (finite && t0 + 7 <= tmax && t0 + 8 <= cnt) {
+    const bool fast = finite && t0 + 7 <= tmax && t0 + 8 <= cnt;
+    float vmax = NAN;  // fast lanes: the largest new V entry (NaN if any is NaN), unrounded
+    if (fast) {
       // The usual lane: eight slots in the segment, at or before the query, finite scores. Slot
       // t0 + k's D entry is xd[-k].
       obs += 8;
@@ -1435,7 +1452,9 @@ __global__ void __launch_bounds__(kEmaThreads)
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         const float bz = ScaledScore(zv[k], beta);
-        ve[k] = B::Put(EmaUpdateScaled(B::Get(ve[k]), zv[k], alpha, bz));
+        const float nv = EmaUpdateScaled(B::Get(ve[k]), zv[k], alpha, bz);
+        vmax = k == 0 ? nv : MaxNaN(vmax, nv);
+        ve[k] = B::Put(nv);
         xd[-k] = B::Put(EmaUpdateScaled(B::Get(xd[-k]), zv[k], alpha, bz));
       }
     } else {
@@ -1479,7 +1498,14 @@ __global__ void __launch_bounds__(kEmaThreads)
     // loaded its eight).
     float m = -INFINITY;
     int unset = 0;
-    if (sg < segs && base + t0 < d.max_slots) {
+    if (fast) {
+      // Rounding is monotone, so the largest stored entry is the rounded largest new value.
+      if (vmax != vmax) {
+        unset = 1;
+      } else {
+        m = B::Get(B::Put(vmax));
+      }
+    } else if (sg < segs && base + t0 < d.max_slots) {
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         const float x = B::Get(ve[k]);
