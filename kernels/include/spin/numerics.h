@@ -2,8 +2,9 @@
 // exploration draw (Philox4x32-10) and the block-budget arithmetic of DESIGN §5.
 //
 // Everything here is plain integer or IEEE arithmetic with a single fixed evaluation order, so
-// a host compiler and nvcc produce identical results. Keep it free of any compiler contraction:
-// the kernels library builds with -ffp-contract=off.
+// a host compiler and nvcc produce identical results (bf16 narrowing uses the hardware
+// conversion on the device, checked equal to the integer definition for every input). Keep it free
+// of any compiler contraction: the kernels library builds with -ffp-contract=off.
 #pragma once
 
 #include <cmath>
