@@ -221,15 +221,17 @@ struct Scenario {
 // max_slots 64 * 40 + 17 runs the word-access EMA kernel (EmaWordKernel) and slot-by-slot block
 // scores; 64 * 40 + 8 (a multiple of 8) the 16-byte EMA (EmaVecKernel), whose D chunks then
 // reach the array's last entry, and scores from the V block summaries; with an odd logits
-// stride pad, EmaWordKernel + VSummaryKernel feed the summaries instead. All have a partial
-// last block.
-void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad) {
-  SCOPED_TRACE(::testing::Message() << "max_slots " << max_slots << ", stride pad " << stride_pad);
+// stride pad, EmaWordKernel + VSummaryKernel feed the summaries instead. Blocks of 32 and 128
+// slots run the generic kernels: ScoresKernel, EmaKernel (b = 32) or EmaWordKernel (b = 128),
+// then VSummaryKernel. All have a partial last block.
+void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uint32_t block = 64) {
+  SCOPED_TRACE(::testing::Message() << "max_slots " << max_slots << ", stride pad " << stride_pad
+                                    << ", block " << block);
   Geometry g;
   g.layers = 3;
   g.max_seqs = 6;
   g.max_slots = max_slots;
-  g.block_size = 64;
+  g.block_size = block;
   g.topk = 256;
   g.max_rows = static_cast<uint32_t>(sc.rows);
   g.dtype = sc.dtype;
@@ -267,6 +269,8 @@ void RunScenario(const Scenario& sc) {
   RunScenarioWith(sc, 64 * 40 + 17, 0);
   RunScenarioWith(sc, 64 * 40 + 8, 0);
   RunScenarioWith(sc, 64 * 40 + 8, 1);
+  RunScenarioWith(sc, 32 * 80 + 9, 0, 32);
+  RunScenarioWith(sc, 128 * 20 + 40, 0, 128);
 }
 
 TEST_F(CudaTest, ParityFp32SingleRow) { RunScenario({StateDtype::kFp32, 1, 0.5, 0.1, 3}); }
