@@ -279,6 +279,17 @@ TEST_F(CudaTest, ParityBf16SingleRow) { RunScenario({StateDtype::kBf16, 1, 0.4, 
 TEST_F(CudaTest, ParityBf16Mtp) { RunScenario({StateDtype::kBf16, 2, 0.7, 0.25, 2}); }
 TEST_F(CudaTest, ParityNoExplorationNoProbes) { RunScenario({StateDtype::kFp32, 1, 0.3, 0.0, 0}); }
 
+// Select keeps a row's keys in registers, 2 per thread up to 2048 blocks and 4 up to 4096, and in
+// the private scratch beyond; the union takes 4096 blocks per round. Sequence 0 ends near 192K
+// and 269K slots (about 3000 and 4200 blocks of 64), so the larger register variant, the
+// scratch variant (long contexts: 1M slots is 16K blocks) and a two-round union are compared
+// with the CPU too, with MTP rows, exploration and probe steps.
+TEST_F(CudaTest, ParityLongContexts) {
+  const Scenario sc{StateDtype::kBf16, 2, 0.5, 0.1, 5};
+  RunScenarioWith(sc, 64 * 3000 + 8, 0);
+  RunScenarioWith(sc, 64 * 4200 + 8, 0);
+}
+
 // BeginStep keeps each entry in registers, kMaxSequences / 1024 rounds per thread: a batch of
 // more than 1024 entries (padding among them) uses the second round, and must still equal the
 // CPU. A sequence twice in one batch is refused as a whole (shared bitmap), as on the CPU.
