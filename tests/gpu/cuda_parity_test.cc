@@ -280,13 +280,13 @@ TEST_F(CudaTest, ParityBf16Mtp) { RunScenario({StateDtype::kBf16, 2, 0.7, 0.25, 
 TEST_F(CudaTest, ParityNoExplorationNoProbes) { RunScenario({StateDtype::kFp32, 1, 0.3, 0.0, 0}); }
 
 // Select keeps a row's keys in registers, 2 per thread up to 2048 blocks and 4 up to 4096, and in
-// the private scratch beyond; the union takes 4096 blocks per round. Sequence 0 ends near 192K
-// and 269K slots (about 3000 and 4200 blocks of 64), so the larger register variant, the
-// scratch variant (long contexts: 1M slots is 16K blocks) and a two-round union are compared
-// with the CPU too, with MTP rows, exploration and probe steps.
+// the private scratch beyond; the union takes 4096 blocks per round. Sequence 0 ends near 256K
+// and 269K slots (about 4000 blocks of 64, so all four register rounds, and 4200), so the larger
+// register variant, the scratch variant (long contexts: 1M slots is 16K blocks) and a two-round
+// union are compared with the CPU too, with MTP rows, exploration and probe steps.
 TEST_F(CudaTest, ParityLongContexts) {
   const Scenario sc{StateDtype::kBf16, 2, 0.5, 0.1, 5};
-  RunScenarioWith(sc, 64 * 3000 + 8, 0);
+  RunScenarioWith(sc, 64 * 4000 + 8, 0);
   RunScenarioWith(sc, 64 * 4200 + 8, 0);
 }
 
