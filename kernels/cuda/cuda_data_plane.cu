@@ -105,6 +105,19 @@ __device__ __forceinline__ uint32_t FloatKey(float f) {
 
 __device__ void RecordError(uint32_t* error, uint32_t code) { atomicCAS(error, 0u, code); }
 
+// Programmatic dependent launch (Hopper; Launch below). Every per-step kernel starts with
+// StepKernelEntry(): it lets the next kernel of the stream be launched now (its CTAs are placed
+// as this grid's free the room, instead of after this grid has drained), then waits until the
+// previous kernel has completed and its writes are visible, before this grid's first memory
+// access. So the kernels' effects stay in stream order exactly as with ordinary launches; only
+// the launch and CTA placement of each kernel overlap the end of the one before.
+__device__ __forceinline__ void StepKernelEntry() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Blocks of a row of n >= 0 slots: CeilDiv in 32 bits (numerics.h's 64-bit division is a
 // long instruction sequence on the device), by shift for a power-of-two block.
 __device__ __forceinline__ int BlocksOf(const Dev& d, int n) {
@@ -355,6 +368,7 @@ constexpr int kBeginRounds = (kMaxSequences + kBeginThreads - 1) / kBeginThreads
 __global__ void __launch_bounds__(kBeginThreads)
     BeginStepKernel(Dev d, const int32_t* seq, const int32_t* ctx, const int32_t* qp, int n,
                     int rows) {
+  StepKernelEntry();
   __shared__ int bad;
   __shared__ unsigned seen[(kMaxSequences + 31) / 32];
   const uint32_t period = d.policy->probe_period;
@@ -440,6 +454,7 @@ __global__ void __launch_bounds__(kBeginThreads)
 // CTAs also clear the chunk's union mask.
 template <typename T>
 __global__ void ScoresKernel(Dev d, int layer) {
+  StepKernelEntry();
   const int e = blockIdx.z, r = blockIdx.y;
   // Independent loads first (e < the host's n <= max_seqs, so the entry is in bounds).
   const int batch_n = d.batch->n, batch_rows = d.batch->rows;
@@ -535,6 +550,7 @@ __device__ __forceinline__ float WindowMax(const T* dst, int wlo, int sub) {
 // about 38 instructions per slot for the 64-bit addressing, conversions and NaN rules.)
 template <typename T>
 __global__ void __launch_bounds__(kScoreThreads) Scores64Kernel(Dev d, int layer) {
+  StepKernelEntry();
   const int e = blockIdx.z, r = blockIdx.y;
   // Independent loads first (e < the host's n <= max_seqs, so the entry is in bounds).
   const int batch_n = d.batch->n, batch_rows = d.batch->rows;
@@ -822,6 +838,7 @@ __device__ void UnionOf(const Dev& d, int layer, int e, const StepEntry& en, boo
 // the CTA is its entry's only one and needs no counter.
 __global__ void __launch_bounds__(kSelectThreads, 1)
     SelectKernel(Dev d, int layer, const int32_t* table, int64_t table_stride) {
+  StepKernelEntry();
   __shared__ TopTShared sh;
   __shared__ int s_last;
   const int e = blockIdx.y, r = blockIdx.x;
@@ -857,6 +874,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1)
 }
 
 __global__ void RemapKernel(Dev d, int32_t* idx, int count) {
+  StepKernelEntry();
   const int rows = d.batch->rows, n = d.batch->n;
   const int64_t total = static_cast<int64_t>(n) * rows * count;
   const bool selected = d.batch->selected_layer >= 0;
@@ -880,6 +898,7 @@ __global__ void RemapKernel(Dev d, int32_t* idx, int count) {
 // against the miss curve.
 __global__ void __launch_bounds__(kSelectThreads)
     ProbeKernel(Dev d, int layer, const float* logits, int64_t stride, const int32_t* accepted) {
+  StepKernelEntry();
   const int e = blockIdx.x;
   // Every load of the validation at once (e < the host's n <= max_seqs, and the lengths and
   // accepted count are the entry's own, so every address is in bounds); off probe steps that is
@@ -1031,6 +1050,7 @@ template <typename T>
 __global__ void __launch_bounds__(kEmaThreads)
     EmaKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
               const int32_t* accepted) {
+  StepKernelEntry();
   constexpr int kWarps = kEmaThreads / 32;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const EmaRow w = EmaRowOf(d, layer, r, stride, accepted);
@@ -1233,6 +1253,7 @@ template <typename T>
 __global__ void __launch_bounds__(kEmaThreads)
     EmaWordKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
                   const int32_t* accepted) {
+  StepKernelEntry();
   using B = StateBits<T>;
   using E = typename B::E;
   constexpr int kWarps = kEmaThreads / 32;
@@ -1364,6 +1385,7 @@ template <typename T>
 __global__ void __launch_bounds__(kEmaThreads)
     EmaVecKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
                  const int32_t* accepted) {
+  StepKernelEntry();
   using B = StateBits<T>;
   using E = typename B::E;
   constexpr int kWarps = kEmaThreads / 32;
@@ -1533,6 +1555,7 @@ __global__ void __launch_bounds__(kEmaThreads)
 // their V, so recomputing theirs changes nothing.
 template <typename T>
 __global__ void __launch_bounds__(kEmaThreads) VSummaryKernel(Dev d, int layer) {
+  StepKernelEntry();
   const int e = blockIdx.y;
   const int lane = threadIdx.x % 32;
   if (e >= d.batch->n) return;
@@ -1579,6 +1602,26 @@ __global__ void FillUnsetKernel(uint8_t* state, uint64_t elems, int bytes) {
 // ---------------------------------------------------------------------------------------------
 // The data plane
 // ---------------------------------------------------------------------------------------------
+
+// kernel<<<grid, block, 0, stream>>>(args...) as a programmatic dependent launch: the kernel may
+// be launched while the previous kernel of the stream still runs, and waits for it in
+// StepKernelEntry before touching memory (so the order of effects is the stream's). Captured in
+// a CUDA graph as a programmatic edge.
+template <typename... Params, typename... Args>
+cudaError_t Launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
+                   Args... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+}
 
 class CudaDataPlane final : public DataPlane {
  public:
@@ -1695,12 +1738,12 @@ class CudaDataPlane final : public DataPlane {
     if (batch.n > 0 && (!batch.seq || !batch.ctx_len || !batch.q_pos)) {
       return absl::InvalidArgumentError("batch arrays seq, ctx_len and q_pos are required");
     }
-    BeginStepKernel<<<1, kBeginThreads, 0, stream>>>(d_, batch.seq, batch.ctx_len, batch.q_pos,
-                                                     batch.n, batch.rows);
+    const cudaError_t e = Launch(BeginStepKernel, 1, kBeginThreads, stream, d_, batch.seq,
+                                 batch.ctx_len, batch.q_pos, batch.n, batch.rows);
     n_ = batch.n;
     rows_ = batch.rows;
     selected_layer_ = -1;
-    return CudaStatus(cudaGetLastError(), "BeginStep launch");
+    return CudaStatus(e, "BeginStep launch");
   }
 
   absl::Status Select(int32_t layer, const int32_t* block_table, int64_t table_stride,
@@ -1711,25 +1754,22 @@ class CudaDataPlane final : public DataPlane {
                                                      " is below the session's max blocks ",
                                                      a_.max_blocks));
     }
+    cudaError_t e = cudaSuccess;
     if (n_ > 0) {
       const dim3 sgrid(static_cast<unsigned>(CeilDiv(a_.max_blocks, kBlocksPerScoreCta)),
                        static_cast<unsigned>(rows_), static_cast<unsigned>(n_));
-      if (d_.block == 64) {
-        if (d_.dtype_bytes == 4) {
-          Scores64Kernel<float><<<sgrid, kScoreThreads, 0, stream>>>(d_, layer);
-        } else {
-          Scores64Kernel<uint16_t><<<sgrid, kScoreThreads, 0, stream>>>(d_, layer);
-        }
-      } else if (d_.dtype_bytes == 4) {
-        ScoresKernel<float><<<sgrid, kScoreThreads, 0, stream>>>(d_, layer);
-      } else {
-        ScoresKernel<uint16_t><<<sgrid, kScoreThreads, 0, stream>>>(d_, layer);
+      using ScoresFn = void (*)(Dev, int);
+      const bool fp32 = d_.dtype_bytes == 4;
+      const ScoresFn scores = d_.block == 64 ? (fp32 ? Scores64Kernel<float> : Scores64Kernel<uint16_t>)
+                                             : (fp32 ? ScoresKernel<float> : ScoresKernel<uint16_t>);
+      e = Launch(scores, sgrid, kScoreThreads, stream, d_, layer);
+      if (e == cudaSuccess) {
+        e = Launch(SelectKernel, dim3(rows_, n_), kSelectThreads, stream, d_, layer, block_table,
+                   table_stride);
       }
-      SelectKernel<<<dim3(rows_, n_), kSelectThreads, 0, stream>>>(d_, layer, block_table,
-                                                                   table_stride);
     }
     selected_layer_ = layer;
-    return CudaStatus(cudaGetLastError(), "Select launch");
+    return CudaStatus(e, "Select launch");
   }
 
   absl::Status Remap(int32_t* idx, int32_t count, cudaStream_t stream) override {
@@ -1742,8 +1782,7 @@ class CudaDataPlane final : public DataPlane {
     const int64_t total = static_cast<int64_t>(n_) * rows_ * count;
     if (total == 0) return absl::OkStatus();
     const int grid = static_cast<int>(std::min<int64_t>(CeilDiv(total, 256), 4096));
-    RemapKernel<<<grid, 256, 0, stream>>>(d_, idx, count);
-    return CudaStatus(cudaGetLastError(), "Remap launch");
+    return CudaStatus(Launch(RemapKernel, grid, 256, stream, d_, idx, count), "Remap launch");
   }
 
   absl::Status Observe(int32_t layer, const float* logits, int64_t logits_stride,
@@ -1758,16 +1797,17 @@ class CudaDataPlane final : public DataPlane {
     if (logits == nullptr || logits_stride < 0) {
       return absl::InvalidArgumentError("logits are required");
     }
-    ProbeKernel<<<n_, kSelectThreads, 0, stream>>>(d_, layer, logits, logits_stride, accepted);
+    cudaError_t e = Launch(ProbeKernel, n_, kSelectThreads, stream, d_, layer, logits,
+                           logits_stride, accepted);
     // One EMA launch per row, in row order (the prefix-valid replay), of the kernel for the
     // arena's state type, `chunks` CTAs per entry.
     using EmaFn = void (*)(Dev, int, int, const float*, int64_t, const int32_t*);
     auto per_row = [&](EmaFn fp32, EmaFn bf16, int64_t chunks) {
       const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(chunks, 1, 65535)),
                       static_cast<unsigned>(n_));
-      for (int r = 0; r < rows_; ++r) {
-        (d_.dtype_bytes == 4 ? fp32 : bf16)<<<grid, kEmaThreads, 0, stream>>>(
-            d_, layer, r, logits, logits_stride, accepted);
+      for (int r = 0; r < rows_ && e == cudaSuccess; ++r) {
+        e = Launch(d_.dtype_bytes == 4 ? fp32 : bf16, grid, kEmaThreads, stream, d_, layer, r,
+                   logits, logits_stride, accepted);
       }
     };
     const int64_t max_len = static_cast<int64_t>(a_.max_blocks) * d_.block;
@@ -1784,26 +1824,23 @@ class CudaDataPlane final : public DataPlane {
           CeilDiv(EmaSegments(static_cast<int>(max_len), d_.block), (kEmaThreads / 32) * kEmaSegs);
       per_row(EmaWordKernel<float>, EmaWordKernel<uint16_t>,
               std::min<int64_t>(rounds, ema_resident_ / n_));
-      LaunchVSummaries(layer, stream);
+      if (e == cudaSuccess) e = LaunchVSummaries(layer, stream);
     } else {
       // Other block sizes: one round of kEmaSlots slots per thread when the whole context is
       // kept (up to 128K slots; beyond, the CTAs stride).
       per_row(EmaKernel<float>, EmaKernel<uint16_t>,
               std::min<int64_t>(CeilDiv(max_len, kEmaThreads * kEmaSlots), 64));
-      LaunchVSummaries(layer, stream);
+      if (e == cudaSuccess) e = LaunchVSummaries(layer, stream);
     }
-    return CudaStatus(cudaGetLastError(), "Observe launch");
+    return CudaStatus(e, "Observe launch");
   }
 
  private:
-  void LaunchVSummaries(int32_t layer, cudaStream_t stream) {
+  cudaError_t LaunchVSummaries(int32_t layer, cudaStream_t stream) {
     const unsigned chunks =
         static_cast<unsigned>(std::clamp<int64_t>(CeilDiv(a_.max_blocks, kEmaThreads / 32), 1, 64));
-    if (d_.dtype_bytes == 4) {
-      VSummaryKernel<float><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(d_, layer);
-    } else {
-      VSummaryKernel<uint16_t><<<dim3(chunks, n_), kEmaThreads, 0, stream>>>(d_, layer);
-    }
+    return Launch(d_.dtype_bytes == 4 ? VSummaryKernel<float> : VSummaryKernel<uint16_t>,
+                  dim3(chunks, n_), kEmaThreads, stream, d_, layer);
   }
 
   absl::Status CheckLayer(int32_t layer) const {
