@@ -1371,15 +1371,6 @@ __global__ void __launch_bounds__(kEmaThreads)
   AddEmaCounts(d, layer, obs, bad);
 }
 
-// CTAs per SM the EmaVecKernel is compiled for: with bf16 state, 5 (48 registers, 16 bytes of
-// spill) instead of the 4 its natural 60 registers allow (ncu at a066575: one eligible warp per
-// scheduler, 42% of stalls waiting for loads); fp32 state stays at 4 (64 registers; at 5 it
-// spills 72 bytes).
-template <typename T>
-constexpr int EmaVecMinCtas() {
-  return sizeof(T) == 2 ? 5 : 4;
-}
-
 // The EMA for the engine's layout (b = 64, max_slots a multiple of 8, logits rows 16-byte
 // aligned): EmaWordKernel's contract and result from 16-byte accesses. A segment is one
 // compacted block (64 slots, fewer at the row's end); eight lanes take a segment, lane s its
@@ -1391,7 +1382,7 @@ constexpr int EmaVecMinCtas() {
 // stored back whole where a chunk lies inside the range, entry by entry in the two edge chunks
 // (their other entries belong to other segments). No address outside [0, max_slots) of V or D.
 template <typename T>
-__global__ void __launch_bounds__(kEmaThreads, EmaVecMinCtas<T>())
+__global__ void __launch_bounds__(kEmaThreads)
     EmaVecKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
                  const int32_t* accepted) {
   StepKernelEntry();
