@@ -107,7 +107,7 @@ __device__ void RecordError(uint32_t* error, uint32_t code) { atomicCAS(error, 0
 
 // Programmatic dependent launch (Hopper; Launch below). Every per-step kernel starts with
 // StepKernelEntry(): it lets the next kernel of the stream be launched now (its CTAs are placed
-// as this grid's free the room, instead of after this grid has drained), then waits until the
+// as this grid's CTAs make room, instead of after this grid has drained), then waits until the
 // previous kernel has completed and its writes are visible, before this grid's first memory
 // access. So the kernels' effects stay in stream order exactly as with ordinary launches; only
 // the launch and CTA placement of each kernel overlap the end of the one before.
@@ -1616,7 +1616,6 @@ cudaError_t Launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
-  cfg.dynamicSmemBytes = 0;
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
@@ -1760,8 +1759,9 @@ class CudaDataPlane final : public DataPlane {
                        static_cast<unsigned>(rows_), static_cast<unsigned>(n_));
       using ScoresFn = void (*)(Dev, int);
       const bool fp32 = d_.dtype_bytes == 4;
-      const ScoresFn scores = d_.block == 64 ? (fp32 ? Scores64Kernel<float> : Scores64Kernel<uint16_t>)
-                                             : (fp32 ? ScoresKernel<float> : ScoresKernel<uint16_t>);
+      const ScoresFn scores = d_.block == 64
+                                  ? (fp32 ? Scores64Kernel<float> : Scores64Kernel<uint16_t>)
+                                  : (fp32 ? ScoresKernel<float> : ScoresKernel<uint16_t>);
       e = Launch(scores, sgrid, kScoreThreads, stream, d_, layer);
       if (e == cudaSuccess) {
         e = Launch(SelectKernel, dim3(rows_, n_), kSelectThreads, stream, d_, layer, block_table,
@@ -1797,8 +1797,8 @@ class CudaDataPlane final : public DataPlane {
     if (logits == nullptr || logits_stride < 0) {
       return absl::InvalidArgumentError("logits are required");
     }
-    cudaError_t e = Launch(ProbeKernel, n_, kSelectThreads, stream, d_, layer, logits,
-                           logits_stride, accepted);
+    cudaError_t e =
+        Launch(ProbeKernel, n_, kSelectThreads, stream, d_, layer, logits, logits_stride, accepted);
     // One EMA launch per row, in row order (the prefix-valid replay), of the kernel for the
     // arena's state type, `chunks` CTAs per entry.
     using EmaFn = void (*)(Dev, int, int, const float*, int64_t, const int32_t*);
