@@ -73,6 +73,8 @@ class CpuDataPlane final : public DataPlane {
     row_scores_.resize(a_.max_blocks);
     order_.reserve(a_.max_blocks);
     draws_.resize(a_.max_blocks);
+    step_rho_.assign(a_.sparsity, a_.sparsity + a_.geometry.layers);
+    step_gamma_ = a_.policy->exploration;
   }
 
   const ArenaView& arena() const override { return a_; }
@@ -108,6 +110,11 @@ class CpuDataPlane final : public DataPlane {
   absl::Status BeginStep(const StepBatch& batch, cudaStream_t) override {
     if (absl::Status s = ValidateStepBatch(a_, batch); !s.ok()) return s;
     const uint32_t period = a_.policy->probe_period;
+    // The step's budgets and exploration share, read once as the CUDA backend's selections
+    // (all made when the step begins) read them: a policy or budget written during a step
+    // takes effect at the next one (DESIGN §6).
+    step_rho_.assign(a_.sparsity, a_.sparsity + a_.geometry.layers);
+    step_gamma_ = a_.policy->exploration;
     a_.batch->n = batch.n;
     a_.batch->rows = batch.rows;
     a_.batch->selected_layer = -1;
@@ -199,8 +206,8 @@ class CpuDataPlane final : public DataPlane {
   void SelectAll(int32_t layer, const int32_t* block_table, int64_t table_stride) {
     const Geometry& g = a_.geometry;
     const int32_t b = static_cast<int32_t>(g.block_size), rows = a_.batch->rows;
-    const double rho = a_.sparsity[layer];
-    const double gamma = a_.policy->exploration;
+    const double rho = step_rho_[layer];
+    const double gamma = step_gamma_;
     const uint64_t seed = a_.header->seed;
     LayerStats& st = a_.stats[layer];
     for (int32_t e = 0; e < a_.batch->n; ++e) {
@@ -409,6 +416,8 @@ class CpuDataPlane final : public DataPlane {
 
   ArenaView a_;
   std::vector<float> row_scores_;
+  std::vector<double> step_rho_;  // the budget table as the step began
+  double step_gamma_ = 0.0;       // the exploration share as the step began
   std::vector<int32_t> order_;
   std::vector<uint64_t> draws_;
   std::vector<int32_t> topk_;

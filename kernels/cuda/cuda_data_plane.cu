@@ -27,11 +27,18 @@
 namespace spin {
 namespace {
 
-constexpr int kSelectThreads = 1024;
+// Threads of a Select CTA (and of the Probe's). 512 threads with up to 8 keys each, so two CTAs
+// share an SM (64 registers): the select-ahead grid has a CTA per (layer, entry, row), and on the
+// H200 512 measured faster than 1024 with 4 keys at every point (64 x 128K x 50% bf16: SPIN 33.9
+// -> 31.9 us; 128 x 32K: 24.5 -> 20.9).
+constexpr int kSelectThreads = 512;
 // Select keeps a row's keys in registers up to this many per thread (4096 blocks: 256K
 // slots at b = 64), and in the private scratch beyond.
-constexpr int kSelectRegRounds = 4;
+constexpr int kSelectRegRounds = 8;
 constexpr int kScoreThreads = 256;
+// Select-ahead group scratch (scores of rows >= 1, union masks, and the keys of rows beyond
+// 4096 blocks), reused group after group.
+constexpr int64_t kAheadGroupBytes = int64_t{64} << 20;
 constexpr int kBlocksPerScoreCta = 32;  // 8 warps x 4 blocks
 constexpr int kEmaThreads = 256;
 constexpr int kEmaSlots = 8;  // compacted slots per thread per round (EmaKernel)
@@ -62,16 +69,23 @@ struct Dev {
   int32_t* union_ids;
   int32_t* phys;
   int32_t* compact_len;
-  float* scratch0;  // arena scratch: row-0 block scores
-  uint8_t* mask;    // arena: union mask
   uint32_t* error;
-  // Private scratch (allocated by the data plane).
-  float* scores_rest;        // rows >= 1: [S][R-1][MB]
-  uint8_t* sel;              // [S][R][MB]: 1 = chosen or excluded in this row's selection
-  unsigned long long* keys;  // [S][R][MB]
+  // Private memory (allocated by the data plane). The step's selections are made ahead, when
+  // the step begins, for groups of layers at once (SelectAhead below); "gl" is a layer's place
+  // in its group, and the group scratch is reused by the next group.
+  float* row0;               // [L][S][MB]: row-0 block scores per layer (probe curves)
+  float* scores_rest;        // rows >= 1: [G][S][R-1][MB]
+  uint8_t* sel;              // [G][S][R][MB]: 1 = chosen or excluded (rows beyond 4096 blocks)
+  unsigned long long* keys;  // [G][S][R][MB] (rows beyond 4096 blocks)
+  uint8_t* gmask;            // [G][S][MB]: union mask
+  unsigned* arrive;          // [G][S]: SelectKernel CTAs of the entry done (0 between launches)
+  int32_t* ahead_ids;        // [L][S][MB]: the union per layer, ascending
+  int2* ahead_info;          // [L][S]: {union count, 1 if dense | 2 if fresh}
+  int32_t* ahead_len;        // [L][S][R]: compacted length per row
   int32_t* hits;             // [S][MB]: dense top-K slots per block (probe steps)
-  unsigned* arrive;          // [S]: SelectKernel CTAs of the entry done (0 between launches)
   uint64_t* xkeys;           // [S]: the entry's exploration (Philox) key, written by BeginStep
+  double* step_rho;          // [L + 1]: the budget table and (last) the exploration share as
+                             // the step began (BeginStep copies them; the selections read them)
   // Geometry.
   int32_t layers, max_seqs, max_slots, block, topk, max_rows, max_blocks;
   int32_t dtype_bytes;
@@ -85,9 +99,18 @@ struct Dev {
   __device__ float* VSum(int seq, int layer) const {
     return vsum + (static_cast<int64_t>(seq) * layers + layer) * max_blocks;
   }
-  __device__ float* Scores(int e, int r) const {
-    return r == 0 ? scratch0 + static_cast<int64_t>(e) * max_blocks
-                  : scores_rest + (static_cast<int64_t>(e) * (max_rows - 1) + (r - 1)) * max_blocks;
+  // Row r's block scores of (layer, entry e), the layer at place gl of its group.
+  __device__ float* Scores(int layer, int gl, int e, int r) const {
+    return r == 0 ? row0 + (static_cast<int64_t>(layer) * max_seqs + e) * max_blocks
+                  : scores_rest +
+                        ((static_cast<int64_t>(gl) * max_seqs + e) * (max_rows - 1) + (r - 1)) *
+                            max_blocks;
+  }
+  __device__ uint8_t* Mask(int gl, int e) const {
+    return gmask + (static_cast<int64_t>(gl) * max_seqs + e) * max_blocks;
+  }
+  __device__ int64_t Ahead(int layer, int e) const {
+    return static_cast<int64_t>(layer) * max_seqs + e;
   }
 };
 
@@ -148,12 +171,11 @@ __device__ __forceinline__ void ForRounds(int n, F f) {
 
 // Radix digits of CtaTopT: 11 bits, so a 32-bit key takes at most 3 passes and a 64-bit key
 // at most 6 (8-bit digits took 4 and 8; with the early exit below, scores usually need 2 and
-// exploration draws 1). Thread t owns bins [t * kBinsPerThread, (t + 1) * kBinsPerThread) in the
-// digit search.
+// exploration draws 1). With NT threads, thread t owns bins [t * kDigitBins / NT, (t + 1) *
+// kDigitBins / NT) in the digit search.
 constexpr int kDigitBits = 11;
 constexpr int kDigitBins = 1 << kDigitBits;
-constexpr int kBinsPerThread = kDigitBins / kSelectThreads;
-static_assert(kBinsPerThread * kSelectThreads == kDigitBins, "whole bins per thread");
+static_assert(kDigitBins % kSelectThreads == 0, "whole bins per thread");
 
 // CtaTopT's shared state, declared once per kernel so both key widths share it. hist is all
 // zero between passes (each pass zeroes every bin as it reads them), so it is cleared once per
@@ -166,9 +188,13 @@ struct TopTShared {
   int remaining, running, done;
 };
 
-template <typename Key, int KPT, typename KeyFn, typename CandFn, typename TakeFn>
+// NT: the CTA's threads (a multiple of 32, at most kSelectThreads, dividing kDigitBins).
+template <typename Key, int KPT, int NT = kSelectThreads, typename KeyFn, typename CandFn,
+          typename TakeFn>
 __device__ void CtaTopT(TopTShared& sh, int n, int t, KeyFn key, CandFn cand, TakeFn take) {
-  using Scan = cub::BlockScan<int, kSelectThreads>;
+  static_assert(NT % 32 == 0 && NT <= kSelectThreads && kDigitBins % NT == 0, "CTA shape");
+  constexpr int kBinsPerThread = kDigitBins / NT;
+  using Scan = cub::BlockScan<int, NT>;
   __shared__ typename Scan::TempStorage scan_tmp;
   constexpr unsigned kAll = 0xFFFFFFFFu;
   if (t <= 0) return;
@@ -220,7 +246,7 @@ __device__ void CtaTopT(TopTShared& sh, int n, int t, KeyFn key, CandFn cand, Ta
     __syncthreads();
     // Every warp finds the warp holding the rem-th largest key (suffix sums over warps); that
     // warp finds the lane, and the lane the digit.
-    const unsigned x = lane < kSelectThreads / 32 ? sh.wsum[lane] : 0u;
+    const unsigned x = lane < NT / 32 ? sh.wsum[lane] : 0u;
     unsigned above = x;  // keys in warps >= lane
     for (int o = 1; o < 32; o <<= 1) {
       const unsigned v = __shfl_down_sync(kAll, above, o);
@@ -290,7 +316,7 @@ __device__ void CtaTopT(TopTShared& sh, int n, int t, KeyFn key, CandFn cand, Ta
     unsigned earlier = 0;  // equal keys in earlier rounds
     const unsigned below = (1u << lane) - 1u;
     ForRounds<KPT>(n, [&](int u, int j) {
-      const unsigned x = lane < kSelectThreads / 32 ? sh.eq[u][lane] : 0u;
+      const unsigned x = lane < NT / 32 ? sh.eq[u][lane] : 0u;
       unsigned incl = x;
       for (int o = 1; o < 32; o <<= 1) {
         const unsigned v = __shfl_up_sync(kAll, incl, o);
@@ -425,6 +451,9 @@ __global__ void __launch_bounds__(kBeginThreads)
     }
     return;
   }
+  // The step's budgets and exploration share, read once as the CPU reference reads them.
+  for (int l = threadIdx.x; l < d.layers; l += blockDim.x) d.step_rho[l] = d.sparsity[l];
+  if (threadIdx.x == 0) d.step_rho[d.layers] = d.policy->exploration;
 #pragma unroll
   for (int u = 0; u < kBeginRounds; ++u) {
     const int e = u * kBeginThreads + static_cast<int>(threadIdx.x);
@@ -450,19 +479,20 @@ __global__ void __launch_bounds__(kBeginThreads)
   }
 }
 
-// Block scores of one (entry, row) over a chunk of blocks; one warp per block at a time. Row 0
-// CTAs also clear the chunk's union mask.
+// Block scores of one (layer, entry, row) over a chunk of blocks, for the layers l0 .. of a
+// select-ahead group (blockIdx.z = gl * n + e, n the host's batch size); eight lanes per block.
+// Row 0 CTAs also clear the chunk's union mask.
 template <typename T>
-__global__ void ScoresKernel(Dev d, int layer) {
+__global__ void ScoresKernel(Dev d, int l0, int n_grid) {
   StepKernelEntry();
-  const int e = blockIdx.z, r = blockIdx.y;
+  const int e = blockIdx.z % n_grid, gl = blockIdx.z / n_grid, layer = l0 + gl, r = blockIdx.y;
   // Independent loads first (e < the host's n <= max_seqs, so the entry is in bounds).
   const int batch_n = d.batch->n, batch_rows = d.batch->rows;
   const StepEntry en = d.entries[e];
   if (e >= batch_n || r >= batch_rows) return;
   const int j0 = blockIdx.x * kBlocksPerScoreCta;
   if (r == 0) {
-    uint8_t* mask = d.mask + static_cast<int64_t>(e) * d.max_blocks;
+    uint8_t* mask = d.Mask(gl, e);
     for (int j = j0 + threadIdx.x; j < min(j0 + kBlocksPerScoreCta, d.max_blocks);
          j += blockDim.x) {
       mask[j] = 0;
@@ -476,7 +506,7 @@ __global__ void ScoresKernel(Dev d, int layer) {
   const int nb = BlocksOf(d, n);
   const T* rec = reinterpret_cast<const T*>(d.Record(en.seq, layer));
   const T* dst = rec + d.max_slots;
-  float* out = d.Scores(e, r);
+  float* out = d.Scores(layer, gl, e, r);
   // Eight lanes per block, so each lane has b/8 independent loads of V and D in flight.
   const int j = j0 + threadIdx.x / 8, sub = threadIdx.x % 8;
   float best = -INFINITY;
@@ -549,16 +579,16 @@ __device__ __forceinline__ float WindowMax(const T* dst, int wlo, int sub) {
 // showed the slot-by-slot kernel issue-bound, 58% SM throughput and 21% DRAM at batch 64 x 128K:
 // about 38 instructions per slot for the 64-bit addressing, conversions and NaN rules.)
 template <typename T>
-__global__ void __launch_bounds__(kScoreThreads) Scores64Kernel(Dev d, int layer) {
+__global__ void __launch_bounds__(kScoreThreads) Scores64Kernel(Dev d, int l0, int n_grid) {
   StepKernelEntry();
-  const int e = blockIdx.z, r = blockIdx.y;
+  const int e = blockIdx.z % n_grid, gl = blockIdx.z / n_grid, layer = l0 + gl, r = blockIdx.y;
   // Independent loads first (e < the host's n <= max_seqs, so the entry is in bounds).
   const int batch_n = d.batch->n, batch_rows = d.batch->rows;
   const StepEntry en = d.entries[e];
   if (e >= batch_n || r >= batch_rows) return;
   const int j0 = blockIdx.x * kBlocksPerScoreCta;
   if (r == 0) {
-    uint8_t* mask = d.mask + static_cast<int64_t>(e) * d.max_blocks;
+    uint8_t* mask = d.Mask(gl, e);
     for (int j = j0 + threadIdx.x; j < min(j0 + kBlocksPerScoreCta, d.max_blocks);
          j += blockDim.x) {
       mask[j] = 0;
@@ -598,7 +628,7 @@ __global__ void __launch_bounds__(kScoreThreads) Scores64Kernel(Dev d, int layer
     best = other > best ? other : best;
   }
   if (by_sum) best = Prediction(vs, best);  // -inf when every D entry is unset: then vmax
-  if (j < nb && sub == 0 && !fresh) d.Scores(e, r)[j] = best;
+  if (j < nb && sub == 0 && !fresh) d.Scores(layer, gl, e, r)[j] = best;
 }
 
 // One (entry, row) selection: the query block, top by score, then exploration by draw. Per
@@ -613,11 +643,11 @@ __global__ void __launch_bounds__(kScoreThreads) Scores64Kernel(Dev d, int layer
 // the sequence record), and only then the fresh flag, loaded by the caller alongside, decides
 // whether anything is selected.
 template <int KPT>
-__device__ __forceinline__ void SelectRow(const Dev& d, TopTShared& sh, int layer, int e, int r,
-                                          const StepEntry& en, uint64_t xkey, bool fresh, int nb,
-                                          int m, int explore, uint8_t* mask) {
+__device__ __forceinline__ void SelectRow(const Dev& d, TopTShared& sh, int layer, int gl, int e,
+                                          int r, const StepEntry& en, uint64_t xkey, bool fresh,
+                                          int nb, int m, int explore, uint8_t* mask) {
   constexpr int kRegs = KPT > 0 ? KPT : 1;
-  const float* s = d.Scores(e, r);
+  const float* s = d.Scores(layer, gl, e, r);
   float score[kRegs];
   unsigned long long rkey[kRegs];
   uint8_t rsel[kRegs];
@@ -649,7 +679,8 @@ __device__ __forceinline__ void SelectRow(const Dev& d, TopTShared& sh, int laye
   }
   const int qb = min((en.q_pos + r) / d.block, nb - 1);
   const int top = m - 1 - explore;
-  const int64_t row_off = (static_cast<int64_t>(e) * d.max_rows + r) * d.max_blocks;
+  const int64_t row_off =
+      ((static_cast<int64_t>(gl) * d.max_seqs + e) * d.max_rows + r) * d.max_blocks;
   uint8_t* gsel = d.sel + row_off;
   unsigned long long* gkey = d.keys + row_off;
   auto sel_of = [&](int u, int j) -> uint8_t& {
@@ -711,65 +742,57 @@ __device__ __forceinline__ void SelectRow(const Dev& d, TopTShared& sh, int laye
 
 // One (entry, row) selection unless the step is dense for the entry (padding, probe, fresh).
 // All threads of the CTA call it.
-__device__ void SelectRowOf(const Dev& d, TopTShared& sh, int layer, int e, int r,
+__device__ void SelectRowOf(const Dev& d, TopTShared& sh, int layer, int gl, int e, int r,
                             const StepEntry& en, uint64_t xkey, bool fresh, double rho,
                             double gamma) {
   if (en.seq < 0 || en.probe) return;  // padding, or dense: the union keeps every block
   const int nb = BlocksOf(d, en.ctx_len + r);
   const int m = KeptBlocks(nb, d.topk, d.block, rho);
   const int explore = ExplorationBlocks(m, gamma);
-  uint8_t* mask = d.mask + static_cast<int64_t>(e) * d.max_blocks;
+  uint8_t* mask = d.Mask(gl, e);
   // The smallest register variant that holds the row (fewer unrolled rounds: less code for the
   // instruction cache, which ncu showed missing in this kernel).
   if (nb <= kSelectRegRounds / 2 * kSelectThreads) {
-    SelectRow<kSelectRegRounds / 2>(d, sh, layer, e, r, en, xkey, fresh, nb, m, explore, mask);
+    SelectRow<kSelectRegRounds / 2>(d, sh, layer, gl, e, r, en, xkey, fresh, nb, m, explore, mask);
   } else if (nb <= kSelectRegRounds * kSelectThreads) {
-    SelectRow<kSelectRegRounds>(d, sh, layer, e, r, en, xkey, fresh, nb, m, explore, mask);
+    SelectRow<kSelectRegRounds>(d, sh, layer, gl, e, r, en, xkey, fresh, nb, m, explore, mask);
   } else {
-    SelectRow<0>(d, sh, layer, e, r, en, xkey, fresh, nb, m, explore, mask);
+    SelectRow<0>(d, sh, layer, gl, e, r, en, xkey, fresh, nb, m, explore, mask);
   }
 }
 
-// The entry's union of its rows' masks, ascending; compacted table and lengths; statistics.
-// Run by one CTA per entry after every row's selection is visible; mask entries written by
-// other CTAs of this launch are read through L2 (__ldcg). Thread t takes kUnionRun consecutive
-// blocks per round (a round covers kUnionRun * kSelectThreads blocks: 128K slots at b = 64):
-// a warp scan of the threads' counts, one barrier for the warp totals, then every thread
-// writes its blocks at their places.
+// The entry's union of its rows' masks, ascending, and its rows' compacted lengths, into the
+// layer's select-ahead record (ahead_ids, ahead_info, ahead_len; PublishKernel turns it into the
+// outputs, the compacted table and the statistics when the engine calls Select). Run by one CTA
+// per (layer, entry) after every row's selection is visible; mask entries written by other CTAs
+// of this launch are read through L2 (__ldcg). Thread t takes kUnionRun consecutive blocks per
+// round (a round covers kUnionRun * kSelectThreads blocks: 128K slots at b = 64): a warp scan
+// of the threads' counts, one barrier for the warp totals, then every thread writes its blocks
+// at their places.
 constexpr int kUnionRun = 4;
-__device__ void UnionOf(const Dev& d, int layer, int e, const StepEntry& en, bool fresh, int rows,
-                        const int32_t* table, int64_t table_stride) {
+__device__ void UnionOf(const Dev& d, int layer, int gl, int e, const StepEntry& en, bool fresh,
+                        int rows) {
   constexpr unsigned kAll = 0xFFFFFFFFu;
   constexpr int kWarps = kSelectThreads / 32;
   __shared__ unsigned s_wt[2][kWarps];  // warp totals, by round parity
   // Per row r: union blocks with id < B_r, and whether block B_r - 1 is one of them.
   __shared__ int s_below[kMaxRows], s_last_in[kMaxRows];
-  int32_t* clen = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
-  if (en.seq < 0) {
-    if (threadIdx.x == 0) d.union_count[e] = 0;
-    for (int r = threadIdx.x; r < rows; r += blockDim.x) clen[r] = 0;
-    return;
-  }
+  const int64_t at_le = d.Ahead(layer, e);
+  if (en.seq < 0) return;  // padding: PublishKernel writes an empty union
   const bool dense = fresh || en.probe;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int widest = BlocksOf(d, en.ctx_len + rows - 1);
-  uint8_t* mask = d.mask + static_cast<int64_t>(e) * d.max_blocks;
-  int32_t* ids = d.union_ids + static_cast<int64_t>(e) * d.max_blocks;
-  int32_t* phys = d.phys + static_cast<int64_t>(e) * d.max_blocks;
-  const int32_t* row_table = table ? table + e * table_stride : nullptr;
+  uint8_t* mask = d.Mask(gl, e);
+  int32_t* ids = d.ahead_ids + at_le * d.max_blocks;
   int base = 0;  // union blocks in earlier rounds
   for (int round = 0; round * kUnionRun * kSelectThreads < widest; ++round) {
     const int j0 = (round * kSelectThreads + static_cast<int>(threadIdx.x)) * kUnionRun;
     bool on[kUnionRun];
-    int32_t tj[kUnionRun];
     int c = 0;
 #pragma unroll
     for (int i = 0; i < kUnionRun; ++i) {
       const int j = j0 + i;
-      // The engine's entry is read ahead of the scan (j < widest <= max_blocks <= the stride).
-      tj[i] = row_table && j < widest ? row_table[j] : 0;
       on[i] = j < widest && (dense || __ldcg(mask + j));
-      if (dense && j < widest) mask[j] = 1;
       c += on[i] ? 1 : 0;
     }
     int incl = c;  // this warp's blocks up to this thread's
@@ -791,10 +814,7 @@ __device__ void UnionOf(const Dev& d, int layer, int e, const StepEntry& en, boo
 #pragma unroll
     for (int i = 0; i < kUnionRun; ++i) {
       const int j = j0 + i;
-      if (on[i]) {
-        ids[at] = j;
-        if (row_table) phys[at] = tj[i];
-      }
+      if (on[i]) ids[at] = j;
       at += on[i] ? 1 : 0;
       // Row r's last block B_r - 1 < widest is visited by exactly one thread.
       for (int r = 0; r < rows; ++r) {
@@ -807,55 +827,40 @@ __device__ void UnionOf(const Dev& d, int layer, int e, const StepEntry& en, boo
     base += round_total;
   }
   __syncthreads();  // s_below, s_last_in
-  const int count = base;
-  if (threadIdx.x == 0) d.union_count[e] = count;
+  if (threadIdx.x == 0) d.ahead_info[at_le] = make_int2(base, (dense ? 1 : 0) | (fresh ? 2 : 0));
   // Row r's compacted length: union blocks below B_r, the last one possibly partial.
+  int32_t* clen = d.ahead_len + at_le * d.max_rows;
   for (int r = threadIdx.x; r < rows; r += blockDim.x) {
     const int n = en.ctx_len + r;
     const int nb = BlocksOf(d, n);
     clen[r] = s_below[r] * d.block - (s_last_in[r] ? nb * d.block - n : 0);
   }
-  if (threadIdx.x == 0) {
-    LayerStats* st = d.stats + layer;
-    atomicAdd(reinterpret_cast<unsigned long long*>(&st->steps), 1ull);
-    atomicAdd(reinterpret_cast<unsigned long long*>(&st->dense_steps), dense ? 1ull : 0ull);
-    atomicAdd(reinterpret_cast<unsigned long long*>(&st->blocks_kept),
-              static_cast<unsigned long long>(count));
-    atomicAdd(reinterpret_cast<unsigned long long*>(&st->blocks_total),
-              static_cast<unsigned long long>(widest));
-    if (!dense) {
-      atomicAdd(reinterpret_cast<unsigned long long*>(&st->sparse_blocks_kept),
-                static_cast<unsigned long long>(count));
-      atomicAdd(reinterpret_cast<unsigned long long*>(&st->sparse_blocks_total),
-                static_cast<unsigned long long>(widest));
-    }
-  }
 }
 
-// Select(l) after the scores: one CTA per (row, entry) selects its row; the last CTA of an
-// entry to finish (a per-entry arrival counter that wraps to 0 on the last arrival) builds the
-// union. One launch instead of a selection launch and a union launch; with one row per entry
-// the CTA is its entry's only one and needs no counter.
-__global__ void __launch_bounds__(kSelectThreads, 1)
-    SelectKernel(Dev d, int layer, const int32_t* table, int64_t table_stride) {
+// The selections of the layers l0 .. of a select-ahead group: one CTA per (row, layer, entry)
+// (blockIdx.y = gl * n + e) selects its row; the last CTA of a (layer, entry) to finish (a
+// per-entry arrival counter that wraps to 0 on the last arrival) builds the union. With one row
+// per entry the CTA is its entry's only one and needs no counter.
+__global__ void __launch_bounds__(kSelectThreads, 1024 / kSelectThreads)
+    SelectKernel(Dev d, int l0, int n_grid) {
   StepKernelEntry();
   __shared__ TopTShared sh;
   __shared__ int s_last;
-  const int e = blockIdx.y, r = blockIdx.x;
+  const int e = blockIdx.y % n_grid, gl = blockIdx.y / n_grid, layer = l0 + gl;
+  const int r = blockIdx.x;
   // Independent loads first (e < the host's n <= max_seqs, so the entry is in bounds).
   const int batch_n = d.batch->n, rows = d.batch->rows;
   const StepEntry en = d.entries[e];
-  const double rho = d.sparsity[layer], gamma = d.policy->exploration;
+  const double rho = d.step_rho[layer], gamma = d.step_rho[d.layers];
   const uint64_t xkey = d.xkeys[e];
   // Uniform over the entry's CTAs: either all of them arrive or none. rows is the host's
   // (the grid) unless the batch was refused, and then batch_n is 0.
   if (e >= batch_n) return;
-  if (e == 0 && r == 0 && threadIdx.x == 0) d.batch->selected_layer = layer;
   // CtaTopT's precondition; the next barrier publishes it.
   for (int i = threadIdx.x; i < kDigitBins; i += blockDim.x) sh.hist[i] = 0;
   // Read with the scores; nothing writes the entry or the fresh flag during Select.
   const bool fresh = en.seq >= 0 && d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] != 0;
-  if (r < rows) SelectRowOf(d, sh, layer, e, r, en, xkey, fresh, rho, gamma);
+  if (r < rows) SelectRowOf(d, sh, layer, gl, e, r, en, xkey, fresh, rho, gamma);
   // The CTA's mask writes, ordered before its arrival by the barrier and thread 0's (cumulative)
   // fence; the last CTA's fence orders the arrivals before its reads of the other rows' masks.
   // With one CTA per entry the barrier alone makes its writes visible to its own union.
@@ -864,13 +869,93 @@ __global__ void __launch_bounds__(kSelectThreads, 1)
     if (threadIdx.x == 0) {
       __threadfence();
       // Counts 0 .. gridDim.x - 1 and wraps to 0 on the last arrival, ready for the next launch.
-      s_last = atomicInc(&d.arrive[e], gridDim.x - 1) == gridDim.x - 1 ? 1 : 0;
+      unsigned* arrive = d.arrive + static_cast<int64_t>(gl) * d.max_seqs + e;
+      s_last = atomicInc(arrive, gridDim.x - 1) == gridDim.x - 1 ? 1 : 0;
       if (s_last) __threadfence();
     }
     __syncthreads();
     if (!s_last) return;
   }
-  UnionOf(d, layer, e, en, fresh, rows, table, table_stride);
+  UnionOf(d, layer, gl, e, en, fresh, rows);
+}
+
+// Select(l): the layer's select-ahead record into the outputs: the union (and through the
+// engine's table the compacted table), the rows' compacted lengths and the layer's statistics.
+// (Row 0's block scores stay in the private per-layer array, where the Probe reads them; the
+// arena's scratch section is the CPU backend's. ReadDeviceBlockScores reads them for tests.) An
+// entry that became padding since the step began (its sequence was reset) gets an empty union, as
+// in the reference. Grid: chunks of kPublishThreads * kPublishPer union places x entries; a thread
+// loads its places' ids and scores together with the entry (the record is read whole-width: places
+// beyond the count are loaded but not used), so it waits for two memory latencies: those loads,
+// then the engine's table at the ids.
+constexpr int kPublishThreads = 256;
+constexpr int kPublishPer = 4;
+constexpr int kPublishSpan = kPublishThreads * kPublishPer;
+__global__ void __launch_bounds__(kPublishThreads)
+    PublishKernel(Dev d, int layer, const int32_t* table, int64_t table_stride) {
+  StepKernelEntry();
+  const int e = blockIdx.y;
+  const int k0 = blockIdx.x * kPublishSpan + static_cast<int>(threadIdx.x);
+  // Independent loads first (e < the host's n <= max_seqs, so everything is in bounds).
+  const int batch_n = d.batch->n, rows = d.batch->rows;
+  const StepEntry en = d.entries[e];
+  const int64_t at_le = d.Ahead(layer, e);
+  const int2 info = d.ahead_info[at_le];
+  const int32_t* src = d.ahead_ids + at_le * d.max_blocks;
+  int32_t id[kPublishPer];
+#pragma unroll
+  for (int u = 0; u < kPublishPer; ++u) {
+    const int k = k0 + u * kPublishThreads;
+    id[u] = k < d.max_blocks ? src[k] : 0;
+  }
+  const bool head = blockIdx.x == 0 && static_cast<int>(threadIdx.x) < d.max_rows;
+  const int lane_len = head ? d.ahead_len[at_le * d.max_rows + threadIdx.x] : 0;
+  if (e >= batch_n) return;
+  if (e == 0 && blockIdx.x == 0 && threadIdx.x == 0) d.batch->selected_layer = layer;
+  int32_t* clen = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
+  const bool live = en.seq >= 0;
+  const int count = live ? info.x : 0;
+  const bool dense = (info.y & 1) != 0;
+  if (blockIdx.x == 0) {
+    if (static_cast<int>(threadIdx.x) < rows) clen[threadIdx.x] = live ? lane_len : 0;
+    if (threadIdx.x == 0) {
+      d.union_count[e] = count;
+      if (live) {
+        const int widest = BlocksOf(d, en.ctx_len + rows - 1);
+        LayerStats* st = d.stats + layer;
+        atomicAdd(reinterpret_cast<unsigned long long*>(&st->steps), 1ull);
+        atomicAdd(reinterpret_cast<unsigned long long*>(&st->dense_steps), dense ? 1ull : 0ull);
+        atomicAdd(reinterpret_cast<unsigned long long*>(&st->blocks_kept),
+                  static_cast<unsigned long long>(count));
+        atomicAdd(reinterpret_cast<unsigned long long*>(&st->blocks_total),
+                  static_cast<unsigned long long>(widest));
+        if (!dense) {
+          atomicAdd(reinterpret_cast<unsigned long long*>(&st->sparse_blocks_kept),
+                    static_cast<unsigned long long>(count));
+          atomicAdd(reinterpret_cast<unsigned long long*>(&st->sparse_blocks_total),
+                    static_cast<unsigned long long>(widest));
+        }
+      }
+    }
+  }
+  if (!live) return;
+  const int32_t* row_table = table ? table + e * table_stride : nullptr;
+  int32_t ph[kPublishPer];
+#pragma unroll
+  for (int u = 0; u < kPublishPer; ++u) {
+    const int k = k0 + u * kPublishThreads;
+    ph[u] = row_table && k < count ? row_table[id[u]] : 0;
+  }
+  int32_t* ids = d.union_ids + static_cast<int64_t>(e) * d.max_blocks;
+  int32_t* phys = d.phys + static_cast<int64_t>(e) * d.max_blocks;
+#pragma unroll
+  for (int u = 0; u < kPublishPer; ++u) {
+    const int k = k0 + u * kPublishThreads;
+    if (k < count) {
+      ids[k] = id[u];
+      if (row_table) phys[k] = ph[u];
+    }
+  }
 }
 
 __global__ void RemapKernel(Dev d, int32_t* idx, int count) {
@@ -894,33 +979,44 @@ __global__ void RemapKernel(Dev d, int32_t* idx, int count) {
   }
 }
 
-// Validates accepted and the logits stride per entry; on probe steps scores row 0's dense top-K
-// against the miss curve.
-__global__ void __launch_bounds__(kSelectThreads)
-    ProbeKernel(Dev d, int layer, const float* logits, int64_t stride, const int32_t* accepted) {
-  StepKernelEntry();
-  const int e = blockIdx.x;
+// An entry's Observe bookkeeping, run by one CTA (NT threads) of the row-0 EMA launch beside the
+// CTAs that update the state (EmaCtas): validates accepted and the logits stride (recording
+// errors), clears the fresh flag when row 0 is applied (it is read here first, and nothing else
+// reads it during Observe), and on a probe step of a pair that was not fresh scores row 0's dense
+// top-K against the miss curve. Nothing it reads is written by the updating CTAs: the blocks are
+// ranked by the step's row-0 scores from the select-ahead, made before any update.
+template <int NT>
+__device__ void ObserveEntryCta(const Dev& d, int layer, int e, const float* logits, int64_t stride,
+                                const int32_t* accepted) {
   // Every load of the validation at once (e < the host's n <= max_seqs, and the lengths and
-  // accepted count are the entry's own, so every address is in bounds); off probe steps that is
-  // all the kernel does.
+  // accepted count are the entry's own, so every address is in bounds).
   const int batch_n = d.batch->n, rows = d.batch->rows;
   const StepEntry en = d.entries[e];
   const int32_t* clen = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
+  __shared__ int s_probe;
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     const int len = lane < d.max_rows ? clen[lane] : 0;
-    const int acc = accepted ? accepted[e] : 0;
+    const int acc = accepted ? accepted[e] : rows;
+    const bool live = e < batch_n && en.seq >= 0;
+    uint8_t* fresh = live ? d.fresh + static_cast<int64_t>(en.seq) * d.layers + layer : nullptr;
+    const bool was_fresh = live && *fresh != 0;
     const bool long_row = __any_sync(0xFFFFFFFFu, lane < rows && len > stride);
-    if (lane == 0 && e < batch_n && en.seq >= 0) {
-      if (accepted && (acc < 0 || acc > rows)) RecordError(d.error, kArenaBadAccepted);
-      if (long_row) RecordError(d.error, kArenaBadStride);
+    if (lane == 0) {
+      int probe = 0;
+      if (live) {
+        const bool bad_acc = acc < 0 || acc > rows;
+        if (accepted && bad_acc) RecordError(d.error, kArenaBadAccepted);
+        if (long_row) RecordError(d.error, kArenaBadStride);
+        // Row 0 is applied (EmaRowOf's `active` for r = 0): the pair is no longer fresh.
+        if (!bad_acc && !long_row && acc >= 1 && was_fresh) *fresh = 0;
+        probe = en.probe && !was_fresh && !long_row ? 1 : 0;
+      }
+      s_probe = probe;
     }
   }
-  if (e >= batch_n || en.seq < 0 || !en.probe) return;
-  if (d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] != 0) return;
-  for (int r = 0; r < rows; ++r) {
-    if (clen[r] > stride) return;
-  }
+  __syncthreads();
+  if (!s_probe) return;
   __shared__ int s_finite;
   __shared__ unsigned long long s_missed[kCurvePoints + 1];
   __shared__ TopTShared sh;
@@ -939,21 +1035,21 @@ __global__ void __launch_bounds__(kSelectThreads)
   const int k = min(d.topk, s_finite);
   if (k == 0) return;
   // Dense top-K of row 0 (ties to the lower slot), counted per block.
-  CtaTopT<uint32_t, 0>(
+  CtaTopT<uint32_t, 0, NT>(
       sh, n, k, [&](int, int i) { return FloatKey(z[i]); },
       [&](int, int i) { return isfinite(z[i]) != 0; },
       [&](int, int i) { atomicAdd(&hits[i / b], 1); });
   __syncthreads();
   // Rank blocks as the selector does: query block first, then by predicted score.
   const int qb = min(en.q_pos / b, nb - 1);
-  const float* s = d.Scores(e, 0);
+  const float* s = d.Scores(layer, 0, e, 0);
   __shared__ int s_covered;
   for (int p = 0; p <= kCurvePoints; ++p) {
     const double rho = p < kCurvePoints ? 1.0 - CurveKeepFraction(p) : d.sparsity[layer];
     const int m = KeptBlocks(nb, d.topk, b, rho);
     if (threadIdx.x == 0) s_covered = hits[qb];
     __syncthreads();
-    CtaTopT<uint32_t, 0>(
+    CtaTopT<uint32_t, 0, NT>(
         sh, nb, m - 1, [&](int, int j) { return FloatKey(s[j]); },
         [&](int, int j) { return j != qb; }, [&](int, int j) { atomicAdd(&s_covered, hits[j]); });
     __syncthreads();
@@ -971,13 +1067,25 @@ __global__ void __launch_bounds__(kSelectThreads)
   }
 }
 
+// The row-0 EMA launch has one more CTA column than it updates with: CTA (gridDim.x - 1, e) is
+// entry e's bookkeeping CTA (ObserveEntryCta). True when this CTA was that one (and is done).
+__device__ __forceinline__ bool EmaBookkeeping(const Dev& d, int layer, int r, const float* logits,
+                                               int64_t stride, const int32_t* accepted) {
+  if (r != 0 || blockIdx.x != gridDim.x - 1) return false;
+  ObserveEntryCta<kEmaThreads>(d, layer, static_cast<int>(blockIdx.y), logits, stride, accepted);
+  return true;
+}
+// CTAs per entry that update the state in this launch.
+__device__ __forceinline__ int EmaCtas(int r) {
+  return static_cast<int>(gridDim.x) - (r == 0 ? 1 : 0);
+}
+
 // What every EMA kernel reads first for row r of entry blockIdx.y. Every warp reads the entry
 // itself with independent loads (e < the host's n <= max_seqs, so they are in bounds), so the
 // CTA waits for one memory latency and no barrier; rows <= kMaxRows <= 32, so lane rr checks
 // row rr's compacted length against the stride. `active` (uniform over the CTA) is false when
 // the row is not applied: padding, r >= accepted, accepted out of range, or a stride below a
-// compacted row. An applied row 0 clears the fresh flag: only the Probe kernel, which ran
-// before this launch, reads it during Observe.
+// compacted row. (The fresh flag is the bookkeeping CTA's: ObserveEntryCta.)
 struct EmaRow {
   StepEntry en;
   int rows, len;
@@ -1002,9 +1110,6 @@ __device__ __forceinline__ EmaRow EmaRowOf(const Dev& d, int layer, int r, int64
   const int acc = accepted ? acc_in : w.rows;
   w.active = e < batch_n && r < w.rows && w.en.seq >= 0 && acc >= 0 && acc <= w.rows && r < acc &&
              stride_ok;
-  if (w.active && r == 0 && blockIdx.x == 0 && threadIdx.x == 0) {
-    d.fresh[static_cast<int64_t>(w.en.seq) * d.layers + layer] = 0;
-  }
   return w;
 }
 
@@ -1051,6 +1156,8 @@ __global__ void __launch_bounds__(kEmaThreads)
     EmaKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
               const int32_t* accepted) {
   StepKernelEntry();
+  if (EmaBookkeeping(d, layer, r, logits, stride, accepted)) return;
+  const int ctas = EmaCtas(r);
   constexpr int kWarps = kEmaThreads / 32;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const EmaRow w = EmaRowOf(d, layer, r, stride, accepted);
@@ -1064,7 +1171,7 @@ __global__ void __launch_bounds__(kEmaThreads)
   T* v = reinterpret_cast<T*>(d.Record(en.seq, layer));
   T* dd = v + d.max_slots;
   unsigned obs = 0, bad = 0;
-  const int step = gridDim.x * kEmaThreads * kEmaSlots;
+  const int step = ctas * kEmaThreads * kEmaSlots;
   for (int x0 = (blockIdx.x * kWarps + warp) * (32 * kEmaSlots) + lane; x0 < len; x0 += step) {
     int slot[kEmaSlots];
     float zv[kEmaSlots], vv[kEmaSlots], dv[kEmaSlots];
@@ -1254,6 +1361,8 @@ __global__ void __launch_bounds__(kEmaThreads)
     EmaWordKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
                   const int32_t* accepted) {
   StepKernelEntry();
+  if (EmaBookkeeping(d, layer, r, logits, stride, accepted)) return;
+  const int ctas = EmaCtas(r);
   using B = StateBits<T>;
   using E = typename B::E;
   constexpr int kWarps = kEmaThreads / 32;
@@ -1278,7 +1387,7 @@ __global__ void __launch_bounds__(kEmaThreads)
   const int segs = EmaSegments(len, b);
   unsigned obs = 0, bad = 0;
   for (int s0 = (blockIdx.x * kWarps + warp) * kEmaSegs; s0 < segs;
-       s0 += gridDim.x * kWarps * kEmaSegs) {
+       s0 += ctas * kWarps * kEmaSegs) {
     int base[kEmaSegs], cnt[kEmaSegs];
     float z0[kEmaSegs], z1[kEmaSegs];
     E v0[kEmaSegs], v1[kEmaSegs], d0[kEmaSegs], d1[kEmaSegs], d2[kEmaSegs];
@@ -1386,6 +1495,8 @@ __global__ void __launch_bounds__(kEmaThreads)
     EmaVecKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
                  const int32_t* accepted) {
   StepKernelEntry();
+  if (EmaBookkeeping(d, layer, r, logits, stride, accepted)) return;
+  const int ctas = EmaCtas(r);
   using B = StateBits<T>;
   using E = typename B::E;
   constexpr int kWarps = kEmaThreads / 32;
@@ -1412,7 +1523,7 @@ __global__ void __launch_bounds__(kEmaThreads)
   const int gq = lane / 8, t0 = 8 * (lane % 8), s8 = lane % 8;
   E* win = s_d[warp][gq];
   unsigned obs = 0, bad = 0;
-  for (int w0 = (blockIdx.x * kWarps + warp) * 4; w0 < segs; w0 += gridDim.x * kWarps * 4) {
+  for (int w0 = (blockIdx.x * kWarps + warp) * 4; w0 < segs; w0 += ctas * kWarps * 4) {
     const int sg = w0 + gq;
     int base = 0, cnt = 0, jlo = 0, jhi = -1, cb = 0, nch = 0, tmax = -1;
     float zv[8];
@@ -1624,7 +1735,8 @@ cudaError_t Launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_
 
 class CudaDataPlane final : public DataPlane {
  public:
-  CudaDataPlane(const ArenaView& a, const ArenaHeader& h) : a_(a), header_(h) {}
+  CudaDataPlane(const ArenaView& a, const ArenaHeader& h, const CudaDataPlaneOptions& o)
+      : a_(a), header_(h), options_(o) {}
 
   ~CudaDataPlane() override {
     for (void* p : owned_) cudaFree(p);
@@ -1647,8 +1759,6 @@ class CudaDataPlane final : public DataPlane {
     d_.union_ids = a_.union_ids;
     d_.phys = a_.phys;
     d_.compact_len = a_.compact_len;
-    d_.scratch0 = a_.scratch;
-    d_.mask = a_.mask;
     d_.error = a_.error;
     d_.layers = static_cast<int32_t>(g.layers);
     d_.max_seqs = static_cast<int32_t>(g.max_seqs);
@@ -1673,19 +1783,48 @@ class CudaDataPlane final : public DataPlane {
       owned_.push_back(*out);
       return absl::OkStatus();
     };
-    if (auto s = alloc(S * (R - 1) * MB * sizeof(float), &p); !s.ok()) return s;
+    const int64_t L = g.layers;
+    observed_.assign(g.layers, 0);
+    // Select-ahead groups: as many layers at once as keep the group scratch within
+    // kAheadGroupBytes (every layer at once for the usual geometry; 64 x 128K slots needs
+    // 128 KB per layer), and no more than the grid's 65535 (layer, entry) pairs allow.
+    const bool scratch_keys = MB > static_cast<int64_t>(kSelectRegRounds) * kSelectThreads;
+    const int64_t group_bytes_per_layer =
+        S * (MB * (1 + (R - 1) * 4 + (scratch_keys ? R * 9 : 0)) + 4);
+    const int64_t by_memory = options_.ahead_group_layers > 0
+                                  ? options_.ahead_group_layers
+                                  : kAheadGroupBytes / group_bytes_per_layer;
+    group_ =
+        static_cast<int32_t>(std::clamp<int64_t>(std::min<int64_t>(by_memory, 65535 / S), 1, L));
+    const int64_t G = group_;
+    if (auto s = alloc(L * S * MB * sizeof(float), &p); !s.ok()) return s;
+    d_.row0 = static_cast<float*>(p);
+    if (auto s = alloc(G * S * (R - 1) * MB * sizeof(float), &p); !s.ok()) return s;
     d_.scores_rest = static_cast<float*>(p);
-    if (auto s = alloc(S * R * MB, &p); !s.ok()) return s;
+    if (auto s = alloc(scratch_keys ? G * S * R * MB : 0, &p); !s.ok()) return s;
     d_.sel = static_cast<uint8_t*>(p);
-    if (auto s = alloc(S * R * MB * sizeof(unsigned long long), &p); !s.ok()) return s;
+    if (auto s = alloc(scratch_keys ? G * S * R * MB * sizeof(unsigned long long) : 0, &p);
+        !s.ok()) {
+      return s;
+    }
     d_.keys = static_cast<unsigned long long*>(p);
+    if (auto s = alloc(G * S * MB, &p); !s.ok()) return s;
+    d_.gmask = static_cast<uint8_t*>(p);
+    if (auto s = alloc(L * S * MB * sizeof(int32_t), &p); !s.ok()) return s;
+    d_.ahead_ids = static_cast<int32_t*>(p);
+    if (auto s = alloc(L * S * sizeof(int2), &p); !s.ok()) return s;
+    d_.ahead_info = static_cast<int2*>(p);
+    if (auto s = alloc(L * S * R * sizeof(int32_t), &p); !s.ok()) return s;
+    d_.ahead_len = static_cast<int32_t*>(p);
     if (auto s = alloc(S * MB * sizeof(int32_t), &p); !s.ok()) return s;
     d_.hits = static_cast<int32_t*>(p);
     if (auto s = alloc(S * sizeof(uint64_t), &p); !s.ok()) return s;
     d_.xkeys = static_cast<uint64_t*>(p);
-    if (auto s = alloc(S * sizeof(unsigned), &p); !s.ok()) return s;
+    if (auto s = alloc((L + 1) * sizeof(double), &p); !s.ok()) return s;
+    d_.step_rho = static_cast<double*>(p);
+    if (auto s = alloc(G * S * sizeof(unsigned), &p); !s.ok()) return s;
     d_.arrive = static_cast<unsigned*>(p);
-    if (auto s = CudaStatus(cudaMemset(p, 0, S * sizeof(unsigned)), "clear arrival counters");
+    if (auto s = CudaStatus(cudaMemset(p, 0, G * S * sizeof(unsigned)), "clear arrival counters");
         !s.ok()) {
       return s;
     }
@@ -1715,6 +1854,23 @@ class CudaDataPlane final : public DataPlane {
   const ArenaView& arena() const override { return a_; }
   bool on_device() const override { return true; }
 
+  // Row 0's block scores of `layer` for entries [0, entries), from the step's selection.
+  absl::StatusOr<std::vector<float>> BlockScores(int32_t layer, int32_t entries) const {
+    if (absl::Status s = CheckLayer(layer); !s.ok()) return s;
+    if (entries < 0 || static_cast<uint32_t>(entries) > a_.geometry.max_seqs) {
+      return absl::OutOfRangeError(absl::StrCat("entries ", entries, " out of range"));
+    }
+    std::vector<float> out(static_cast<size_t>(entries) * a_.max_blocks);
+    const float* src = d_.row0 + static_cast<int64_t>(layer) * a_.geometry.max_seqs * a_.max_blocks;
+    if (absl::Status s = CudaStatus(
+            cudaMemcpy(out.data(), src, out.size() * sizeof(float), cudaMemcpyDeviceToHost),
+            "read block scores");
+        !s.ok()) {
+      return s;
+    }
+    return out;
+  }
+
   absl::Status ResetSequence(int32_t seq, uint64_t key, cudaStream_t stream) override {
     if (seq < 0 || static_cast<uint32_t>(seq) >= a_.geometry.max_seqs) {
       return absl::OutOfRangeError(
@@ -1737,11 +1893,17 @@ class CudaDataPlane final : public DataPlane {
     if (batch.n > 0 && (!batch.seq || !batch.ctx_len || !batch.q_pos)) {
       return absl::InvalidArgumentError("batch arrays seq, ctx_len and q_pos are required");
     }
-    const cudaError_t e = Launch(BeginStepKernel, 1, kBeginThreads, stream, d_, batch.seq,
-                                 batch.ctx_len, batch.q_pos, batch.n, batch.rows);
+    cudaError_t e = Launch(BeginStepKernel, 1, kBeginThreads, stream, d_, batch.seq, batch.ctx_len,
+                           batch.q_pos, batch.n, batch.rows);
     n_ = batch.n;
     rows_ = batch.rows;
     selected_layer_ = -1;
+    observed_.assign(a_.geometry.layers, 0);
+    // Every layer's selection of the step, made now: a layer's selection depends only on its
+    // own state (which only its Observe changes), the step's entries and the policy, so the
+    // selections of all layers are independent and run as a few wide grids instead of two
+    // narrow launches per layer.
+    if (e == cudaSuccess) e = SelectAhead(0, static_cast<int32_t>(a_.geometry.layers), stream);
     return CudaStatus(e, "BeginStep launch");
   }
 
@@ -1755,16 +1917,16 @@ class CudaDataPlane final : public DataPlane {
     }
     cudaError_t e = cudaSuccess;
     if (n_ > 0) {
-      const dim3 sgrid(static_cast<unsigned>(CeilDiv(a_.max_blocks, kBlocksPerScoreCta)),
-                       static_cast<unsigned>(rows_), static_cast<unsigned>(n_));
-      using ScoresFn = void (*)(Dev, int);
-      const bool fp32 = d_.dtype_bytes == 4;
-      const ScoresFn scores = d_.block == 64
-                                  ? (fp32 ? Scores64Kernel<float> : Scores64Kernel<uint16_t>)
-                                  : (fp32 ? ScoresKernel<float> : ScoresKernel<uint16_t>);
-      e = Launch(scores, sgrid, kScoreThreads, stream, d_, layer);
+      // The layer's Observe already ran in this step and changed its state: select it again
+      // from the state as it is now, as the reference does.
+      if (observed_[layer]) {
+        e = SelectAhead(layer, 1, stream);
+        observed_[layer] = 0;
+      }
       if (e == cudaSuccess) {
-        e = Launch(SelectKernel, dim3(rows_, n_), kSelectThreads, stream, d_, layer, block_table,
+        const dim3 grid(static_cast<unsigned>(CeilDiv(a_.max_blocks, kPublishSpan)),
+                        static_cast<unsigned>(n_));
+        e = Launch(PublishKernel, grid, kPublishThreads, stream, d_, layer, block_table,
                    table_stride);
       }
     }
@@ -1797,15 +1959,16 @@ class CudaDataPlane final : public DataPlane {
     if (logits == nullptr || logits_stride < 0) {
       return absl::InvalidArgumentError("logits are required");
     }
-    cudaError_t e =
-        Launch(ProbeKernel, n_, kSelectThreads, stream, d_, layer, logits, logits_stride, accepted);
+    observed_[layer] = 1;
+    cudaError_t e = cudaSuccess;
     // One EMA launch per row, in row order (the prefix-valid replay), of the kernel for the
-    // arena's state type, `chunks` CTAs per entry.
+    // arena's state type, `chunks` CTAs per entry that update the state; the row-0 launch has
+    // one more per entry, the entry's bookkeeping CTA (validation, fresh flag, probe curve).
     using EmaFn = void (*)(Dev, int, int, const float*, int64_t, const int32_t*);
     auto per_row = [&](EmaFn fp32, EmaFn bf16, int64_t chunks) {
-      const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(chunks, 1, 65535)),
-                      static_cast<unsigned>(n_));
+      const unsigned updating = static_cast<unsigned>(std::clamp<int64_t>(chunks, 1, 65534));
       for (int r = 0; r < rows_ && e == cudaSuccess; ++r) {
+        const dim3 grid(updating + (r == 0 ? 1 : 0), static_cast<unsigned>(n_));
         e = Launch(d_.dtype_bytes == 4 ? fp32 : bf16, grid, kEmaThreads, stream, d_, layer, r,
                    logits, logits_stride, accepted);
       }
@@ -1836,6 +1999,28 @@ class CudaDataPlane final : public DataPlane {
   }
 
  private:
+  // Scores and selections of layers [l0, l0 + count) into their select-ahead records, in
+  // groups of group_ layers: per group one Scores grid (chunks x rows x (layer, entry)) and one
+  // Select grid (rows x (layer, entry)).
+  cudaError_t SelectAhead(int32_t l0, int32_t count, cudaStream_t stream) {
+    if (n_ == 0) return cudaSuccess;
+    using ScoresFn = void (*)(Dev, int, int);
+    const bool fp32 = d_.dtype_bytes == 4;
+    const ScoresFn scores = d_.block == 64
+                                ? (fp32 ? Scores64Kernel<float> : Scores64Kernel<uint16_t>)
+                                : (fp32 ? ScoresKernel<float> : ScoresKernel<uint16_t>);
+    const unsigned chunks = static_cast<unsigned>(CeilDiv(a_.max_blocks, kBlocksPerScoreCta));
+    cudaError_t e = cudaSuccess;
+    for (int32_t g0 = l0; g0 < l0 + count && e == cudaSuccess; g0 += group_) {
+      const unsigned pairs = static_cast<unsigned>(std::min(group_, l0 + count - g0) * n_);
+      e = Launch(scores, dim3(chunks, rows_, pairs), kScoreThreads, stream, d_, g0, n_);
+      if (e == cudaSuccess) {
+        e = Launch(SelectKernel, dim3(rows_, pairs), kSelectThreads, stream, d_, g0, n_);
+      }
+    }
+    return e;
+  }
+
   cudaError_t LaunchVSummaries(int32_t layer, cudaStream_t stream) {
     const unsigned chunks =
         static_cast<unsigned>(std::clamp<int64_t>(CeilDiv(a_.max_blocks, kEmaThreads / 32), 1, 64));
@@ -1853,14 +2038,17 @@ class CudaDataPlane final : public DataPlane {
 
   ArenaView a_;
   ArenaHeader header_;
+  CudaDataPlaneOptions options_;
   Dev d_{};
   std::vector<void*> owned_;
   // Host mirror of the call sequence (BeginStep/Select), so call-order errors need no sync.
   int32_t n_ = 0, rows_ = 1, selected_layer_ = -1;
-  int ema_resident_ = 1;      // EmaWordKernel CTAs resident on the device at once
-  bool ema_vec_ = false;      // EmaVecKernel applies (b = 64, max_slots % 8 == 0) when the
-                              // logits rows are 16-byte aligned
-  int ema_vec_resident_ = 1;  // EmaVecKernel CTAs resident on the device at once
+  std::vector<uint8_t> observed_;  // per layer: Observe ran in this step (since its selection)
+  int32_t group_ = 1;              // layers per select-ahead group
+  int ema_resident_ = 1;           // EmaWordKernel CTAs resident on the device at once
+  bool ema_vec_ = false;           // EmaVecKernel applies (b = 64, max_slots % 8 == 0) when the
+                                   // logits rows are 16-byte aligned
+  int ema_vec_resident_ = 1;       // EmaVecKernel CTAs resident on the device at once
 };
 
 }  // namespace
@@ -1935,7 +2123,12 @@ absl::Status WriteDevicePolicy(const ArenaView& view, const Policy& policy, cuda
   return CudaStatus(e, "write policy");
 }
 
-absl::StatusOr<std::unique_ptr<DataPlane>> MakeCudaDataPlane(const ArenaView& view) {
+absl::StatusOr<std::unique_ptr<DataPlane>> MakeCudaDataPlane(const ArenaView& view,
+                                                             const CudaDataPlaneOptions& options) {
+  if (options.ahead_group_layers < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ahead_group_layers ", options.ahead_group_layers, " is negative"));
+  }
   ArenaHeader h;
   if (absl::Status s = CudaStatus(cudaMemcpy(&h, view.header, sizeof(h), cudaMemcpyDeviceToHost),
                                   "read arena header");
@@ -1944,9 +2137,16 @@ absl::StatusOr<std::unique_ptr<DataPlane>> MakeCudaDataPlane(const ArenaView& vi
   }
   absl::StatusOr<ArenaView> checked = ViewArenaWithHeader(view.header, h.total_bytes, h);
   if (!checked.ok()) return checked.status();
-  auto dp = std::make_unique<CudaDataPlane>(*checked, h);
+  auto dp = std::make_unique<CudaDataPlane>(*checked, h, options);
   if (absl::Status s = dp->Init(); !s.ok()) return s;
   return std::unique_ptr<DataPlane>(std::move(dp));
+}
+
+absl::StatusOr<std::vector<float>> ReadDeviceBlockScores(const DataPlane& dp, int32_t layer,
+                                                         int32_t entries) {
+  const auto* cuda = dynamic_cast<const CudaDataPlane*>(&dp);
+  if (cuda == nullptr) return absl::InvalidArgumentError("not a CUDA data plane");
+  return cuda->BlockScores(layer, entries);
 }
 
 absl::StatusOr<uint32_t> ReadDeviceError(const ArenaView& view) {

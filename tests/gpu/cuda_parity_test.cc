@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -68,14 +69,15 @@ class Twin {
  public:
   // stride_pad > 0 makes the logits rows stride_pad floats longer than the compacted maximum
   // (an odd pad leaves rows unaligned for 16-byte loads, so the word-access EMA runs).
-  Twin(const Geometry& g, const Policy& p, uint64_t seed, int stride_pad = 0)
+  Twin(const Geometry& g, const Policy& p, uint64_t seed, int stride_pad = 0,
+       CudaDataPlaneOptions options = {})
       : cpu_(g, p, seed), g_(g) {
     bytes_ = ArenaBytes(g);
     dev_ = std::make_unique<DevBuf>(bytes_);
     auto v = InitDeviceArena(dev_->p, bytes_, g, seed, p);
     EXPECT_TRUE(v.ok()) << v.status();
     dview_ = *v;
-    auto dp = MakeCudaDataPlane(dview_);
+    auto dp = MakeCudaDataPlane(dview_, options);
     EXPECT_TRUE(dp.ok()) << dp.status();
     gpu_ = std::move(*dp);
     const size_t S = g.max_seqs, R = g.max_rows, MB = cpu_.view().max_blocks;
@@ -121,7 +123,9 @@ class Twin {
       ASSERT_TRUE(cpu_.dp().Select(l, table_.data(), MB).ok());
       ASSERT_TRUE(gpu_->Select(l, d_table_->as<int32_t>(), MB).ok());
       // Row 0's block scores (what the selection ranked) are equal, not just the selections.
-      const auto scores = ToHost(dview_.scratch, static_cast<size_t>(n) * MB);
+      const auto scores_or = ReadDeviceBlockScores(*gpu_, l, n);
+      ASSERT_TRUE(scores_or.ok()) << scores_or.status();
+      const std::vector<float>& scores = *scores_or;
       for (int e = 0; e < n; ++e) {
         if (fresh[e]) continue;
         for (int j = 0; j < static_cast<int>(CeilDiv(ctx[e], b)); ++j) {
@@ -169,8 +173,32 @@ class Twin {
       ASSERT_EQ(ToHost(d_idx_->as<int32_t>(), idx.size()), idx) << "remap, step " << step;
       ASSERT_TRUE(cpu_.dp().Observe(l, logits.data(), stride_, acc.data()).ok());
       ASSERT_TRUE(gpu_->Observe(l, d_logits_->as<float>(), stride_, d_acc_->as<int32_t>()).ok());
+      if (after_observe_) after_observe_(step, l);
     }
     CUDA_OK(cudaDeviceSynchronize());
+  }
+
+  // Called after each layer's Observe in Step (step, layer): events in the middle of a step.
+  void AfterObserve(std::function<void(int, int)> f) { after_observe_ = std::move(f); }
+
+  // Select(l) on both backends now, and their outputs compared.
+  void SelectAndCompare(int l, int n, int rows, const std::string& what) {
+    ASSERT_TRUE(cpu_.dp().Select(l, table_.data(), cpu_.view().max_blocks).ok());
+    ASSERT_TRUE(gpu_->Select(l, d_table_->as<int32_t>(), cpu_.view().max_blocks).ok());
+    const ArenaView& c = cpu_.view();
+    const int MB = static_cast<int>(c.max_blocks), R = static_cast<int>(g_.max_rows);
+    const auto count = ToHost(dview_.union_count, n);
+    const auto ids = ToHost(dview_.union_ids, static_cast<size_t>(n) * MB);
+    const auto phys = ToHost(dview_.phys, static_cast<size_t>(n) * MB);
+    const auto clen = ToHost(dview_.compact_len, static_cast<size_t>(n) * R);
+    for (int e = 0; e < n; ++e) {
+      ASSERT_EQ(count[e], c.union_count[e]) << what << ", entry " << e;
+      for (int k = 0; k < count[e]; ++k) {
+        ASSERT_EQ(ids[e * MB + k], c.union_ids[e * MB + k]) << what << ", entry " << e;
+        ASSERT_EQ(phys[e * MB + k], c.phys[e * MB + k]) << what << ", entry " << e;
+      }
+      for (int r = 0; r < rows; ++r) ASSERT_EQ(clen[e * R + r], c.compact_len[e * R + r]) << what;
+    }
   }
 
   // Every byte except the scratch and mask sections (whose unused tails may differ) agrees.
@@ -209,6 +237,7 @@ class Twin {
   std::vector<int32_t> table_;
   int64_t stride_ = 0;
   std::mt19937 rng_{3};
+  std::function<void(int, int)> after_observe_;
 };
 
 struct Scenario {
@@ -224,9 +253,15 @@ struct Scenario {
 // stride pad, EmaWordKernel + VSummaryKernel feed the summaries instead. Blocks of 32 and 128
 // slots run the generic kernels: ScoresKernel, EmaKernel (b = 32) or EmaWordKernel (b = 128),
 // then VSummaryKernel. All have a partial last block.
-void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uint32_t block = 64) {
-  SCOPED_TRACE(::testing::Message() << "max_slots " << max_slots << ", stride pad " << stride_pad
-                                    << ", block " << block);
+// ahead_group > 0 selects that many layers per select-ahead grid (else all 3 at once); with
+// mid_step, events inside steps: after layer 0's Observe a new policy is written (it applies
+// from the next step), layer 0 is selected again (from its updated state) and, at step 7, a
+// sequence of the batch is reset (it is padding for the rest of the step).
+void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uint32_t block = 64,
+                     int ahead_group = 0, bool mid_step = false) {
+  SCOPED_TRACE(::testing::Message()
+               << "max_slots " << max_slots << ", stride pad " << stride_pad << ", block " << block
+               << ", ahead group " << ahead_group << (mid_step ? ", mid-step events" : ""));
   Geometry g;
   g.layers = 3;
   g.max_seqs = 6;
@@ -240,7 +275,22 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uin
   p.exploration = sc.gamma;
   p.alpha = 0.3f;
   p.probe_period = sc.period;
-  Twin t(g, p, 99, stride_pad);
+  CudaDataPlaneOptions options;
+  options.ahead_group_layers = ahead_group;
+  Twin t(g, p, 99, stride_pad, options);
+  int step_n = 0;  // entries of the current step
+  if (mid_step) {
+    t.AfterObserve([&](int step, int l) {
+      if (l != 0) return;
+      Policy q = p;
+      q.target_sparsity = step % 2 ? sc.rho : std::min(0.9, sc.rho + 0.2);
+      q.exploration = step % 2 ? sc.gamma : sc.gamma / 2;
+      ASSERT_TRUE(WritePolicy(t.cpu().view(), q).ok());
+      ASSERT_TRUE(WriteDevicePolicy(t.dview(), q).ok());
+      t.SelectAndCompare(0, step_n, sc.rows, "layer 0 selected again after its Observe");
+      if (step == 7) t.Reset(1, 4242);  // entry 3 of the batch
+    });
+  }
   std::mt19937 rng(sc.rows * 10 + static_cast<int>(sc.dtype));
   const int kSteps = 24;
   // Sequence s starts with context start[s]; sequence 0 ends exactly at max_slots.
@@ -257,6 +307,7 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uin
       q.push_back(s < 0 ? 0 : (s == 4 && cc > 2 ? cc - 2 : cc - 1));  // seq 4: query trails
       acc.push_back(sc.rows == 1 ? 1 : static_cast<int32_t>(rng() % (sc.rows + 1)));
     }
+    step_n = static_cast<int>(seq.size());
     t.Step(seq, c, q, sc.rows, acc, step);
     for (size_t e = 0; e < seq.size(); ++e) {
       if (seq[e] >= 0) ctx[seq[e]] += std::max(1, acc[e]);
@@ -278,6 +329,19 @@ TEST_F(CudaTest, ParityFp32Mtp) { RunScenario({StateDtype::kFp32, 3, 0.6, 0.2, 4
 TEST_F(CudaTest, ParityBf16SingleRow) { RunScenario({StateDtype::kBf16, 1, 0.4, 0.05, 5}); }
 TEST_F(CudaTest, ParityBf16Mtp) { RunScenario({StateDtype::kBf16, 2, 0.7, 0.25, 2}); }
 TEST_F(CudaTest, ParityNoExplorationNoProbes) { RunScenario({StateDtype::kFp32, 1, 0.3, 0.0, 0}); }
+
+// The step's selections made ahead in groups of 1 and 2 layers instead of all 3 at once, and
+// events inside a step (a policy write, a layer selected again after its Observe, a sequence
+// reset): the same results as the reference.
+TEST_F(CudaTest, ParitySelectAheadGroupsAndMidStepEvents) {
+  for (const Scenario& sc :
+       {Scenario{StateDtype::kFp32, 1, 0.5, 0.1, 3}, Scenario{StateDtype::kBf16, 3, 0.6, 0.2, 4}}) {
+    RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 1);
+    RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 2);
+    RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true);
+    RunScenarioWith(sc, 64 * 40 + 17, 0, 64, 2, true);
+  }
+}
 
 // Select keeps a row's keys in registers, 2 per thread up to 2048 blocks and 4 up to 4096, and in
 // the private scratch beyond; the union takes 4096 blocks per round. Sequence 0 ends near 256K

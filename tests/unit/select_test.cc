@@ -80,6 +80,23 @@ TEST(Select, RoundingOfKeptBlocksAtRho04B100) {
   EXPECT_EQ(t.Selected().size(), 60u);
 }
 
+// Both backends read the budgets and the exploration share once per step, when it begins (the
+// CUDA backend selects every layer then): a policy written during a step applies from the next.
+TEST(Select, PolicyWrittenDuringAStepAppliesFromTheNextStep) {
+  TestArena t(Geo(64 * 10), Pol(0.6));
+  ASSERT_TRUE(t.dp().ResetSequence(0, 1).ok());
+  SetBlockScores(t, {0, 1, 9, 2, 3, 8, 1, 7, 0, 0}, 640);
+  OneSeqStep s{0, 640, 639};
+  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());
+  ASSERT_TRUE(WritePolicy(t.view(), Pol(0.8)).ok());  // m = ceil(0.2 * 10) = 2 from now on
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  EXPECT_EQ(t.Selected(), (std::vector<int>{2, 5, 7, 9})) << "the step began at 0.6";
+  ASSERT_TRUE(t.dp().Select(1).ok());  // layer 1 is fresh: dense either way
+  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  EXPECT_EQ(t.Selected(), (std::vector<int>{2, 9}));
+}
+
 TEST(Select, TopKFloorKeepsCeilKOverBBlocks) {
   // K = 640 slots need at least 10 blocks even at 90% sparsity of 20 blocks.
   TestArena t(Geo(64 * 20, 640), Pol(0.9));

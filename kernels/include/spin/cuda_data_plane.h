@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "spin/arena.h"
@@ -30,9 +31,21 @@ absl::StatusOr<ArenaView> InitDeviceArena(void* device_base, uint64_t bytes, con
 absl::Status WriteDevicePolicy(const ArenaView& view, const Policy& policy,
                                cudaStream_t stream = nullptr);
 
+/// Options of a CUDA data plane.
+struct CudaDataPlaneOptions {
+  /// Layers whose selections share one grid when a step begins (BeginStep selects every layer
+  /// ahead, docs/cuda-backend.md). 0: as many as fit a 64 MB group scratch (all layers for the
+  /// usual geometries). Tests set it to exercise several groups.
+  int32_t ahead_group_layers = 0;
+};
+
 /// A CUDA data plane over a device arena. The view's pointers are device pointers; `view.header`
-/// is read through a host copy taken here (one synchronous copy at construction).
-absl::StatusOr<std::unique_ptr<DataPlane>> MakeCudaDataPlane(const ArenaView& view);
+/// is read through a host copy taken here (one synchronous copy at construction). Besides the
+/// arena it allocates private device memory, dominated by the per-layer selections and row-0
+/// block scores: `8 * L * S * ceil(N / b)` bytes (61 layers x 64 sequences x 128K slots: 64 MB,
+/// 1.5% of the bf16 arena).
+absl::StatusOr<std::unique_ptr<DataPlane>> MakeCudaDataPlane(
+    const ArenaView& view, const CudaDataPlaneOptions& options = {});
 
 /// Device memory for tools and tests (synchronous; never on the engine's hot path).
 absl::StatusOr<void*> DeviceAlloc(uint64_t bytes);
@@ -42,6 +55,13 @@ void DeviceFree(void* p);
 absl::Status CopyToDevice(void* dst, const void* src, uint64_t bytes);
 /// Copies device -> host.
 absl::Status CopyToHost(void* dst, const void* src, uint64_t bytes);
+
+/// Row 0's block scores of `layer` that the current step's selection ranked, entries x max_blocks
+/// floats (blocks of a row below its block count are set unless the pair was fresh). The CUDA
+/// backend keeps them per layer in private memory, not in the arena's scratch section as the CPU
+/// backend does. Synchronous; for tests and tools.
+absl::StatusOr<std::vector<float>> ReadDeviceBlockScores(const DataPlane& dp, int32_t layer,
+                                                         int32_t entries);
 
 /// Reads the arena's error word (synchronous; for tests and tools).
 absl::StatusOr<uint32_t> ReadDeviceError(const ArenaView& view);
