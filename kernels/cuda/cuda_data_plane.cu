@@ -39,7 +39,19 @@ constexpr int kScoreThreads = 256;
 // Select-ahead group scratch (scores of rows >= 1, union masks, and the keys of rows beyond
 // 4096 blocks), reused group after group.
 constexpr int64_t kAheadGroupBytes = int64_t{64} << 20;
-constexpr int kBlocksPerScoreCta = 32;  // 8 warps x 4 blocks
+constexpr int kBlocksPerScoreCta = 32;  // 8 warps x 4 blocks (ScoresKernel)
+// Scores64Kernel: 256 blocks per CTA, each lane of a block loading two 16-byte chunks of its D
+// window (4 lanes per block for bf16, 8 for fp32), so a lane group takes 4 (bf16) or 8 (fp32)
+// blocks in turn. ncu on the H200 (64 x 128K x 50% bf16, the step's 61 layers in one grid) had
+// shown the earlier shape (8 lanes, one block per lane group) issue-bound on the per-CTA
+// prologue: 490 us, 87% SM throughput, 46% DRAM. Same-run A/B of SPIN at 64 x 128K x 50% (us):
+// bf16 30.7 -> 28.3 (8 lanes, 8 rounds) and 26.4 (4 lanes, 4 rounds); fp32 39.7 -> 39.5 (8
+// lanes, 8 rounds) and 40.8 (4 lanes); 128 x 256K bf16 109 -> 104 and 93.4.
+constexpr int kBlocksPerScore64Cta = 256;
+template <typename T>
+constexpr int Score64Lanes() {
+  return 64 * static_cast<int>(sizeof(T)) / 32;
+}
 constexpr int kEmaThreads = 256;
 constexpr int kEmaSlots = 8;  // compacted slots per thread per round (EmaKernel)
 // 64-slot segments per warp per round (EmaWordKernel). Measured on the H200 (batch 64 x 128K,
@@ -527,11 +539,11 @@ __global__ void ScoresKernel(Dev d, int l0, int n_grid) {
 }
 
 // Largest non-NaN entry of the 64-entry window [wlo, wlo + 63] of D (max_slots % 8 == 0, so
-// every 16-byte chunk touching it lies in D), -inf if none, over the block's eight lanes (lane
+// every 16-byte chunk touching it lies in D), -inf if none, over the block's kLanes lanes (lane
 // sub returns its share). The window covers chunks c0 .. c0 + 64 / kC, the last one only when
 // it is unaligned (s = wlo % kC > 0), and then the first chunk's entries s .. kC - 1 and the last
 // chunk's 0 .. s - 1 are the window's: lane 0 merges the two into one chunk, so every lane
-// takes whole chunks (c0 + sub, and for fp32 c0 + sub + 8) with no per-entry bounds, and the
+// takes whole chunks (c0 + sub, c0 + sub + kLanes, ...) with no per-entry bounds, and the
 // maximum is taken with NaN-ignoring packed max instructions.
 __device__ __forceinline__ uint4 MergeTail(uint4 head, uint4 tail, int bits) {
   // Bits [bits, 128) from head, [0, bits) from tail; 0 < bits < 128.
@@ -551,15 +563,16 @@ __device__ __forceinline__ float ChunkMax(uint4 w, const uint16_t*) {
   const __nv_bfloat162 m = __hmax2(__hmax2(as2(w.x), as2(w.y)), __hmax2(as2(w.z), as2(w.w)));
   return fmaxf(__low2float(m), __high2float(m));
 }
-template <typename T>
+template <typename T, int kLanes>
 __device__ __forceinline__ float WindowMax(const T* dst, int wlo, int sub) {
   constexpr int kC = 16 / static_cast<int>(sizeof(T));  // entries per chunk
-  constexpr int kPer = 64 / kC / 8;                     // whole chunks per lane
+  constexpr int kPer = 64 / kC / kLanes;                // whole chunks per lane
+  static_assert(kPer >= 1 && kPer * kC * kLanes == 64, "lanes per block");
   const int c0 = wlo / kC, sh = wlo - c0 * kC;
   const uint4* chunk = reinterpret_cast<const uint4*>(dst) + c0;
   uint4 w[kPer];
 #pragma unroll
-  for (int p = 0; p < kPer; ++p) w[p] = chunk[sub + 8 * p];
+  for (int p = 0; p < kPer; ++p) w[p] = chunk[sub + kLanes * p];
   if (sub == 0 && sh > 0)
     w[0] = MergeTail(w[0], chunk[64 / kC], sh * 8 * static_cast<int>(sizeof(T)));
   float best = ChunkMax(w[0], dst);
@@ -580,55 +593,67 @@ __device__ __forceinline__ float WindowMax(const T* dst, int wlo, int sub) {
 // about 38 instructions per slot for the 64-bit addressing, conversions and NaN rules.)
 template <typename T>
 __global__ void __launch_bounds__(kScoreThreads) Scores64Kernel(Dev d, int l0, int n_grid) {
+  constexpr int kScore64Lanes = Score64Lanes<T>();
+  constexpr int kGroups = kScoreThreads / kScore64Lanes;  // blocks per round
+  constexpr int kScore64Rounds = kBlocksPerScore64Cta / kGroups;
   StepKernelEntry();
   const int e = blockIdx.z % n_grid, gl = blockIdx.z / n_grid, layer = l0 + gl, r = blockIdx.y;
   // Independent loads first (e < the host's n <= max_seqs, so the entry is in bounds).
   const int batch_n = d.batch->n, batch_rows = d.batch->rows;
   const StepEntry en = d.entries[e];
   if (e >= batch_n || r >= batch_rows) return;
-  const int j0 = blockIdx.x * kBlocksPerScoreCta;
+  const int j0 = blockIdx.x * kBlocksPerScore64Cta;
   if (r == 0) {
     uint8_t* mask = d.Mask(gl, e);
-    for (int j = j0 + threadIdx.x; j < min(j0 + kBlocksPerScoreCta, d.max_blocks);
+    for (int j = j0 + threadIdx.x; j < min(j0 + kBlocksPerScore64Cta, d.max_blocks);
          j += blockDim.x) {
       mask[j] = 0;
     }
   }
   if (en.seq < 0 || (en.probe && r != 0)) return;  // probe steps need row 0's scores only
-  // The fresh flag (the step is dense: no scores) is read alongside the state; only the store
-  // waits for it. Every load below is in bounds either way.
+  // The fresh flag (the step is dense: no scores) is read alongside the state; only the stores
+  // wait for it. Every load below is in bounds either way.
   const bool fresh = d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] != 0;
   const int n = en.ctx_len + r, q = en.q_pos + r;
   const int nb = static_cast<int>(CeilDiv(n, 64));
   const T* rec = reinterpret_cast<const T*>(d.Record(en.seq, layer));
   const T* dst = rec + d.max_slots;
-  const int j = j0 + static_cast<int>(threadIdx.x) / 8, sub = threadIdx.x % 8;
-  float best = -INFINITY, vs = NAN;
-  bool by_sum = false;  // uniform over the block's eight lanes
-  if (j < nb) {
-    const int lo = j * 64, hi = min(lo + 64, n);
-    float wmax = -INFINITY;
-    if (hi - lo == 64 && hi - 1 <= q && d.max_slots % 8 == 0) {
-      vs = d.VSum(en.seq, layer)[j];
-      wmax = WindowMax(dst, q - hi + 1, sub);  // its loads go out with the summary's
-      by_sum = vs == vs;
-    }
-    if (by_sum) {
-      best = wmax;
-    } else {
+  const float* vsum = d.VSum(en.seq, layer);
+  float* out = d.Scores(layer, gl, e, r);
+  const bool chunked = d.max_slots % 8 == 0;
+  const int g = static_cast<int>(threadIdx.x) / kScore64Lanes;
+  const int sub = static_cast<int>(threadIdx.x) % kScore64Lanes;
+  // kScore64Rounds blocks per lane group: the prologue above is paid once for all of them (the
+  // whole-step grid is issue-bound). The round loop's bound is uniform over the CTA.
+  for (int u = 0; u < kScore64Rounds && j0 + u * kGroups < nb; ++u) {
+    const int j = j0 + u * kGroups + g;
+    float best = -INFINITY, vs = NAN;
+    bool by_sum = false;  // uniform over the block's lanes
+    if (j < nb) {
+      const int lo = j * 64, hi = min(lo + 64, n);
+      float wmax = -INFINITY;
+      if (hi - lo == 64 && hi - 1 <= q && chunked) {
+        vs = vsum[j];
+        wmax = WindowMax<T, kScore64Lanes>(dst, q - hi + 1, sub);  // loads go out with vs's
+        by_sum = vs == vs;
+      }
+      if (by_sum) {
+        best = wmax;
+      } else {
 #pragma unroll 8
-      for (int i = lo + sub; i < hi; i += 8) {
-        const float p = Prediction(LoadT(rec, i), LoadT(dst, i <= q ? q - i : 0));
-        best = p > best ? p : best;
+        for (int i = lo + sub; i < hi; i += kScore64Lanes) {
+          const float p = Prediction(LoadT(rec, i), LoadT(dst, i <= q ? q - i : 0));
+          best = p > best ? p : best;
+        }
       }
     }
+    for (int o = kScore64Lanes / 2; o > 0; o /= 2) {
+      const float other = __shfl_xor_sync(0xFFFFFFFFu, best, o);
+      best = other > best ? other : best;
+    }
+    if (by_sum) best = Prediction(vs, best);  // -inf when every D entry is unset: then vmax
+    if (j < nb && sub == 0 && !fresh) out[j] = best;
   }
-  for (int o = 4; o > 0; o /= 2) {
-    const float other = __shfl_xor_sync(0xFFFFFFFFu, best, o);
-    best = other > best ? other : best;
-  }
-  if (by_sum) best = Prediction(vs, best);  // -inf when every D entry is unset: then vmax
-  if (j < nb && sub == 0 && !fresh) d.Scores(layer, gl, e, r)[j] = best;
 }
 
 // One (entry, row) selection: the query block, top by score, then exploration by draw. Per
@@ -2009,7 +2034,8 @@ class CudaDataPlane final : public DataPlane {
     const ScoresFn scores = d_.block == 64
                                 ? (fp32 ? Scores64Kernel<float> : Scores64Kernel<uint16_t>)
                                 : (fp32 ? ScoresKernel<float> : ScoresKernel<uint16_t>);
-    const unsigned chunks = static_cast<unsigned>(CeilDiv(a_.max_blocks, kBlocksPerScoreCta));
+    const unsigned chunks = static_cast<unsigned>(
+        CeilDiv(a_.max_blocks, d_.block == 64 ? kBlocksPerScore64Cta : kBlocksPerScoreCta));
     cudaError_t e = cudaSuccess;
     for (int32_t g0 = l0; g0 < l0 + count && e == cudaSuccess; g0 += group_) {
       const unsigned pairs = static_cast<unsigned>(std::min(group_, l0 + count - g0) * n_);
