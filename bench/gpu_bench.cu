@@ -459,7 +459,7 @@ int main(int argc, char** argv) {
     std::printf(
         "point: dense mma.sync %.1f us, wgmma %.1f us (%s, worst deviation %.2g of the row "
         "max), sparse stage on %s; spin %.1f us (select %.1f), sparse %.1f us per layer of a "
-        "%d-layer step; BeginStep %.1f us per step\n",
+        "%d-layer step; BeginStep (with every layer's selection) %.1f us per step\n",
         r.mma_us, r.wg_us, r.wg_ok ? "agrees" : "DISAGREES or unavailable", r.wg_dev,
         IndexerKernelName(r.used), r.spin_us, r.select_us, r.sparse_us, kModelLayers, r.begin_us);
     return r.wg_ok ? 0 : 3;
@@ -509,7 +509,7 @@ int main(int argc, char** argv) {
       "| batch | slots | sparsity | state | KV layers rotated | floor us | dense mma.sync us | "
       "dense wgmma us (deviation) | indexer used | dense us | dense/floor BW | "
       "SPIN us (select + observe) | SPIN/dense | sparse stage us | sparse/dense | kept | "
-      "BeginStep us per step |\n"
+      "BeginStep us per step (every layer's selection) |\n"
       "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   std::vector<int> batches = {1, 16, 64, 128}, slots = {32 << 10, 128 << 10, 256 << 10};
   if (quick) {
