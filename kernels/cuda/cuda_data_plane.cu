@@ -2,14 +2,17 @@
 // arenas. Every shared formula comes from spin/numerics.h; this file compiles with
 // --fmad=false so no other arithmetic is contracted differently from the host.
 //
-// Per step: BeginStep (1 CTA) -> per layer: Scores (block scores of every row, grid over
-// block chunks; Scores64 for b = 64 reads D alone for blocks whose V summary is set) -> Select
-// (one CTA per (entry, row): radix selects; the entry's last CTA to finish builds the union,
-// compacted table and lengths, and stats) ... Observe: Probe (one CTA per entry, probe steps
-// only) -> EMA (one launch per row, in row order; row 0 clears fresh): EmaVec for the engine's
-// layout (b = 64, max_slots % 8 == 0, 16-byte aligned logits rows; it also refreshes the V
-// summaries of its blocks), EmaWord for other even block sizes >= 64 and Ema otherwise (both
-// followed by VSummary).
+// Per step: BeginStep (1 CTA: entries, step counters, the step's budgets) and then every layer's
+// selection at once ("select ahead", in groups of layers that fit the group scratch): Scores
+// (block scores of every (layer, entry, row); Scores64 for b = 64 reads D alone for blocks whose
+// V summary is set) -> Select (one CTA per (layer, entry, row): radix selects; the last CTA of
+// a (layer, entry) builds its union and compacted lengths into the layer's record). Per layer:
+// Select(l) = Publish (the record into the outputs, the compacted table through the engine's
+// block table, stats); Observe(l) = EMA, one launch per row in row order; the row-0 launch has
+// one bookkeeping CTA per entry (validation, fresh flag, probe miss curve). EmaVec for the
+// engine's layout (b = 64, max_slots % 8 == 0, 16-byte aligned logits rows; it also refreshes
+// the V summaries of its blocks), EmaWord for other even block sizes >= 64 and Ema otherwise
+// (both followed by VSummary).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

@@ -147,8 +147,9 @@ struct ArenaHeader {
   uint64_t off_union;        ///< int32[S][max_blocks]: selected logical block ids, ascending
   uint64_t off_phys;         ///< int32[S][max_blocks]: compacted physical block table
   uint64_t off_compact_len;  ///< int32[S][R]: compacted context length of each row
-  uint64_t off_scratch;      ///< float[S][max_blocks]: row-0 block scores (probe curves)
-  uint64_t off_mask;         ///< uint8[S][max_blocks]: union mask scratch
+  uint64_t off_scratch;      ///< float[S][max_blocks]: row-0 block scores (probe curves; CPU
+                             ///< backend, the CUDA one keeps them per layer in private memory)
+  uint64_t off_mask;         ///< uint8[S][max_blocks]: union mask scratch (CPU backend)
   uint64_t off_error;        ///< uint32: first bounds-check error code seen by a kernel
 };
 

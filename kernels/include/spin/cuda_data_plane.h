@@ -43,7 +43,7 @@ struct CudaDataPlaneOptions {
 /// is read through a host copy taken here (one synchronous copy at construction). Besides the
 /// arena it allocates private device memory, dominated by the per-layer selections and row-0
 /// block scores: `8 * L * S * ceil(N / b)` bytes (61 layers x 64 sequences x 128K slots: 64 MB,
-/// 1.5% of the bf16 arena).
+/// 3% of the bf16 arena).
 absl::StatusOr<std::unique_ptr<DataPlane>> MakeCudaDataPlane(
     const ArenaView& view, const CudaDataPlaneOptions& options = {});
 

@@ -70,7 +70,11 @@ class DataPlane {
 
   /// Selects the blocks of layer `layer` for every entry of the current step. If
   /// `block_table` is given (entry e's table at block_table + e * table_stride, indexed by
-  /// logical block), also fills the compacted physical block table.
+  /// logical block), also fills the compacted physical block table. The layer's budget and the
+  /// exploration share are those in force when the step's BeginStep ran (a policy or budget
+  /// written during a step applies from the next one). The CUDA backend makes every layer's
+  /// selection in BeginStep and Select publishes it; called after the layer's Observe in the
+  /// same step, it selects again from the updated state, as the CPU backend does.
   virtual absl::Status Select(int32_t layer, const int32_t* block_table = nullptr,
                               int64_t table_stride = 0, cudaStream_t stream = nullptr) = 0;
 
