@@ -118,6 +118,7 @@ struct Point {
   int batch, slots;
   double rho;
   StateDtype dtype;
+  uint32_t probe_period = 0;  // 0: no probe steps; 1: every step probes every sequence
 };
 
 struct Result {
@@ -193,6 +194,7 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
   Policy pol;
   pol.target_sparsity = pt.rho;
   pol.exploration = 0.05;
+  pol.probe_period = pt.probe_period;
   const uint64_t bytes = ArenaBytes(g);
   void* arena = nullptr;
   CHECK_CUDA(cudaMalloc(&arena, bytes));
@@ -424,19 +426,23 @@ int main(int argc, char** argv) {
   int pb = 0, pn = 0;
   double prho = 0.5;
   char pdt[8] = "bf16";
+  unsigned pprobe = 0;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--out") && i + 1 < argc) {
       out_path = argv[++i];
     } else if (!std::strcmp(argv[i], "--quick")) {
       quick = true;
     } else if (!std::strcmp(argv[i], "--point") && i + 1 < argc &&
-               std::sscanf(argv[i + 1], "%d,%d,%lf,%4s", &pb, &pn, &prho, pdt) == 4) {
+               std::sscanf(argv[i + 1], "%d,%d,%lf,%4[^,],%u", &pb, &pn, &prho, pdt, &pprobe) >=
+                   4) {
       ++i;
     } else {
       std::fprintf(stderr,
-                   "usage: gpu_bench [--out FILE] [--quick] [--point BATCH,SLOTS,RHO,fp32|bf16]\n"
+                   "usage: gpu_bench [--out FILE] [--quick] "
+                   "[--point BATCH,SLOTS,RHO,fp32|bf16[,PROBE_PERIOD]]\n"
                    "Times the dense reference indexer, SPIN and the sparse stage on the GPU.\n"
-                   "--point measures one configuration (for profilers).\n");
+                   "--point measures one configuration (for profilers); PROBE_PERIOD 1 makes\n"
+                   "every step a probe step of every sequence (default 0: none).\n");
       return 2;
     }
   }
@@ -455,13 +461,14 @@ int main(int argc, char** argv) {
     const StateDtype dt = std::strcmp(pdt, "fp32") == 0 ? StateDtype::kFp32 : StateDtype::kBf16;
     Plan point_plan;
     if (!wgmma_runs) point_plan.wg_stages = 0;
-    const Result r = Measure({pb, pn, prho, dt}, 4.5e12, point_plan, stream, 3);
+    const Result r = Measure({pb, pn, prho, dt, pprobe}, 4.5e12, point_plan, stream, 3);
     std::printf(
         "point: dense mma.sync %.1f us, wgmma %.1f us (%s, worst deviation %.2g of the row "
         "max), sparse stage on %s; spin %.1f us (select %.1f), sparse %.1f us per layer of a "
-        "%d-layer step; BeginStep (with every layer's selection) %.1f us per step\n",
+        "%d-layer step (probe period %u); BeginStep (with every layer's selection) %.1f us per step\n",
         r.mma_us, r.wg_us, r.wg_ok ? "agrees" : "DISAGREES or unavailable", r.wg_dev,
-        IndexerKernelName(r.used), r.spin_us, r.select_us, r.sparse_us, kModelLayers, r.begin_us);
+        IndexerKernelName(r.used), r.spin_us, r.select_us, r.sparse_us, kModelLayers, pprobe,
+        r.begin_us);
     return r.wg_ok ? 0 : 3;
   }
   const double bw = MeasureReadBandwidth(stream);

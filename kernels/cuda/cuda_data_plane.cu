@@ -8,8 +8,8 @@
 // V summary is set) -> Select (one CTA per (layer, entry, row): radix selects; the last CTA of
 // a (layer, entry) builds its union and compacted lengths into the layer's record). Per layer:
 // Select(l) = Publish (the record into the outputs, the compacted table through the engine's
-// block table, stats); Observe(l) = EMA, one launch per row in row order; the row-0 launch has
-// one bookkeeping CTA per entry (validation, fresh flag, probe miss curve). EmaVec for the
+// block table, stats); Observe(l) = Probe (one CTA per entry: validation, fresh flag, probe miss
+// curve), then the EMA, one launch per row in row order. EmaVec for the
 // engine's layout (b = 64, max_slots % 8 == 0, 16-byte aligned logits rows; it also refreshes
 // the V summaries of its blocks), EmaWord for other even block sizes >= 64 and Ema otherwise
 // (both followed by VSummary).
@@ -35,6 +35,12 @@ namespace {
 // H200 512 measured faster than 1024 with 4 keys at every point (64 x 128K x 50% bf16: SPIN 33.9
 // -> 31.9 us; 128 x 32K: 24.5 -> 20.9).
 constexpr int kSelectThreads = 512;
+// Threads of a Probe CTA (one per entry, a dense top-K over the whole row on probe steps), and the
+// most any CtaTopT caller uses. On the H200 the probe with 256 threads, in the row-0 EMA launch,
+// took 1050 us per layer at batch 64 x 128K with every step a probe step, against 397 us with
+// 1024 threads in a launch of its own (gpu_bench --point 64,131072,0.5,bf16,1).
+constexpr int kProbeThreads = 1024;
+constexpr int kMaxTopTThreads = 1024;
 // Select keeps a row's keys in registers up to this many per thread (4096 blocks: 256K
 // slots at b = 64), and in the private scratch beyond.
 constexpr int kSelectRegRounds = 8;
@@ -197,17 +203,17 @@ static_assert(kDigitBins % kSelectThreads == 0, "whole bins per thread");
 // launch, before the first CtaTopT.
 struct TopTShared {
   unsigned hist[kDigitBins];
-  unsigned wsum[kSelectThreads / 32];
-  unsigned eq[kSelectRegRounds][kSelectThreads / 32];  // tie counts per round and warp
+  unsigned wsum[kMaxTopTThreads / 32];
+  unsigned eq[kSelectRegRounds][kMaxTopTThreads / 32];  // tie counts per round and warp
   unsigned long long prefix;
   int remaining, running, done;
 };
 
-// NT: the CTA's threads (a multiple of 32, at most kSelectThreads, dividing kDigitBins).
+// NT: the CTA's threads (a multiple of 32, at most kMaxTopTThreads, dividing kDigitBins).
 template <typename Key, int KPT, int NT = kSelectThreads, typename KeyFn, typename CandFn,
           typename TakeFn>
 __device__ void CtaTopT(TopTShared& sh, int n, int t, KeyFn key, CandFn cand, TakeFn take) {
-  static_assert(NT % 32 == 0 && NT <= kSelectThreads && kDigitBins % NT == 0, "CTA shape");
+  static_assert(NT % 32 == 0 && NT <= kMaxTopTThreads && kDigitBins % NT == 0, "CTA shape");
   constexpr int kBinsPerThread = kDigitBins / NT;
   using Scan = cub::BlockScan<int, NT>;
   __shared__ typename Scan::TempStorage scan_tmp;
@@ -1007,12 +1013,13 @@ __global__ void RemapKernel(Dev d, int32_t* idx, int count) {
   }
 }
 
-// An entry's Observe bookkeeping, run by one CTA (NT threads) of the row-0 EMA launch beside the
-// CTAs that update the state (EmaCtas): validates accepted and the logits stride (recording
-// errors), clears the fresh flag when row 0 is applied (it is read here first, and nothing else
-// reads it during Observe), and on a probe step of a pair that was not fresh scores row 0's dense
-// top-K against the miss curve. Nothing it reads is written by the updating CTAs: the blocks are
-// ranked by the step's row-0 scores from the select-ahead, made before any update.
+// An entry's Observe bookkeeping, one CTA of NT threads (ProbeKernel, before the EMA launches):
+// validates accepted and the logits stride (recording errors), clears the fresh flag when row 0
+// is applied (it is read here first, and nothing else reads it during Observe), and on a probe
+// step of a pair that was not fresh scores row 0's dense top-K against the miss curve, ranking
+// the blocks by the step's row-0 scores from the select-ahead. (It ran as one more CTA of the
+// row-0 EMA launch for a while: one launch less per layer, but 256 threads made probe steps 2.7x
+// slower; kProbeThreads.)
 template <int NT>
 __device__ void ObserveEntryCta(const Dev& d, int layer, int e, const float* logits, int64_t stride,
                                 const int32_t* accepted) {
@@ -1095,17 +1102,12 @@ __device__ void ObserveEntryCta(const Dev& d, int layer, int e, const float* log
   }
 }
 
-// The row-0 EMA launch has one more CTA column than it updates with: CTA (gridDim.x - 1, e) is
-// entry e's bookkeeping CTA (ObserveEntryCta). True when this CTA was that one (and is done).
-__device__ __forceinline__ bool EmaBookkeeping(const Dev& d, int layer, int r, const float* logits,
-                                               int64_t stride, const int32_t* accepted) {
-  if (r != 0 || blockIdx.x != gridDim.x - 1) return false;
-  ObserveEntryCta<kEmaThreads>(d, layer, static_cast<int>(blockIdx.y), logits, stride, accepted);
-  return true;
-}
-// CTAs per entry that update the state in this launch.
-__device__ __forceinline__ int EmaCtas(int r) {
-  return static_cast<int>(gridDim.x) - (r == 0 ? 1 : 0);
+// Observe's first launch: entry blockIdx.x's bookkeeping (ObserveEntryCta), before the EMA
+// launches. Off probe steps it only validates and clears the fresh flag.
+__global__ void __launch_bounds__(kProbeThreads)
+    ProbeKernel(Dev d, int layer, const float* logits, int64_t stride, const int32_t* accepted) {
+  StepKernelEntry();
+  ObserveEntryCta<kProbeThreads>(d, layer, static_cast<int>(blockIdx.x), logits, stride, accepted);
 }
 
 // What every EMA kernel reads first for row r of entry blockIdx.y. Every warp reads the entry
@@ -1113,7 +1115,7 @@ __device__ __forceinline__ int EmaCtas(int r) {
 // CTA waits for one memory latency and no barrier; rows <= kMaxRows <= 32, so lane rr checks
 // row rr's compacted length against the stride. `active` (uniform over the CTA) is false when
 // the row is not applied: padding, r >= accepted, accepted out of range, or a stride below a
-// compacted row. (The fresh flag is the bookkeeping CTA's: ObserveEntryCta.)
+// compacted row. (The fresh flag is ProbeKernel's: ObserveEntryCta.)
 struct EmaRow {
   StepEntry en;
   int rows, len;
@@ -1184,8 +1186,7 @@ __global__ void __launch_bounds__(kEmaThreads)
     EmaKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
               const int32_t* accepted) {
   StepKernelEntry();
-  if (EmaBookkeeping(d, layer, r, logits, stride, accepted)) return;
-  const int ctas = EmaCtas(r);
+  const int ctas = static_cast<int>(gridDim.x);
   constexpr int kWarps = kEmaThreads / 32;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const EmaRow w = EmaRowOf(d, layer, r, stride, accepted);
@@ -1389,8 +1390,7 @@ __global__ void __launch_bounds__(kEmaThreads)
     EmaWordKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
                   const int32_t* accepted) {
   StepKernelEntry();
-  if (EmaBookkeeping(d, layer, r, logits, stride, accepted)) return;
-  const int ctas = EmaCtas(r);
+  const int ctas = static_cast<int>(gridDim.x);
   using B = StateBits<T>;
   using E = typename B::E;
   constexpr int kWarps = kEmaThreads / 32;
@@ -1523,8 +1523,7 @@ __global__ void __launch_bounds__(kEmaThreads)
     EmaVecKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
                  const int32_t* accepted) {
   StepKernelEntry();
-  if (EmaBookkeeping(d, layer, r, logits, stride, accepted)) return;
-  const int ctas = EmaCtas(r);
+  const int ctas = static_cast<int>(gridDim.x);
   using B = StateBits<T>;
   using E = typename B::E;
   constexpr int kWarps = kEmaThreads / 32;
@@ -1988,15 +1987,16 @@ class CudaDataPlane final : public DataPlane {
       return absl::InvalidArgumentError("logits are required");
     }
     observed_[layer] = 1;
-    cudaError_t e = cudaSuccess;
-    // One EMA launch per row, in row order (the prefix-valid replay), of the kernel for the
-    // arena's state type, `chunks` CTAs per entry that update the state; the row-0 launch has
-    // one more per entry, the entry's bookkeeping CTA (validation, fresh flag, probe curve).
+    // The entries' bookkeeping (validation, fresh flag, probe miss curve), then one EMA launch
+    // per row, in row order (the prefix-valid replay), of the kernel for the arena's state type,
+    // `chunks` CTAs per entry.
+    cudaError_t e =
+        Launch(ProbeKernel, n_, kProbeThreads, stream, d_, layer, logits, logits_stride, accepted);
     using EmaFn = void (*)(Dev, int, int, const float*, int64_t, const int32_t*);
     auto per_row = [&](EmaFn fp32, EmaFn bf16, int64_t chunks) {
-      const unsigned updating = static_cast<unsigned>(std::clamp<int64_t>(chunks, 1, 65534));
+      const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(chunks, 1, 65535)),
+                      static_cast<unsigned>(n_));
       for (int r = 0; r < rows_ && e == cudaSuccess; ++r) {
-        const dim3 grid(updating + (r == 0 ? 1 : 0), static_cast<unsigned>(n_));
         e = Launch(d_.dtype_bytes == 4 ? fp32 : bf16, grid, kEmaThreads, stream, d_, layer, r,
                    logits, logits_stride, accepted);
       }
