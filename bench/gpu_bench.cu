@@ -465,7 +465,8 @@ int main(int argc, char** argv) {
     std::printf(
         "point: dense mma.sync %.1f us, wgmma %.1f us (%s, worst deviation %.2g of the row "
         "max), sparse stage on %s; spin %.1f us (select %.1f), sparse %.1f us per layer of a "
-        "%d-layer step (probe period %u); BeginStep (with every layer's selection) %.1f us per step\n",
+        "%d-layer step (probe period %u); BeginStep (with every layer's selection) %.1f us per "
+        "step\n",
         r.mma_us, r.wg_us, r.wg_ok ? "agrees" : "DISAGREES or unavailable", r.wg_dev,
         IndexerKernelName(r.used), r.spin_us, r.select_us, r.sparse_us, kModelLayers, pprobe,
         r.begin_us);

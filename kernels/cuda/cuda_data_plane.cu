@@ -30,7 +30,7 @@
 namespace spin {
 namespace {
 
-// Threads of a Select CTA (and of the Probe's). 512 threads with up to 8 keys each, so two CTAs
+// Threads of a Select CTA. 512 threads with up to 8 keys each, so two CTAs
 // share an SM (64 registers): the select-ahead grid has a CTA per (layer, entry, row), and on the
 // H200 512 measured faster than 1024 with 4 keys at every point (64 x 128K x 50% bf16: SPIN 33.9
 // -> 31.9 us; 128 x 32K: 24.5 -> 20.9).
@@ -40,7 +40,7 @@ constexpr int kSelectThreads = 512;
 // took 1050 us per layer at batch 64 x 128K with every step a probe step, against 397 us with
 // 1024 threads in a launch of its own (gpu_bench --point 64,131072,0.5,bf16,1).
 constexpr int kProbeThreads = 1024;
-constexpr int kMaxTopTThreads = 1024;
+constexpr int kMaxTopTThreads = kProbeThreads > kSelectThreads ? kProbeThreads : kSelectThreads;
 // Select keeps a row's keys in registers up to this many per thread (4096 blocks: 256K
 // slots at b = 64), and in the private scratch beyond.
 constexpr int kSelectRegRounds = 8;
@@ -101,7 +101,7 @@ struct Dev {
   uint8_t* gmask;            // [G][S][MB]: union mask
   unsigned* arrive;          // [G][S]: SelectKernel CTAs of the entry done (0 between launches)
   int32_t* ahead_ids;        // [L][S][MB]: the union per layer, ascending
-  int2* ahead_info;          // [L][S]: {union count, 1 if dense | 2 if fresh}
+  int2* ahead_info;          // [L][S]: {union count, dense}
   int32_t* ahead_len;        // [L][S][R]: compacted length per row
   int32_t* hits;             // [S][MB]: dense top-K slots per block (probe steps)
   uint64_t* xkeys;           // [S]: the entry's exploration (Philox) key, written by BeginStep
@@ -861,7 +861,7 @@ __device__ void UnionOf(const Dev& d, int layer, int gl, int e, const StepEntry&
     base += round_total;
   }
   __syncthreads();  // s_below, s_last_in
-  if (threadIdx.x == 0) d.ahead_info[at_le] = make_int2(base, (dense ? 1 : 0) | (fresh ? 2 : 0));
+  if (threadIdx.x == 0) d.ahead_info[at_le] = make_int2(base, dense ? 1 : 0);
   // Row r's compacted length: union blocks below B_r, the last one possibly partial.
   int32_t* clen = d.ahead_len + at_le * d.max_rows;
   for (int r = threadIdx.x; r < rows; r += blockDim.x) {
@@ -919,7 +919,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1024 / kSelectThreads)
 // arena's scratch section is the CPU backend's. ReadDeviceBlockScores reads them for tests.) An
 // entry that became padding since the step began (its sequence was reset) gets an empty union, as
 // in the reference. Grid: chunks of kPublishThreads * kPublishPer union places x entries; a thread
-// loads its places' ids and scores together with the entry (the record is read whole-width: places
+// loads its places' ids together with the entry (the record is read whole-width: places
 // beyond the count are loaded but not used), so it waits for two memory latencies: those loads,
 // then the engine's table at the ids.
 constexpr int kPublishThreads = 256;
@@ -949,7 +949,7 @@ __global__ void __launch_bounds__(kPublishThreads)
   int32_t* clen = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
   const bool live = en.seq >= 0;
   const int count = live ? info.x : 0;
-  const bool dense = (info.y & 1) != 0;
+  const bool dense = info.y != 0;
   if (blockIdx.x == 0) {
     if (static_cast<int>(threadIdx.x) < rows) clen[threadIdx.x] = live ? lane_len : 0;
     if (threadIdx.x == 0) {
@@ -1013,16 +1013,17 @@ __global__ void RemapKernel(Dev d, int32_t* idx, int count) {
   }
 }
 
-// An entry's Observe bookkeeping, one CTA of NT threads (ProbeKernel, before the EMA launches):
-// validates accepted and the logits stride (recording errors), clears the fresh flag when row 0
-// is applied (it is read here first, and nothing else reads it during Observe), and on a probe
-// step of a pair that was not fresh scores row 0's dense top-K against the miss curve, ranking
-// the blocks by the step's row-0 scores from the select-ahead. (It ran as one more CTA of the
-// row-0 EMA launch for a while: one launch less per layer, but 256 threads made probe steps 2.7x
-// slower; kProbeThreads.)
-template <int NT>
-__device__ void ObserveEntryCta(const Dev& d, int layer, int e, const float* logits, int64_t stride,
-                                const int32_t* accepted) {
+// Observe's first launch, one CTA per entry before the EMA launches: validates accepted and the
+// logits stride (recording errors), clears the fresh flag when row 0 is applied (it is read here
+// first, and nothing else reads it during Observe), and on a probe step of a pair that was not
+// fresh scores row 0's dense top-K against the miss curve, ranking the blocks by the step's row-0
+// scores from the select-ahead. (It ran as one more CTA of the row-0 EMA launch for a while: one
+// launch less per layer, but 256 threads made probe steps 2.7x slower; kProbeThreads.)
+__global__ void __launch_bounds__(kProbeThreads)
+    ProbeKernel(Dev d, int layer, const float* logits, int64_t stride, const int32_t* accepted) {
+  constexpr int NT = kProbeThreads;
+  StepKernelEntry();
+  const int e = static_cast<int>(blockIdx.x);
   // Every load of the validation at once (e < the host's n <= max_seqs, and the lengths and
   // accepted count are the entry's own, so every address is in bounds).
   const int batch_n = d.batch->n, rows = d.batch->rows;
@@ -1102,20 +1103,12 @@ __device__ void ObserveEntryCta(const Dev& d, int layer, int e, const float* log
   }
 }
 
-// Observe's first launch: entry blockIdx.x's bookkeeping (ObserveEntryCta), before the EMA
-// launches. Off probe steps it only validates and clears the fresh flag.
-__global__ void __launch_bounds__(kProbeThreads)
-    ProbeKernel(Dev d, int layer, const float* logits, int64_t stride, const int32_t* accepted) {
-  StepKernelEntry();
-  ObserveEntryCta<kProbeThreads>(d, layer, static_cast<int>(blockIdx.x), logits, stride, accepted);
-}
-
 // What every EMA kernel reads first for row r of entry blockIdx.y. Every warp reads the entry
 // itself with independent loads (e < the host's n <= max_seqs, so they are in bounds), so the
 // CTA waits for one memory latency and no barrier; rows <= kMaxRows <= 32, so lane rr checks
 // row rr's compacted length against the stride. `active` (uniform over the CTA) is false when
 // the row is not applied: padding, r >= accepted, accepted out of range, or a stride below a
-// compacted row. (The fresh flag is ProbeKernel's: ObserveEntryCta.)
+// compacted row. (The fresh flag is ProbeKernel's.)
 struct EmaRow {
   StepEntry en;
   int rows, len;
