@@ -545,6 +545,24 @@ int main(int argc, char** argv) {
       }
     }
   }
+  // Probe steps: every step a probe step of every sequence (the table above has none).
+  md +=
+      "\nProbe steps: every step a probe step of every sequence (probe period 1), 50% sparsity, "
+      "bf16 state; SPIN's selection is dense on a probe step and its Observe takes each row 0's "
+      "dense top-K and miss curve.\n\n"
+      "| batch | slots | dense us | SPIN us (select + observe) | SPIN/dense |\n"
+      "|---|---|---|---|---|\n";
+  for (int b : quick ? std::vector<int>{1, 64} : std::vector<int>{1, 16, 64}) {
+    for (int n : quick ? std::vector<int>{128 << 10} : std::vector<int>{128 << 10, 256 << 10}) {
+      const Result r = Measure({b, n, 0.5, StateDtype::kBf16, 1}, bw, plan, stream, reps);
+      if (!r.wg_ok) wg_failed = true;
+      std::snprintf(line, sizeof(line), "| %d | %dK | %.1f | %.1f (%.1f + %.1f) | %.3f |\n", b,
+                    n >> 10, r.dense_us, r.spin_us, r.select_us, r.spin_us - r.select_us,
+                    r.spin_us / r.dense_us);
+      md += line;
+      std::fprintf(stderr, "%s", line);
+    }
+  }
   if (wg_failed) md += "\nwgmma FAILED (disagreed with mma.sync or did not run) at some points.\n";
   std::printf("%s", md.c_str());
   if (!out_path.empty()) std::ofstream(out_path) << md;

@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
 #include <memory>
 #include <vector>
@@ -1013,31 +1014,62 @@ __global__ void RemapKernel(Dev d, int32_t* idx, int count) {
   }
 }
 
+// Probe steps (ProbeKernel): the dense top-K of row 0 and the curve's block ranking are sorts
+// with cub::BlockRadixSort, kProbeItems keys per thread, so at most kProbeCap top-K candidates
+// and kProbeCap blocks (512K slots at b = 64); beyond either, the CTA falls back to CtaTopT
+// radix selects over global memory (the same result, slower).
+constexpr int kProbeItems = 8;
+constexpr int kProbeIdBits = 13;
+constexpr int kProbeCap = 1 << kProbeIdBits;
+static_assert(kProbeCap == kProbeThreads * kProbeItems, "a candidate or block per item");
+// Row-0 logits each thread has in flight in the candidate pass.
+constexpr int kProbeLoads = 16;
+using ProbeSortKeys = cub::BlockRadixSort<uint32_t, kProbeThreads, kProbeItems>;
+using ProbeSortWide = cub::BlockRadixSort<unsigned long long, kProbeThreads, kProbeItems>;
+union ProbeSmem {
+  typename ProbeSortKeys::TempStorage keys;
+  typename ProbeSortWide::TempStorage wide;
+  unsigned long long cand[kProbeCap];
+};
+constexpr size_t kProbeSmemBytes = sizeof(ProbeSmem);  // dynamic shared memory of ProbeKernel
+
 // Observe's first launch, one CTA per entry before the EMA launches: validates accepted and the
 // logits stride (recording errors), clears the fresh flag when row 0 is applied (it is read here
 // first, and nothing else reads it during Observe), and on a probe step of a pair that was not
 // fresh scores row 0's dense top-K against the miss curve, ranking the blocks by the step's row-0
-// scores from the select-ahead. (It ran as one more CTA of the row-0 EMA launch for a while: one
-// launch less per layer, but 256 threads made probe steps 2.7x slower; kProbeThreads.)
+// scores from the select-ahead.
+//
+// The top-K: a sorted sample of kProbeCap logits gives a threshold t0 above which about 2K
+// logits are expected; one pass over the row (kProbeLoads loads in flight per thread, one shared
+// atomic per warp and round) gathers the finite logits with key >= t0 as (key, slot) candidates,
+// and one descending sort of (key, inverted slot) puts the top-K (ties to the lower slot) first.
+// When the candidates number fewer than K or more than kProbeCap, the pass runs again with every
+// finite logit a candidate if those fit, and otherwise CtaTopT takes the top-K. The curve: one
+// descending sort of (block score, inverted id) over the blocks other than the query block gives
+// every block its rank, and each point's covered count sums the hits of the blocks ranked below
+// its kept count. (The top-K as one CtaTopT over the row took about 390 us per layer on the H200
+// at 64 x 128K with every sequence probing: one load in flight per thread per pass, and the
+// first pass's histogram contended on the few bins the logits' top bits fall in.)
 __global__ void __launch_bounds__(kProbeThreads)
     ProbeKernel(Dev d, int layer, const float* logits, int64_t stride, const int32_t* accepted) {
   constexpr int NT = kProbeThreads;
+  constexpr unsigned kAll = 0xFFFFFFFFu;
   StepKernelEntry();
   const int e = static_cast<int>(blockIdx.x);
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32;
   // Every load of the validation at once (e < the host's n <= max_seqs, and the lengths and
   // accepted count are the entry's own, so every address is in bounds).
   const int batch_n = d.batch->n, rows = d.batch->rows;
   const StepEntry en = d.entries[e];
   const int32_t* clen = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
   __shared__ int s_probe;
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
+  if (tid < 32) {
     const int len = lane < d.max_rows ? clen[lane] : 0;
     const int acc = accepted ? accepted[e] : rows;
     const bool live = e < batch_n && en.seq >= 0;
     uint8_t* fresh = live ? d.fresh + static_cast<int64_t>(en.seq) * d.layers + layer : nullptr;
     const bool was_fresh = live && *fresh != 0;
-    const bool long_row = __any_sync(0xFFFFFFFFu, lane < rows && len > stride);
+    const bool long_row = __any_sync(kAll, lane < rows && len > stride);
     if (lane == 0) {
       int probe = 0;
       if (live) {
@@ -1053,53 +1085,189 @@ __global__ void __launch_bounds__(kProbeThreads)
   }
   __syncthreads();
   if (!s_probe) return;
-  __shared__ int s_finite;
-  __shared__ unsigned long long s_missed[kCurvePoints + 1];
+  extern __shared__ __align__(16) unsigned char probe_smem[];
+  ProbeSmem& sm = *reinterpret_cast<ProbeSmem*>(probe_smem);
   __shared__ TopTShared sh;
+  __shared__ uint32_t s_t0;
+  __shared__ int s_cand, s_finite;
+  __shared__ int s_m[kCurvePoints + 1], s_cov[kCurvePoints + 1];
   const int b = d.block, n = en.ctx_len;
   const int nb = BlocksOf(d, n);
   const float* z = logits + static_cast<int64_t>(e) * rows * stride;
   int32_t* hits = d.hits + static_cast<int64_t>(e) * d.max_blocks;
-  if (threadIdx.x == 0) s_finite = 0;
-  for (int j = threadIdx.x; j < nb; j += blockDim.x) hits[j] = 0;
-  for (int i = threadIdx.x; i < kDigitBins; i += blockDim.x) sh.hist[i] = 0;  // CtaTopT needs
+  auto block_of = [&](int i) { return d.block_shift >= 0 ? i >> d.block_shift : i / b; };
+  for (int j = tid; j < nb; j += NT) hits[j] = 0;
+  if (tid <= kCurvePoints) {
+    const double rho = tid < kCurvePoints ? 1.0 - CurveKeepFraction(tid) : d.sparsity[layer];
+    s_m[tid] = KeptBlocks(nb, d.topk, b, rho);
+    s_cov[tid] = 0;
+  }
+  // The threshold t0 from an evenly spread sample (0: every finite logit is a candidate).
+  if (tid == 0) s_t0 = 0;
+  if (n > kProbeCap) {
+    uint32_t key[kProbeItems];
+#pragma unroll
+    for (int u = 0; u < kProbeItems; ++u) {
+      const int s = tid * kProbeItems + u;
+      const float x = z[(static_cast<int64_t>(s) * n) >> kProbeIdBits];
+      key[u] = isfinite(x) ? FloatKey(x) : 0u;
+    }
+    ProbeSortKeys(sm.keys).SortDescending(key);
+    // The r-th largest sample, r = 2K / (slots per sample).
+    const long long want = (2ll * d.topk * kProbeCap + n - 1) / n;
+    const int r = want < 1 ? 1 : want > kProbeCap ? kProbeCap : static_cast<int>(want);
+    const int own = r - 1 - tid * kProbeItems;
+#pragma unroll
+    for (int u = 0; u < kProbeItems; ++u) {
+      if (own == u) s_t0 = key[u];
+    }
+  }
   __syncthreads();
-  int local = 0;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) local += isfinite(z[i]) ? 1 : 0;
-  atomicAdd(&s_finite, local);
-  __syncthreads();
-  const int k = min(d.topk, s_finite);
+  // The candidate pass: finite logits with key >= t0 into sm.cand as (key, inverted slot) in
+  // 32 + sb bits (their count in s_cand, the entries past kProbeCap dropped), and the finite
+  // count.
+  const int sb = 32 - __clz(d.max_slots > 1 ? d.max_slots - 1 : 1);
+  const unsigned long long smask = (1ull << sb) - 1;
+  auto gather = [&](uint32_t t0) {
+    if (tid == 0) s_cand = 0, s_finite = 0;
+    __syncthreads();
+    int fin = 0;
+    for (int i0 = 0; i0 < n; i0 += NT * kProbeLoads) {
+      float x[kProbeLoads];
+#pragma unroll
+      for (int u = 0; u < kProbeLoads; ++u) {
+        const int i = i0 + u * NT + tid;
+        x[u] = i < n ? z[i] : NAN;
+      }
+      int mine = 0;
+#pragma unroll
+      for (int u = 0; u < kProbeLoads; ++u) {
+        const bool f = isfinite(x[u]);
+        fin += f ? 1 : 0;
+        mine += f && FloatKey(x[u]) >= t0 ? 1 : 0;
+      }
+      int incl = mine;  // inclusive prefix over the warp's lanes
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(kAll, incl, o);
+        if (lane >= o) incl += v;
+      }
+      const int total = __shfl_sync(kAll, incl, 31);
+      int base = 0;
+      if (total > 0) {
+        if (lane == 31) base = atomicAdd(&s_cand, total);
+        base = __shfl_sync(kAll, base, 31);
+      }
+      int at = base + incl - mine;
+#pragma unroll
+      for (int u = 0; u < kProbeLoads; ++u) {
+        if (isfinite(x[u])) {
+          const uint32_t k = FloatKey(x[u]);
+          if (k >= t0) {
+            const uint32_t slot = static_cast<uint32_t>(i0 + u * NT + tid);
+            if (at < kProbeCap) {
+              sm.cand[at] = (static_cast<unsigned long long>(k) << sb) | (smask - slot);
+            }
+            ++at;
+          }
+        }
+      }
+    }
+    fin = __reduce_add_sync(kAll, fin);
+    if (lane == 0) atomicAdd(&s_finite, fin);
+    __syncthreads();
+  };
+  const uint32_t t0 = s_t0;
+  gather(t0);
+  int k = min(d.topk, s_finite);
   if (k == 0) return;
-  // Dense top-K of row 0 (ties to the lower slot), counted per block.
-  CtaTopT<uint32_t, 0, NT>(
-      sh, n, k, [&](int, int i) { return FloatKey(z[i]); },
-      [&](int, int i) { return isfinite(z[i]) != 0; },
-      [&](int, int i) { atomicAdd(&hits[i / b], 1); });
+  bool fits = s_cand >= k && s_cand <= kProbeCap;
+  if (!fits && t0 != 0 && s_finite <= kProbeCap) {
+    __syncthreads();  // every thread has read s_cand and s_finite
+    gather(0);
+    fits = true;  // s_cand == s_finite, between k and kProbeCap
+  }
+  if (fits) {
+    const int c0 = s_cand;
+    unsigned long long ck[kProbeItems];
+#pragma unroll
+    for (int u = 0; u < kProbeItems; ++u) {
+      const int j = tid * kProbeItems + u;
+      ck[u] = j < c0 ? sm.cand[j] : 0ull;
+    }
+    __syncthreads();  // the sort's storage overlays the candidates
+    ProbeSortWide(sm.wide).SortDescending(ck, 0, 32 + sb);
+#pragma unroll
+    for (int u = 0; u < kProbeItems; ++u) {
+      if (tid * kProbeItems + u < k) {
+        const int slot = static_cast<int>(smask - (ck[u] & smask));
+        atomicAdd(&hits[block_of(slot)], 1);
+      }
+    }
+  } else {
+    // Dense top-K of row 0 (ties to the lower slot), counted per block.
+    for (int i = tid; i < kDigitBins; i += NT) sh.hist[i] = 0;  // CtaTopT needs it zero
+    __syncthreads();
+    CtaTopT<uint32_t, 0, NT>(
+        sh, n, k, [&](int, int i) { return FloatKey(z[i]); },
+        [&](int, int i) { return isfinite(z[i]) != 0; },
+        [&](int, int i) { atomicAdd(&hits[block_of(i)], 1); });
+  }
   __syncthreads();
   // Rank blocks as the selector does: query block first, then by predicted score.
   const int qb = min(en.q_pos / b, nb - 1);
   const float* s = d.Scores(layer, 0, e, 0);
-  __shared__ int s_covered;
-  for (int p = 0; p <= kCurvePoints; ++p) {
-    const double rho = p < kCurvePoints ? 1.0 - CurveKeepFraction(p) : d.sparsity[layer];
-    const int m = KeptBlocks(nb, d.topk, b, rho);
-    if (threadIdx.x == 0) s_covered = hits[qb];
-    __syncthreads();
-    CtaTopT<uint32_t, 0, NT>(
-        sh, nb, m - 1, [&](int, int j) { return FloatKey(s[j]); },
-        [&](int, int j) { return j != qb; }, [&](int, int j) { atomicAdd(&s_covered, hits[j]); });
-    __syncthreads();
-    if (threadIdx.x == 0) s_missed[p] = static_cast<unsigned long long>(k - s_covered);
-    __syncthreads();
+  if (nb <= kProbeCap) {
+    unsigned long long ck[kProbeItems];
+#pragma unroll
+    for (int u = 0; u < kProbeItems; ++u) {
+      const int j = tid * kProbeItems + u;
+      ck[u] = j < nb && j != qb ? (static_cast<unsigned long long>(FloatKey(s[j])) << kProbeIdBits) |
+                                      static_cast<unsigned>(kProbeCap - 1 - j)
+                                : 0ull;
+    }
+    ProbeSortWide(sm.wide).SortDescending(ck, 0, 32 + kProbeIdBits);
+    // Item u holds the block of rank tid * kProbeItems + u among the nb - 1 others.
+    int h[kProbeItems];
+#pragma unroll
+    for (int u = 0; u < kProbeItems; ++u) {
+      const int rank = tid * kProbeItems + u;
+      h[u] = rank < nb - 1 ? hits[kProbeCap - 1 - static_cast<int>(ck[u] & (kProbeCap - 1))] : 0;
+    }
+    for (int p = 0; p <= kCurvePoints; ++p) {
+      const int cut = s_m[p] - 1;  // blocks taken after the query block
+      int c = 0;
+#pragma unroll
+      for (int u = 0; u < kProbeItems; ++u) c += tid * kProbeItems + u < cut ? h[u] : 0;
+      c = __reduce_add_sync(kAll, c);
+      if (lane == 0 && c != 0) atomicAdd(&s_cov[p], c);
+    }
+  } else {
+    for (int i = tid; i < kDigitBins; i += NT) sh.hist[i] = 0;
+    __shared__ int s_covered;
+    for (int p = 0; p <= kCurvePoints; ++p) {
+      if (tid == 0) s_covered = 0;
+      __syncthreads();
+      CtaTopT<uint32_t, 0, NT>(
+          sh, nb, s_m[p] - 1, [&](int, int j) { return FloatKey(s[j]); },
+          [&](int, int j) { return j != qb; },
+          [&](int, int j) { atomicAdd(&s_covered, hits[j]); });
+      __syncthreads();
+      if (tid == 0) s_cov[p] = s_covered;
+    }
   }
-  if (threadIdx.x == 0) {
+  __syncthreads();
+  if (tid == 0) {
+    const int base = hits[qb];
     unsigned long long* curve = d.curves + static_cast<int64_t>(layer) * kCurvePoints;
-    for (int p = 0; p < kCurvePoints; ++p) atomicAdd(&curve[p], s_missed[p]);
+    for (int p = 0; p < kCurvePoints; ++p) {
+      atomicAdd(&curve[p], static_cast<unsigned long long>(k - base - s_cov[p]));
+    }
     LayerStats* st = d.stats + layer;
     atomicAdd(reinterpret_cast<unsigned long long*>(&st->probe_steps), 1ull);
     atomicAdd(reinterpret_cast<unsigned long long*>(&st->probe_topk),
               static_cast<unsigned long long>(k));
-    atomicAdd(reinterpret_cast<unsigned long long*>(&st->probe_missed), s_missed[kCurvePoints]);
+    atomicAdd(reinterpret_cast<unsigned long long*>(&st->probe_missed),
+              static_cast<unsigned long long>(k - base - s_cov[kCurvePoints]));
   }
 }
 
@@ -1739,8 +1907,8 @@ __global__ void FillUnsetKernel(uint8_t* state, uint64_t elems, int bytes) {
 // StepKernelEntry before touching memory (so the order of effects is the stream's). Captured in
 // a CUDA graph as a programmatic edge.
 template <typename... Params, typename... Args>
-cudaError_t Launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
-                   Args... args) {
+cudaError_t LaunchSmem(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                       cudaStream_t stream, Args... args) {
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -1750,7 +1918,13 @@ cudaError_t Launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
+  cfg.dynamicSmemBytes = smem;
   return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+}
+template <typename... Params, typename... Args>
+cudaError_t Launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
+                   Args... args) {
+  return LaunchSmem(kernel, grid, block, 0, stream, args...);
 }
 
 class CudaDataPlane final : public DataPlane {
@@ -1845,6 +2019,13 @@ class CudaDataPlane final : public DataPlane {
     if (auto s = alloc(G * S * sizeof(unsigned), &p); !s.ok()) return s;
     d_.arrive = static_cast<unsigned*>(p);
     if (auto s = CudaStatus(cudaMemset(p, 0, G * S * sizeof(unsigned)), "clear arrival counters");
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = CudaStatus(
+            cudaFuncSetAttribute(ProbeKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(kProbeSmemBytes)),
+            "Probe shared memory");
         !s.ok()) {
       return s;
     }
@@ -1984,7 +2165,8 @@ class CudaDataPlane final : public DataPlane {
     // per row, in row order (the prefix-valid replay), of the kernel for the arena's state type,
     // `chunks` CTAs per entry.
     cudaError_t e =
-        Launch(ProbeKernel, n_, kProbeThreads, stream, d_, layer, logits, logits_stride, accepted);
+        LaunchSmem(ProbeKernel, n_, kProbeThreads, kProbeSmemBytes, stream, d_, layer, logits,
+                   logits_stride, accepted);
     using EmaFn = void (*)(Dev, int, int, const float*, int64_t, const int32_t*);
     auto per_row = [&](EmaFn fp32, EmaFn bf16, int64_t chunks) {
       const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(chunks, 1, 65535)),

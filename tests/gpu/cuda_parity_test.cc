@@ -156,7 +156,7 @@ class Twin {
               const int i = c.union_ids[e * MB + k] * b + o;
               if (i >= ctx[e] + r) break;
               logits[(static_cast<size_t>(e) * rows + r) * stride_ + k * b + o] =
-                  Score(seq[e], l, step, r, i, q[e] + r);
+                  score_(seq[e], l, step, r, i, q[e] + r);
             }
           }
         }
@@ -177,6 +177,10 @@ class Twin {
     }
     CUDA_OK(cudaDeviceSynchronize());
   }
+
+  // The engine's scores for (seq, layer, step, row, slot, q) in later Steps (default: Score).
+  using ScoreFn = std::function<float(int, int, int, int, int, int)>;
+  void SetScore(ScoreFn f) { score_ = std::move(f); }
 
   // Called after each layer's Observe in Step (step, layer): events in the middle of a step.
   void AfterObserve(std::function<void(int, int)> f) { after_observe_ = std::move(f); }
@@ -238,6 +242,7 @@ class Twin {
   int64_t stride_ = 0;
   std::mt19937 rng_{3};
   std::function<void(int, int)> after_observe_;
+  ScoreFn score_ = Score;
 };
 
 struct Scenario {
@@ -352,6 +357,61 @@ TEST_F(CudaTest, ParityLongContexts) {
   const Scenario sc{StateDtype::kBf16, 2, 0.5, 0.1, 5};
   RunScenarioWith(sc, 64 * 4000 + 8, 0);
   RunScenarioWith(sc, 64 * 4200 + 8, 0);
+}
+
+// Every path of the probe's top-K and curve, probing every sequence at every step after its
+// first (period 1), against the CPU's curves and statistics. Rows longer than the probe's 8192
+// candidates take a threshold from a sample of 8192 logits: sequence 0 (blocks of 16, more than
+// 8192 blocks, so the curve's ranking falls back to radix selects) and sequence 3 (the sorted
+// ranking) with the usual scores; sequence 1 with one score everywhere but a few non-finite ones
+// (more candidates than fit: the top-K falls back to radix selects, with ties); sequence 2 with
+// the largest scores at every other sampled slot, the other samples and six in seven of the
+// other slots NaN (too few candidates above the sample's threshold, and fewer than 8192 finite
+// scores, so the pass runs again with every finite score a candidate).
+// Sequence 4 is shorter than 8192 slots (every finite score a candidate).
+TEST_F(CudaTest, ParityProbePaths) {
+  for (StateDtype dtype : {StateDtype::kFp32, StateDtype::kBf16}) {
+    SCOPED_TRACE(dtype == StateDtype::kFp32 ? "fp32" : "bf16");
+    Geometry g;
+    g.layers = 2;
+    g.max_seqs = 5;
+    g.block_size = 16;
+    g.max_slots = 16 * 8300 + 3;
+    g.topk = 256;
+    g.dtype = dtype;
+    Policy p;
+    p.target_sparsity = 0.6;
+    p.exploration = 0.1;
+    p.alpha = 0.3f;
+    p.probe_period = 1;
+    Twin t(g, p, 17);
+    constexpr int kSample = 8192;  // the probe's sample (kProbeCap in the backend)
+    t.SetScore([](int seq, int layer, int step, int row, int slot, int q) {
+      const float usual = Score(seq, layer, step, row, slot, q);
+      if (seq == 1) return std::isfinite(usual) ? 1.0f : usual;
+      if (seq == 2) {
+        const int64_t n = q - row + 1;  // row 0's length (the probe's row)
+        const int64_t s = (static_cast<int64_t>(slot) * kSample + n - 1) / n;  // first sample >=
+        if (s < kSample && (s * n) / kSample == slot) return s % 2 == 0 ? 100.0f + usual : NAN;
+        return slot % 7 == 0 ? usual : NAN;
+      }
+      return usual;
+    });
+    std::vector<int> ctx = {static_cast<int>(g.max_slots) - 6, 20000, 20000, 30001, 5000};
+    for (int s = 0; s < 5; ++s) t.Reset(s, 300 + s);
+    for (int step = 0; step < 6; ++step) {
+      std::vector<int32_t> seq = {0, 1, 2, 3, 4}, c, q, acc(5, 1);
+      for (int s : seq) {
+        c.push_back(ctx[s]);
+        q.push_back(ctx[s] - 1);
+      }
+      t.Step(seq, c, q, 1, acc, step);
+      for (int& x : ctx) ++x;
+    }
+    t.ExpectSameArena("after probe steps");
+    const auto probes = ToHost(&t.dview().stats[0].probe_steps, 1);
+    EXPECT_EQ(probes[0], 5u * 5u) << "every sequence probes every step after its first";
+  }
 }
 
 // BeginStep keeps each entry in registers, kMaxSequences / 1024 rounds per thread: a batch of
