@@ -1014,21 +1014,23 @@ __global__ void RemapKernel(Dev d, int32_t* idx, int count) {
   }
 }
 
-// Probe steps (ProbeKernel): the dense top-K of row 0 and the curve's block ranking are sorts
-// with cub::BlockRadixSort, kProbeItems keys per thread, so at most kProbeCap top-K candidates
-// and kProbeCap blocks (512K slots at b = 64); beyond either, the CTA falls back to CtaTopT
-// radix selects over global memory (the same result, slower).
+// Probe steps (ProbeKernel). The top-K's candidates, at most kProbeCap, are held kProbeItems per
+// thread for one CtaTopT; the curve's ranking sorts up to kProbeCap blocks (512K slots at b = 64)
+// with cub::BlockRadixSort. Beyond either, CtaTopT radix selects over global memory (the same
+// result, slower).
 constexpr int kProbeItems = 8;
 constexpr int kProbeIdBits = 13;
 constexpr int kProbeCap = 1 << kProbeIdBits;
 static_assert(kProbeCap == kProbeThreads * kProbeItems, "a candidate or block per item");
-// Row-0 logits each thread has in flight in the candidate pass.
+static_assert(kProbeItems <= kSelectRegRounds, "TopTShared's tie counts per round");
+// Logits sampled for the candidates' threshold (2 per thread), and logits each thread has in
+// flight in the candidate pass.
+constexpr int kProbeSampleBits = 11;
+constexpr int kProbeSample = 1 << kProbeSampleBits;
 constexpr int kProbeLoads = 16;
-using ProbeSortKeys = cub::BlockRadixSort<uint32_t, kProbeThreads, kProbeItems>;
-using ProbeSortWide = cub::BlockRadixSort<unsigned long long, kProbeThreads, kProbeItems>;
+using ProbeSort = cub::BlockRadixSort<unsigned long long, kProbeThreads, kProbeItems>;
 union ProbeSmem {
-  typename ProbeSortKeys::TempStorage keys;
-  typename ProbeSortWide::TempStorage wide;
+  typename ProbeSort::TempStorage sort;
   unsigned long long cand[kProbeCap];
 };
 constexpr size_t kProbeSmemBytes = sizeof(ProbeSmem);  // dynamic shared memory of ProbeKernel
@@ -1039,17 +1041,20 @@ constexpr size_t kProbeSmemBytes = sizeof(ProbeSmem);  // dynamic shared memory 
 // fresh scores row 0's dense top-K against the miss curve, ranking the blocks by the step's row-0
 // scores from the select-ahead.
 //
-// The top-K: a sorted sample of kProbeCap logits gives a threshold t0 above which about 2K
-// logits are expected; one pass over the row (kProbeLoads loads in flight per thread, one shared
-// atomic per warp and round) gathers the finite logits with key >= t0 as (key, slot) candidates,
-// and one descending sort of (key, inverted slot) puts the top-K (ties to the lower slot) first.
-// When the candidates number fewer than K or more than kProbeCap, the pass runs again with every
-// finite logit a candidate if those fit, and otherwise CtaTopT takes the top-K. The curve: one
-// descending sort of (block score, inverted id) over the blocks other than the query block gives
-// every block its rank, and each point's covered count sums the hits of the blocks ranked below
-// its kept count. (The top-K as one CtaTopT over the row took about 390 us per layer on the H200
-// at 64 x 128K with every sequence probing: one load in flight per thread per pass, and the
-// first pass's histogram contended on the few bins the logits' top bits fall in.)
+// The top-K: the r-th largest of kProbeSample evenly spread logits (CtaTopT over registers) is a
+// threshold t0 above which about 2K logits are expected; one pass over the row (kProbeLoads
+// loads in flight per thread, one shared atomic per warp and round) gathers the finite logits
+// with key >= t0 as (key, inverted slot) candidates, and one CtaTopT over them, kProbeItems per
+// thread in registers, takes the top-K (the keys are distinct, so ties go to the lower slot by
+// the key itself). When the candidates number fewer than K or more than kProbeCap, the pass runs
+// again with every finite logit a candidate if those fit, and otherwise CtaTopT takes the top-K
+// from global memory. The curve: one descending sort of (block score, inverted id) over the
+// blocks other than the query block, on the bits in which the scores differ, gives every block
+// its rank, and each point's covered count sums the hits of the blocks ranked below its kept
+// count. (The top-K as one CtaTopT over the row took about 390 us per layer on the H200 at 64 x
+// 128K with every sequence probing: one load in flight per thread per pass, and the first pass's
+// histogram contended on the few bins the logits' top bits fall in. With cub sorts for the
+// sample and the candidates as well, 177 us.)
 __global__ void __launch_bounds__(kProbeThreads)
     ProbeKernel(Dev d, int layer, const float* logits, int64_t stride, const int32_t* accepted) {
   constexpr int NT = kProbeThreads;
@@ -1103,31 +1108,27 @@ __global__ void __launch_bounds__(kProbeThreads)
     s_cov[tid] = 0;
   }
   // The threshold t0 from an evenly spread sample (0: every finite logit is a candidate).
-  if (tid == 0) s_t0 = 0;
+  for (int i = tid; i < kDigitBins; i += NT) sh.hist[i] = 0;  // CtaTopT needs it zero
+  if (tid == 0) s_t0 = n > kProbeCap ? 0xFFFFFFFFu : 0u;
+  __syncthreads();
   if (n > kProbeCap) {
-    uint32_t key[kProbeItems];
+    constexpr int kPer = kProbeSample / NT;
+    uint32_t key[kPer];
 #pragma unroll
-    for (int u = 0; u < kProbeItems; ++u) {
-      const int s = tid * kProbeItems + u;
-      const float x = z[(static_cast<int64_t>(s) * n) >> kProbeIdBits];
+    for (int u = 0; u < kPer; ++u) {
+      const float x = z[(static_cast<int64_t>(u * NT + tid) * n) >> kProbeSampleBits];
       key[u] = isfinite(x) ? FloatKey(x) : 0u;
     }
-    ProbeSortKeys(sm.keys).SortDescending(key);
     // The r-th largest sample, r = 2K / (slots per sample).
-    const long long want = (2ll * d.topk * kProbeCap + n - 1) / n;
-    const int r = want < 1 ? 1 : want > kProbeCap ? kProbeCap : static_cast<int>(want);
-    const int own = r - 1 - tid * kProbeItems;
-#pragma unroll
-    for (int u = 0; u < kProbeItems; ++u) {
-      if (own == u) s_t0 = key[u];
-    }
+    const long long want = (2ll * d.topk * kProbeSample + n - 1) / n;
+    const int r = want < 1 ? 1 : want > kProbeSample ? kProbeSample : static_cast<int>(want);
+    CtaTopT<uint32_t, kPer, NT>(
+        sh, kProbeSample, r, [&](int u, int) { return key[u]; }, [&](int, int) { return true; },
+        [&](int u, int) { atomicMin(&s_t0, key[u]); });
   }
   __syncthreads();
-  // The candidate pass: finite logits with key >= t0 into sm.cand as (key, inverted slot) in
-  // 32 + sb bits (their count in s_cand, the entries past kProbeCap dropped), and the finite
-  // count.
-  const int sb = 32 - __clz(d.max_slots > 1 ? d.max_slots - 1 : 1);
-  const unsigned long long smask = (1ull << sb) - 1;
+  // The candidate pass: finite logits with key >= t0 into sm.cand as (key, inverted slot) (their
+  // count in s_cand, the entries past kProbeCap dropped), and the finite count.
   auto gather = [&](uint32_t t0) {
     if (tid == 0) s_cand = 0, s_finite = 0;
     __syncthreads();
@@ -1165,7 +1166,7 @@ __global__ void __launch_bounds__(kProbeThreads)
           if (k >= t0) {
             const uint32_t slot = static_cast<uint32_t>(i0 + u * NT + tid);
             if (at < kProbeCap) {
-              sm.cand[at] = (static_cast<unsigned long long>(k) << sb) | (smask - slot);
+              sm.cand[at] = (static_cast<unsigned long long>(k) << 32) | (0xFFFFFFFFu - slot);
             }
             ++at;
           }
@@ -1191,22 +1192,17 @@ __global__ void __launch_bounds__(kProbeThreads)
     unsigned long long ck[kProbeItems];
 #pragma unroll
     for (int u = 0; u < kProbeItems; ++u) {
-      const int j = tid * kProbeItems + u;
+      const int j = u * NT + tid;
       ck[u] = j < c0 ? sm.cand[j] : 0ull;
     }
-    __syncthreads();  // the sort's storage overlays the candidates
-    ProbeSortWide(sm.wide).SortDescending(ck, 0, 32 + sb);
-#pragma unroll
-    for (int u = 0; u < kProbeItems; ++u) {
-      if (tid * kProbeItems + u < k) {
-        const int slot = static_cast<int>(smask - (ck[u] & smask));
-        atomicAdd(&hits[block_of(slot)], 1);
-      }
-    }
+    CtaTopT<unsigned long long, kProbeItems, NT>(
+        sh, c0, k, [&](int u, int) { return ck[u]; }, [&](int, int) { return true; },
+        [&](int u, int) {
+          atomicAdd(&hits[block_of(static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(ck[u])))],
+                    1);
+        });
   } else {
     // Dense top-K of row 0 (ties to the lower slot), counted per block.
-    for (int i = tid; i < kDigitBins; i += NT) sh.hist[i] = 0;  // CtaTopT needs it zero
-    __syncthreads();
     CtaTopT<uint32_t, 0, NT>(
         sh, n, k, [&](int, int i) { return FloatKey(z[i]); },
         [&](int, int i) { return isfinite(z[i]) != 0; },
@@ -1217,15 +1213,37 @@ __global__ void __launch_bounds__(kProbeThreads)
   const int qb = min(en.q_pos / b, nb - 1);
   const float* s = d.Scores(layer, 0, e, 0);
   if (nb <= kProbeCap) {
+    // The sort key of block j: 1 (above the padding's 0), then the bits in which the scores
+    // differ, then the inverted id.
+    __shared__ unsigned s_or, s_and;
+    uint32_t key[kProbeItems];
+    unsigned o = 0, a = 0xFFFFFFFFu;
+#pragma unroll
+    for (int u = 0; u < kProbeItems; ++u) {
+      const int j = tid * kProbeItems + u;
+      key[u] = j < nb && j != qb ? FloatKey(s[j]) : 0u;
+      if (j < nb && j != qb) o |= key[u], a &= key[u];
+    }
+    if (tid == 0) s_or = 0, s_and = 0xFFFFFFFFu;
+    __syncthreads();
+    o = __reduce_or_sync(kAll, o);
+    a = __reduce_and_sync(kAll, a);
+    if (lane == 0) atomicOr(&s_or, o), atomicAnd(&s_and, a);
+    __syncthreads();
+    const unsigned vary = s_or & ~s_and;
+    const int lo = vary ? __ffs(static_cast<int>(vary)) - 1 : 0;
+    const int width = vary ? 32 - __clz(static_cast<int>(vary)) - lo : 0;
     unsigned long long ck[kProbeItems];
 #pragma unroll
     for (int u = 0; u < kProbeItems; ++u) {
       const int j = tid * kProbeItems + u;
-      ck[u] = j < nb && j != qb ? (static_cast<unsigned long long>(FloatKey(s[j])) << kProbeIdBits) |
+      const unsigned long long field =
+          width ? (key[u] >> lo) & static_cast<uint32_t>((1ull << width) - 1) : 0u;
+      ck[u] = j < nb && j != qb ? (1ull << (kProbeIdBits + width)) | (field << kProbeIdBits) |
                                       static_cast<unsigned>(kProbeCap - 1 - j)
                                 : 0ull;
     }
-    ProbeSortWide(sm.wide).SortDescending(ck, 0, 32 + kProbeIdBits);
+    ProbeSort(sm.sort).SortDescending(ck, 0, kProbeIdBits + width + 1);
     // Item u holds the block of rank tid * kProbeItems + u among the nb - 1 others.
     int h[kProbeItems];
 #pragma unroll
@@ -1242,15 +1260,13 @@ __global__ void __launch_bounds__(kProbeThreads)
       if (lane == 0 && c != 0) atomicAdd(&s_cov[p], c);
     }
   } else {
-    for (int i = tid; i < kDigitBins; i += NT) sh.hist[i] = 0;
     __shared__ int s_covered;
     for (int p = 0; p <= kCurvePoints; ++p) {
       if (tid == 0) s_covered = 0;
       __syncthreads();
       CtaTopT<uint32_t, 0, NT>(
           sh, nb, s_m[p] - 1, [&](int, int j) { return FloatKey(s[j]); },
-          [&](int, int j) { return j != qb; },
-          [&](int, int j) { atomicAdd(&s_covered, hits[j]); });
+          [&](int, int j) { return j != qb; }, [&](int, int j) { atomicAdd(&s_covered, hits[j]); });
       __syncthreads();
       if (tid == 0) s_cov[p] = s_covered;
     }
@@ -2164,9 +2180,8 @@ class CudaDataPlane final : public DataPlane {
     // The entries' bookkeeping (validation, fresh flag, probe miss curve), then one EMA launch
     // per row, in row order (the prefix-valid replay), of the kernel for the arena's state type,
     // `chunks` CTAs per entry.
-    cudaError_t e =
-        LaunchSmem(ProbeKernel, n_, kProbeThreads, kProbeSmemBytes, stream, d_, layer, logits,
-                   logits_stride, accepted);
+    cudaError_t e = LaunchSmem(ProbeKernel, n_, kProbeThreads, kProbeSmemBytes, stream, d_, layer,
+                               logits, logits_stride, accepted);
     using EmaFn = void (*)(Dev, int, int, const float*, int64_t, const int32_t*);
     auto per_row = [&](EmaFn fp32, EmaFn bf16, int64_t chunks) {
       const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(chunks, 1, 65535)),

@@ -361,7 +361,7 @@ TEST_F(CudaTest, ParityLongContexts) {
 
 // Every path of the probe's top-K and curve, probing every sequence at every step after its
 // first (period 1), against the CPU's curves and statistics. Rows longer than the probe's 8192
-// candidates take a threshold from a sample of 8192 logits: sequence 0 (blocks of 16, more than
+// candidates take a threshold from a sample of 2048 logits: sequence 0 (blocks of 16, more than
 // 8192 blocks, so the curve's ranking falls back to radix selects) and sequence 3 (the sorted
 // ranking) with the usual scores; sequence 1 with one score everywhere but a few non-finite ones
 // (more candidates than fit: the top-K falls back to radix selects, with ties); sequence 2 with
@@ -385,7 +385,7 @@ TEST_F(CudaTest, ParityProbePaths) {
     p.alpha = 0.3f;
     p.probe_period = 1;
     Twin t(g, p, 17);
-    constexpr int kSample = 8192;  // the probe's sample (kProbeCap in the backend)
+    constexpr int kSample = 2048;  // the probe's sample (kProbeSample in the backend)
     t.SetScore([](int seq, int layer, int step, int row, int slot, int q) {
       const float usual = Score(seq, layer, step, row, slot, q);
       if (seq == 1) return std::isfinite(usual) ? 1.0f : usual;
