@@ -72,6 +72,7 @@ class CpuDataPlane final : public DataPlane {
   explicit CpuDataPlane(const ArenaView& a) : a_(a) {
     row_scores_.resize(a_.max_blocks);
     order_.reserve(a_.max_blocks);
+    probing_.assign(a_.geometry.max_seqs, 0);
     draws_.resize(a_.max_blocks);
     step_rho_.assign(a_.sparsity, a_.sparsity + a_.geometry.layers);
     step_gamma_ = a_.policy->exploration;
@@ -212,6 +213,7 @@ class CpuDataPlane final : public DataPlane {
     LayerStats& st = a_.stats[layer];
     for (int32_t e = 0; e < a_.batch->n; ++e) {
       const StepEntry& en = a_.entries[e];
+      probing_[e] = 0;
       if (en.seq < 0) {
         a_.union_count[e] = 0;
         for (int32_t r = 0; r < rows; ++r) a_.compact_len[e * g.max_rows + r] = 0;
@@ -219,6 +221,7 @@ class CpuDataPlane final : public DataPlane {
       }
       const bool fresh = a_.fresh[static_cast<uint64_t>(en.seq) * g.layers + layer] != 0;
       const bool dense = fresh || en.probe;
+      probing_[e] = en.probe && !fresh ? 1 : 0;
       const T* v = reinterpret_cast<const T*>(a_.StateRecord(en.seq, layer));
       const T* d = v + g.max_slots;
       const float* vsum = a_.VSummaries(en.seq, layer);
@@ -317,7 +320,7 @@ class CpuDataPlane final : public DataPlane {
       const StepEntry& en = a_.entries[e];
       if (en.seq < 0) continue;
       uint8_t& fresh = a_.fresh[static_cast<uint64_t>(en.seq) * g.layers + layer];
-      if (en.probe && !fresh) {
+      if (probing_[e]) {
         ProbeCurve(layer, e, logits + static_cast<int64_t>(e) * rows * stride);
       }
       T* v = reinterpret_cast<T*>(a_.StateRecord(en.seq, layer));
@@ -408,7 +411,7 @@ class CpuDataPlane final : public DataPlane {
       curve[p] += static_cast<uint64_t>(k - covered_[m]);
     }
     LayerStats& st = a_.stats[layer];
-    const int32_t m_now = KeptBlocks(nb, topk, b, a_.sparsity[layer]);
+    const int32_t m_now = KeptBlocks(nb, topk, b, step_rho_[layer]);  // the step's budget
     st.probe_steps += 1;
     st.probe_topk += static_cast<uint64_t>(k);
     st.probe_missed += static_cast<uint64_t>(k - covered_[m_now]);
@@ -419,6 +422,10 @@ class CpuDataPlane final : public DataPlane {
   std::vector<double> step_rho_;  // the budget table as the step began
   double step_gamma_ = 0.0;       // the exploration share as the step began
   std::vector<int32_t> order_;
+  // Per entry: the layer's Select ranked its blocks for a probe (a probe step, not fresh then);
+  // its Observe then samples the miss curve. Decided at Select, so a second Observe of the same
+  // selection does not probe with a ranking made for a fresh pair.
+  std::vector<uint8_t> probing_;
   std::vector<uint64_t> draws_;
   std::vector<int32_t> topk_;
   std::vector<int32_t> block_hits_;

@@ -104,10 +104,14 @@ struct Dev {
   int32_t* ahead_ids;        // [L][S][MB]: the union per layer, ascending
   int2* ahead_info;          // [L][S]: {union count, dense}
   int32_t* ahead_len;        // [L][S][R]: compacted length per row
-  int32_t* hits;             // [S][MB]: dense top-K slots per block (probe steps)
-  uint64_t* xkeys;           // [S]: the entry's exploration (Philox) key, written by BeginStep
-  double* step_rho;          // [L + 1]: the budget table and (last) the exploration share as
-                             // the step began (BeginStep copies them; the selections read them)
+  uint8_t* probe_on;         // [L][S]: the pair probes at this step's Observe
+  uint8_t* probe_lvl;        // [L][S][MB]: curve level of each block (ProbeRankKernel)
+  unsigned long long* probe_cand;  // [S][kProbeCap]: top-K candidates (ProbeKernel)
+  int32_t* probe_cnt;              // [S][2]: candidates and finite logits (0 between launches)
+  unsigned* probe_arrive;          // [S]: ProbeKernel CTAs of the entry done (0 between launches)
+  uint64_t* xkeys;   // [S]: the entry's exploration (Philox) key, written by BeginStep
+  double* step_rho;  // [L + 1]: the budget table and (last) the exploration share as
+                     // the step began (BeginStep copies them; the selections read them)
   // Geometry.
   int32_t layers, max_seqs, max_slots, block, topk, max_rows, max_blocks;
   int32_t dtype_bytes;
@@ -1014,53 +1018,157 @@ __global__ void RemapKernel(Dev d, int32_t* idx, int count) {
   }
 }
 
-// Probe steps (ProbeKernel). The top-K's candidates, at most kProbeCap, are held kProbeItems per
-// thread for one CtaTopT; the curve's ranking sorts up to kProbeCap blocks (512K slots at b = 64)
-// with cub::BlockRadixSort. Beyond either, CtaTopT radix selects over global memory (the same
-// result, slower).
+// Probe steps. When the step begins, ProbeRankKernel gives every block of a probing (layer,
+// entry) its curve level from the step's row-0 block scores: the first grid point whose kept
+// blocks include it (the query block is in all), plus a bit for the step's own budget. Observe's
+// ProbeKernel then only finds row 0's dense top-K and counts its slots per level. The ranking
+// sorts up to kProbeCap blocks (512K slots at b = 64) with cub::BlockRadixSort; the top-K's
+// candidates, at most kProbeCap, are held kProbeItems per thread for one CtaTopT. Beyond either,
+// CtaTopT radix selects over global memory (the same result, slower).
 constexpr int kProbeItems = 8;
 constexpr int kProbeIdBits = 13;
 constexpr int kProbeCap = 1 << kProbeIdBits;
 static_assert(kProbeCap == kProbeThreads * kProbeItems, "a candidate or block per item");
 static_assert(kProbeItems <= kSelectRegRounds, "TopTShared's tie counts per round");
-// Logits sampled for the candidates' threshold (2 per thread), and logits each thread has in
-// flight in the candidate pass.
+static_assert(kCurvePoints < 0x80, "a level and the budget bit in a byte");
+constexpr uint8_t kLevelNow = 0x80;  // the block is kept at the step's own budget
+// Logits sampled for the candidates' threshold (2 per thread), logits each thread has in flight
+// in the candidate pass, and the most CTAs an entry's pass is split over.
 constexpr int kProbeSampleBits = 11;
 constexpr int kProbeSample = 1 << kProbeSampleBits;
 constexpr int kProbeLoads = 16;
-using ProbeSort = cub::BlockRadixSort<unsigned long long, kProbeThreads, kProbeItems>;
-union ProbeSmem {
-  typename ProbeSort::TempStorage sort;
-  unsigned long long cand[kProbeCap];
+constexpr int kMaxProbeCtas = 16;
+// ProbeRankKernel<NT> ranks up to NT * kProbeItems blocks by one sort; the host takes the
+// smallest of 256, 512 and 1024 threads that holds the arena's blocks (a CTA per (layer, entry)
+// pair, so small CTAs when contexts are short).
+template <int NT>
+using ProbeSort = cub::BlockRadixSort<unsigned long long, NT, kProbeItems>;
+template <int NT>
+union ProbeRankSmem {
+  typename ProbeSort<NT>::TempStorage sort;
+  TopTShared topt;
 };
-constexpr size_t kProbeSmemBytes = sizeof(ProbeSmem);  // dynamic shared memory of ProbeKernel
+template <int NT>
+constexpr size_t kProbeRankSmemBytes = sizeof(ProbeRankSmem<NT>);  // dynamic shared memory
+constexpr int Log2(int x) { return x <= 1 ? 0 : 1 + Log2(x / 2); }
 
-// Observe's first launch, one CTA per entry before the EMA launches: validates accepted and the
-// logits stride (recording errors), clears the fresh flag when row 0 is applied (it is read here
-// first, and nothing else reads it during Observe), and on a probe step of a pair that was not
-// fresh scores row 0's dense top-K against the miss curve, ranking the blocks by the step's row-0
-// scores from the select-ahead.
+// One CTA per (entry, layer of [l0, l0 + gridDim.y)), after the step's selections: whether the
+// pair probes (row 0 applied at Observe on a probe step of a pair that is not fresh: the same
+// test ProbeKernel would make, as nothing changes the fresh flag between here and the Observe
+// except that Observe, which a Select of the layer after it re-ranks), and if so each block's
+// level. Blocks rank as the selector ranks them: the query block first, then by score, ties to
+// the lower id. Grid point p keeps the query block and the m_p - 1 best others; levels are the
+// first such p (the kept sets grow with p).
+template <int NT>
+__global__ void __launch_bounds__(NT) ProbeRankKernel(Dev d, int l0) {
+  constexpr int kCap = NT * kProbeItems, kIdBits = Log2(kCap);
+  constexpr unsigned kAll = 0xFFFFFFFFu;
+  StepKernelEntry();
+  const int e = static_cast<int>(blockIdx.x), layer = l0 + static_cast<int>(blockIdx.y);
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32;
+  const StepEntry en = d.entries[e];
+  const bool live = e < d.batch->n && en.seq >= 0;
+  const bool on = live && en.probe && d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] == 0;
+  if (tid == 0) d.probe_on[d.Ahead(layer, e)] = on ? 1 : 0;
+  if (!on) return;
+  extern __shared__ __align__(16) unsigned char rank_smem[];
+  ProbeRankSmem<NT>& sm = *reinterpret_cast<ProbeRankSmem<NT>*>(rank_smem);
+  __shared__ int s_m[kCurvePoints + 1];
+  __shared__ unsigned s_or, s_and;
+  const int b = d.block, nb = BlocksOf(d, en.ctx_len);
+  const int qb = min(en.q_pos / b, nb - 1);
+  const float* s = d.Scores(layer, 0, e, 0);
+  uint8_t* lvl = d.probe_lvl + d.Ahead(layer, e) * d.max_blocks;
+  if (tid <= kCurvePoints) {
+    const double rho = tid < kCurvePoints ? 1.0 - CurveKeepFraction(tid) : d.step_rho[layer];
+    s_m[tid] = KeptBlocks(nb, d.topk, b, rho);
+  }
+  if (tid == 0) s_or = 0, s_and = 0xFFFFFFFFu;
+  __syncthreads();
+  if (nb <= kCap) {
+    // The sort key of block j: 1 (above the padding's 0), then the bits in which the scores
+    // differ, then the inverted id; a block's rank is its place in the descending order.
+    uint32_t key[kProbeItems];
+    unsigned o = 0, a = 0xFFFFFFFFu;
+#pragma unroll
+    for (int u = 0; u < kProbeItems; ++u) {
+      const int j = tid * kProbeItems + u;
+      key[u] = j < nb && j != qb ? FloatKey(s[j]) : 0u;
+      if (j < nb && j != qb) o |= key[u], a &= key[u];
+    }
+    o = __reduce_or_sync(kAll, o);
+    a = __reduce_and_sync(kAll, a);
+    if (lane == 0) atomicOr(&s_or, o), atomicAnd(&s_and, a);
+    __syncthreads();
+    const unsigned vary = s_or & ~s_and;
+    const int lo = vary ? __ffs(static_cast<int>(vary)) - 1 : 0;
+    const int width = vary ? 32 - __clz(static_cast<int>(vary)) - lo : 0;
+    unsigned long long ck[kProbeItems];
+#pragma unroll
+    for (int u = 0; u < kProbeItems; ++u) {
+      const int j = tid * kProbeItems + u;
+      const unsigned long long field =
+          width ? (key[u] >> lo) & static_cast<uint32_t>((1ull << width) - 1) : 0u;
+      ck[u] = j < nb && j != qb ? (1ull << (kIdBits + width)) | (field << kIdBits) |
+                                      static_cast<unsigned>(kCap - 1 - j)
+                                : 0ull;
+    }
+    ProbeSort<NT>(sm.sort).SortDescending(ck, 0, kIdBits + width + 1);
+#pragma unroll
+    for (int u = 0; u < kProbeItems; ++u) {
+      const int rank = tid * kProbeItems + u;  // among the nb - 1 blocks other than the query's
+      if (rank >= nb - 1) continue;
+      int level = kCurvePoints;
+      for (int p = kCurvePoints - 1; p >= 0; --p) level = rank < s_m[p] - 1 ? p : level;
+      const int j = kCap - 1 - static_cast<int>(ck[u] & (kCap - 1));
+      lvl[j] = static_cast<uint8_t>(level | (rank < s_m[kCurvePoints] - 1 ? kLevelNow : 0));
+    }
+  } else {
+    for (int j = tid; j < nb; j += NT) lvl[j] = kCurvePoints;
+    for (int i = tid; i < kDigitBins; i += NT) sm.topt.hist[i] = 0;  // CtaTopT needs it zero
+    __syncthreads();
+    // Element j belongs to thread j % NT in every CtaTopT, so each block's byte has one writer.
+    for (int p = 0; p <= kCurvePoints; ++p) {
+      CtaTopT<uint32_t, 0, NT>(
+          sm.topt, nb, s_m[p] - 1, [&](int, int j) { return FloatKey(s[j]); },
+          [&](int, int j) { return j != qb; },
+          [&](int, int j) {
+            if (p == kCurvePoints) {
+              lvl[j] |= kLevelNow;
+            } else if (lvl[j] == kCurvePoints) {
+              lvl[j] = static_cast<uint8_t>(p);
+            }
+          });
+      __syncthreads();
+    }
+  }
+  if (tid == 0) lvl[qb] = kLevelNow;  // level 0
+}
+
+// Observe's first launch, gridDim.x CTAs per entry (blockIdx.y) before the EMA launches:
+// validates accepted and the logits stride (recording errors; CTA 0), clears the fresh flag
+// when row 0 is applied (CTA 0; nothing else reads it during Observe), and on a probe step of a
+// pair that was not fresh (ProbeRankKernel's flag) counts row 0's dense top-K per curve level.
 //
-// The top-K: the r-th largest of kProbeSample evenly spread logits (CtaTopT over registers) is a
-// threshold t0 above which about 2K logits are expected; one pass over the row (kProbeLoads
-// loads in flight per thread, one shared atomic per warp and round) gathers the finite logits
-// with key >= t0 as (key, inverted slot) candidates, and one CtaTopT over them, kProbeItems per
-// thread in registers, takes the top-K (the keys are distinct, so ties go to the lower slot by
-// the key itself). When the candidates number fewer than K or more than kProbeCap, the pass runs
-// again with every finite logit a candidate if those fit, and otherwise CtaTopT takes the top-K
-// from global memory. The curve: one descending sort of (block score, inverted id) over the
-// blocks other than the query block, on the bits in which the scores differ, gives every block
-// its rank, and each point's covered count sums the hits of the blocks ranked below its kept
-// count. (The top-K as one CtaTopT over the row took about 390 us per layer on the H200 at 64 x
-// 128K with every sequence probing: one load in flight per thread per pass, and the first pass's
-// histogram contended on the few bins the logits' top bits fall in. With cub sorts for the
-// sample and the candidates as well, 177 us.)
+// The top-K: the r-th largest of kProbeSample evenly spread logits (CtaTopT over registers, in
+// every CTA of the entry) is a threshold t0 above which about 2K logits are expected; each CTA
+// takes its share of the row (kProbeLoads loads in flight per thread, one global atomic per warp
+// and round) and appends the finite logits with key >= t0 as (key, inverted slot) candidates to
+// the entry's buffer. The last CTA to finish (an arrival count) takes the top-K by one CtaTopT
+// over the candidates, kProbeItems per thread in registers (the keys are distinct, so ties go to
+// the lower slot by the key itself). When the candidates number fewer than K or more than
+// kProbeCap, it gathers again alone with every finite logit a candidate if those fit, and
+// otherwise CtaTopT takes the top-K from global memory. (The top-K as one CtaTopT over the row
+// in one CTA took about 390 us per layer on the H200 at 64 x 128K with every sequence probing:
+// one load in flight per thread per pass, and the first pass's histogram contended on the few
+// bins the logits' top bits fall in.)
 __global__ void __launch_bounds__(kProbeThreads)
     ProbeKernel(Dev d, int layer, const float* logits, int64_t stride, const int32_t* accepted) {
   constexpr int NT = kProbeThreads;
   constexpr unsigned kAll = 0xFFFFFFFFu;
   StepKernelEntry();
-  const int e = static_cast<int>(blockIdx.x);
+  const int e = static_cast<int>(blockIdx.y), cx = static_cast<int>(blockIdx.x);
+  const int ctas = static_cast<int>(gridDim.x);
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32;
   // Every load of the validation at once (e < the host's n <= max_seqs, and the lengths and
   // accepted count are the entry's own, so every address is in bounds).
@@ -1072,45 +1180,37 @@ __global__ void __launch_bounds__(kProbeThreads)
     const int len = lane < d.max_rows ? clen[lane] : 0;
     const int acc = accepted ? accepted[e] : rows;
     const bool live = e < batch_n && en.seq >= 0;
-    uint8_t* fresh = live ? d.fresh + static_cast<int64_t>(en.seq) * d.layers + layer : nullptr;
-    const bool was_fresh = live && *fresh != 0;
+    const bool probing = live && d.probe_on[d.Ahead(layer, e)] != 0;
     const bool long_row = __any_sync(kAll, lane < rows && len > stride);
     if (lane == 0) {
-      int probe = 0;
-      if (live) {
+      if (live && cx == 0) {
+        uint8_t* fresh = d.fresh + static_cast<int64_t>(en.seq) * d.layers + layer;
         const bool bad_acc = acc < 0 || acc > rows;
         if (accepted && bad_acc) RecordError(d.error, kArenaBadAccepted);
         if (long_row) RecordError(d.error, kArenaBadStride);
         // Row 0 is applied (EmaRowOf's `active` for r = 0): the pair is no longer fresh.
-        if (!bad_acc && !long_row && acc >= 1 && was_fresh) *fresh = 0;
-        probe = en.probe && !was_fresh && !long_row ? 1 : 0;
+        if (!bad_acc && !long_row && acc >= 1 && *fresh != 0) *fresh = 0;
       }
-      s_probe = probe;
+      s_probe = probing && !long_row ? 1 : 0;
     }
   }
   __syncthreads();
   if (!s_probe) return;
-  extern __shared__ __align__(16) unsigned char probe_smem[];
-  ProbeSmem& sm = *reinterpret_cast<ProbeSmem*>(probe_smem);
   __shared__ TopTShared sh;
   __shared__ uint32_t s_t0;
-  __shared__ int s_cand, s_finite;
-  __shared__ int s_m[kCurvePoints + 1], s_cov[kCurvePoints + 1];
+  __shared__ int s_last, s_cand, s_finite;
+  __shared__ int s_cnt[kCurvePoints + 1], s_now;
   const int b = d.block, n = en.ctx_len;
-  const int nb = BlocksOf(d, n);
   const float* z = logits + static_cast<int64_t>(e) * rows * stride;
-  int32_t* hits = d.hits + static_cast<int64_t>(e) * d.max_blocks;
+  const uint8_t* lvl = d.probe_lvl + d.Ahead(layer, e) * d.max_blocks;
+  unsigned long long* cand = d.probe_cand + static_cast<int64_t>(e) * kProbeCap;
+  int* cnt = d.probe_cnt + 2 * e;  // {candidates, finite logits}, zero between launches
   auto block_of = [&](int i) { return d.block_shift >= 0 ? i >> d.block_shift : i / b; };
-  for (int j = tid; j < nb; j += NT) hits[j] = 0;
-  if (tid <= kCurvePoints) {
-    const double rho = tid < kCurvePoints ? 1.0 - CurveKeepFraction(tid) : d.sparsity[layer];
-    s_m[tid] = KeptBlocks(nb, d.topk, b, rho);
-    s_cov[tid] = 0;
-  }
-  // The threshold t0 from an evenly spread sample (0: every finite logit is a candidate).
   for (int i = tid; i < kDigitBins; i += NT) sh.hist[i] = 0;  // CtaTopT needs it zero
-  if (tid == 0) s_t0 = n > kProbeCap ? 0xFFFFFFFFu : 0u;
+  if (tid <= kCurvePoints) s_cnt[tid] = 0;
+  if (tid == 0) s_t0 = n > kProbeCap ? 0xFFFFFFFFu : 0u, s_now = 0;
   __syncthreads();
+  // The threshold t0 from an evenly spread sample (0: every finite logit is a candidate).
   if (n > kProbeCap) {
     constexpr int kPer = kProbeSample / NT;
     uint32_t key[kPer];
@@ -1127,25 +1227,24 @@ __global__ void __launch_bounds__(kProbeThreads)
         [&](int u, int) { atomicMin(&s_t0, key[u]); });
   }
   __syncthreads();
-  // The candidate pass: finite logits with key >= t0 into sm.cand as (key, inverted slot) (their
-  // count in s_cand, the entries past kProbeCap dropped), and the finite count.
-  auto gather = [&](uint32_t t0) {
-    if (tid == 0) s_cand = 0, s_finite = 0;
-    __syncthreads();
+  const uint32_t t0 = s_t0;
+  // Slots [lo, hi) into the entry's candidates: the finite logits with key >= t0 (the count
+  // goes on past kProbeCap, the entries do not), and the finite count.
+  auto gather = [&](int lo, int hi, uint32_t thr) {
     int fin = 0;
-    for (int i0 = 0; i0 < n; i0 += NT * kProbeLoads) {
+    for (int i0 = lo; i0 < hi; i0 += NT * kProbeLoads) {
       float x[kProbeLoads];
 #pragma unroll
       for (int u = 0; u < kProbeLoads; ++u) {
         const int i = i0 + u * NT + tid;
-        x[u] = i < n ? z[i] : NAN;
+        x[u] = i < hi ? z[i] : NAN;
       }
       int mine = 0;
 #pragma unroll
       for (int u = 0; u < kProbeLoads; ++u) {
         const bool f = isfinite(x[u]);
         fin += f ? 1 : 0;
-        mine += f && FloatKey(x[u]) >= t0 ? 1 : 0;
+        mine += f && FloatKey(x[u]) >= thr ? 1 : 0;
       }
       int incl = mine;  // inclusive prefix over the warp's lanes
       for (int o = 1; o < 32; o <<= 1) {
@@ -1155,7 +1254,7 @@ __global__ void __launch_bounds__(kProbeThreads)
       const int total = __shfl_sync(kAll, incl, 31);
       int base = 0;
       if (total > 0) {
-        if (lane == 31) base = atomicAdd(&s_cand, total);
+        if (lane == 31) base = atomicAdd(&cnt[0], total);
         base = __shfl_sync(kAll, base, 31);
       }
       int at = base + incl - mine;
@@ -1163,10 +1262,10 @@ __global__ void __launch_bounds__(kProbeThreads)
       for (int u = 0; u < kProbeLoads; ++u) {
         if (isfinite(x[u])) {
           const uint32_t k = FloatKey(x[u]);
-          if (k >= t0) {
+          if (k >= thr) {
             const uint32_t slot = static_cast<uint32_t>(i0 + u * NT + tid);
             if (at < kProbeCap) {
-              sm.cand[at] = (static_cast<unsigned long long>(k) << 32) | (0xFFFFFFFFu - slot);
+              cand[at] = (static_cast<unsigned long long>(k) << 32) | (0xFFFFFFFFu - slot);
             }
             ++at;
           }
@@ -1174,116 +1273,93 @@ __global__ void __launch_bounds__(kProbeThreads)
       }
     }
     fin = __reduce_add_sync(kAll, fin);
-    if (lane == 0) atomicAdd(&s_finite, fin);
-    __syncthreads();
+    if (lane == 0 && fin != 0) atomicAdd(&cnt[1], fin);
   };
-  const uint32_t t0 = s_t0;
-  gather(t0);
-  int k = min(d.topk, s_finite);
-  if (k == 0) return;
-  bool fits = s_cand >= k && s_cand <= kProbeCap;
-  if (!fits && t0 != 0 && s_finite <= kProbeCap) {
-    __syncthreads();  // every thread has read s_cand and s_finite
-    gather(0);
-    fits = true;  // s_cand == s_finite, between k and kProbeCap
+  const int share = (n + ctas - 1) / ctas;
+  gather(min(n, cx * share), min(n, (cx + 1) * share), t0);
+  // The last CTA of the entry goes on; its reads of the others' candidates follow their fences.
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) s_last = atomicAdd(&d.probe_arrive[e], 1u) == static_cast<unsigned>(ctas - 1);
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  if (tid == 0) {
+    s_cand = atomicAdd(&cnt[0], 0);
+    s_finite = atomicAdd(&cnt[1], 0);
   }
-  if (fits) {
+  __syncthreads();
+  const int k = min(d.topk, s_finite);
+  bool fits = s_cand >= k && s_cand <= kProbeCap;
+  if (k > 0 && !fits && t0 != 0 && s_finite <= kProbeCap) {
+    if (tid == 0) cnt[0] = 0, cnt[1] = 0;
+    __syncthreads();
+    gather(0, n, 0);
+    __syncthreads();
+    if (tid == 0) s_cand = atomicAdd(&cnt[0], 0);
+    __syncthreads();
+    fits = true;  // every finite logit: between k and kProbeCap of them
+  }
+  if (k > 0 && fits) {
     const int c0 = s_cand;
     unsigned long long ck[kProbeItems];
 #pragma unroll
     for (int u = 0; u < kProbeItems; ++u) {
       const int j = u * NT + tid;
-      ck[u] = j < c0 ? sm.cand[j] : 0ull;
+      ck[u] = j < c0 ? __ldcg(cand + j) : 0ull;
     }
+    unsigned chosen = 0;
     CtaTopT<unsigned long long, kProbeItems, NT>(
         sh, c0, k, [&](int u, int) { return ck[u]; }, [&](int, int) { return true; },
-        [&](int u, int) {
-          atomicAdd(&hits[block_of(static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(ck[u])))],
-                    1);
-        });
-  } else {
-    // Dense top-K of row 0 (ties to the lower slot), counted per block.
+        [&](int u, int) { chosen |= 1u << u; });
+    // Per item, the level of the chosen slot's block; one shared atomic per warp and level.
+#pragma unroll
+    for (int u = 0; u < kProbeItems; ++u) {
+      int lv = -1, now = 0;
+      if ((chosen >> u) & 1u) {
+        const int slot = static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(ck[u]));
+        const uint8_t x = lvl[block_of(slot)];
+        lv = x & ~kLevelNow;
+        now = (x & kLevelNow) ? 1 : 0;
+      }
+      const unsigned peers = __match_any_sync(kAll, lv);
+      if (lv >= 0 && lane == __ffs(static_cast<int>(peers)) - 1) {
+        atomicAdd(&s_cnt[lv], __popc(peers));
+      }
+      now = __reduce_add_sync(kAll, now);
+      if (lane == 0 && now != 0) atomicAdd(&s_now, now);
+    }
+  } else if (k > 0) {
+    // Dense top-K of row 0 (ties to the lower slot), counted per level.
     CtaTopT<uint32_t, 0, NT>(
         sh, n, k, [&](int, int i) { return FloatKey(z[i]); },
         [&](int, int i) { return isfinite(z[i]) != 0; },
-        [&](int, int i) { atomicAdd(&hits[block_of(i)], 1); });
-  }
-  __syncthreads();
-  // Rank blocks as the selector does: query block first, then by predicted score.
-  const int qb = min(en.q_pos / b, nb - 1);
-  const float* s = d.Scores(layer, 0, e, 0);
-  if (nb <= kProbeCap) {
-    // The sort key of block j: 1 (above the padding's 0), then the bits in which the scores
-    // differ, then the inverted id.
-    __shared__ unsigned s_or, s_and;
-    uint32_t key[kProbeItems];
-    unsigned o = 0, a = 0xFFFFFFFFu;
-#pragma unroll
-    for (int u = 0; u < kProbeItems; ++u) {
-      const int j = tid * kProbeItems + u;
-      key[u] = j < nb && j != qb ? FloatKey(s[j]) : 0u;
-      if (j < nb && j != qb) o |= key[u], a &= key[u];
-    }
-    if (tid == 0) s_or = 0, s_and = 0xFFFFFFFFu;
-    __syncthreads();
-    o = __reduce_or_sync(kAll, o);
-    a = __reduce_and_sync(kAll, a);
-    if (lane == 0) atomicOr(&s_or, o), atomicAnd(&s_and, a);
-    __syncthreads();
-    const unsigned vary = s_or & ~s_and;
-    const int lo = vary ? __ffs(static_cast<int>(vary)) - 1 : 0;
-    const int width = vary ? 32 - __clz(static_cast<int>(vary)) - lo : 0;
-    unsigned long long ck[kProbeItems];
-#pragma unroll
-    for (int u = 0; u < kProbeItems; ++u) {
-      const int j = tid * kProbeItems + u;
-      const unsigned long long field =
-          width ? (key[u] >> lo) & static_cast<uint32_t>((1ull << width) - 1) : 0u;
-      ck[u] = j < nb && j != qb ? (1ull << (kProbeIdBits + width)) | (field << kProbeIdBits) |
-                                      static_cast<unsigned>(kProbeCap - 1 - j)
-                                : 0ull;
-    }
-    ProbeSort(sm.sort).SortDescending(ck, 0, kProbeIdBits + width + 1);
-    // Item u holds the block of rank tid * kProbeItems + u among the nb - 1 others.
-    int h[kProbeItems];
-#pragma unroll
-    for (int u = 0; u < kProbeItems; ++u) {
-      const int rank = tid * kProbeItems + u;
-      h[u] = rank < nb - 1 ? hits[kProbeCap - 1 - static_cast<int>(ck[u] & (kProbeCap - 1))] : 0;
-    }
-    for (int p = 0; p <= kCurvePoints; ++p) {
-      const int cut = s_m[p] - 1;  // blocks taken after the query block
-      int c = 0;
-#pragma unroll
-      for (int u = 0; u < kProbeItems; ++u) c += tid * kProbeItems + u < cut ? h[u] : 0;
-      c = __reduce_add_sync(kAll, c);
-      if (lane == 0 && c != 0) atomicAdd(&s_cov[p], c);
-    }
-  } else {
-    __shared__ int s_covered;
-    for (int p = 0; p <= kCurvePoints; ++p) {
-      if (tid == 0) s_covered = 0;
-      __syncthreads();
-      CtaTopT<uint32_t, 0, NT>(
-          sh, nb, s_m[p] - 1, [&](int, int j) { return FloatKey(s[j]); },
-          [&](int, int j) { return j != qb; }, [&](int, int j) { atomicAdd(&s_covered, hits[j]); });
-      __syncthreads();
-      if (tid == 0) s_cov[p] = s_covered;
-    }
+        [&](int, int i) {
+          const uint8_t x = lvl[block_of(i)];
+          atomicAdd(&s_cnt[x & ~kLevelNow], 1);
+          if (x & kLevelNow) atomicAdd(&s_now, 1);
+        });
   }
   __syncthreads();
   if (tid == 0) {
-    const int base = hits[qb];
-    unsigned long long* curve = d.curves + static_cast<int64_t>(layer) * kCurvePoints;
-    for (int p = 0; p < kCurvePoints; ++p) {
-      atomicAdd(&curve[p], static_cast<unsigned long long>(k - base - s_cov[p]));
+    // Zero between launches: the next Observe's CTAs count from here.
+    cnt[0] = 0;
+    cnt[1] = 0;
+    d.probe_arrive[e] = 0;
+    if (k > 0) {
+      unsigned long long* curve = d.curves + static_cast<int64_t>(layer) * kCurvePoints;
+      int covered = 0;
+      for (int p = 0; p < kCurvePoints; ++p) {
+        covered += s_cnt[p];
+        atomicAdd(&curve[p], static_cast<unsigned long long>(k - covered));
+      }
+      LayerStats* st = d.stats + layer;
+      atomicAdd(reinterpret_cast<unsigned long long*>(&st->probe_steps), 1ull);
+      atomicAdd(reinterpret_cast<unsigned long long*>(&st->probe_topk),
+                static_cast<unsigned long long>(k));
+      atomicAdd(reinterpret_cast<unsigned long long*>(&st->probe_missed),
+                static_cast<unsigned long long>(k - s_now));
     }
-    LayerStats* st = d.stats + layer;
-    atomicAdd(reinterpret_cast<unsigned long long*>(&st->probe_steps), 1ull);
-    atomicAdd(reinterpret_cast<unsigned long long*>(&st->probe_topk),
-              static_cast<unsigned long long>(k));
-    atomicAdd(reinterpret_cast<unsigned long long*>(&st->probe_missed),
-              static_cast<unsigned long long>(k - base - s_cov[kCurvePoints]));
   }
 }
 
@@ -2026,8 +2102,24 @@ class CudaDataPlane final : public DataPlane {
     d_.ahead_info = static_cast<int2*>(p);
     if (auto s = alloc(L * S * R * sizeof(int32_t), &p); !s.ok()) return s;
     d_.ahead_len = static_cast<int32_t*>(p);
-    if (auto s = alloc(S * MB * sizeof(int32_t), &p); !s.ok()) return s;
-    d_.hits = static_cast<int32_t*>(p);
+    if (auto s = alloc(L * S, &p); !s.ok()) return s;
+    d_.probe_on = static_cast<uint8_t*>(p);
+    if (auto s = alloc(L * S * MB, &p); !s.ok()) return s;
+    d_.probe_lvl = static_cast<uint8_t*>(p);
+    if (auto s = alloc(S * kProbeCap * sizeof(unsigned long long), &p); !s.ok()) return s;
+    d_.probe_cand = static_cast<unsigned long long*>(p);
+    if (auto s = alloc(S * 2 * sizeof(int32_t), &p); !s.ok()) return s;
+    d_.probe_cnt = static_cast<int32_t*>(p);
+    if (auto s = CudaStatus(cudaMemset(p, 0, S * 2 * sizeof(int32_t)), "clear probe counts");
+        !s.ok()) {
+      return s;
+    }
+    if (auto s = alloc(S * sizeof(unsigned), &p); !s.ok()) return s;
+    d_.probe_arrive = static_cast<unsigned*>(p);
+    if (auto s = CudaStatus(cudaMemset(p, 0, S * sizeof(unsigned)), "clear probe arrivals");
+        !s.ok()) {
+      return s;
+    }
     if (auto s = alloc(S * sizeof(uint64_t), &p); !s.ok()) return s;
     d_.xkeys = static_cast<uint64_t*>(p);
     if (auto s = alloc((L + 1) * sizeof(double), &p); !s.ok()) return s;
@@ -2038,13 +2130,22 @@ class CudaDataPlane final : public DataPlane {
         !s.ok()) {
       return s;
     }
-    if (absl::Status s = CudaStatus(
-            cudaFuncSetAttribute(ProbeKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(kProbeSmemBytes)),
-            "Probe shared memory");
-        !s.ok()) {
-      return s;
+    // ProbeRankKernel: the CTA size that holds the arena's blocks, and its shared memory.
+    rank_threads_ = a_.max_blocks <= 256 * kProbeItems   ? 256
+                    : a_.max_blocks <= 512 * kProbeItems ? 512
+                                                         : 1024;
+    cudaError_t ra =
+        cudaFuncSetAttribute(ProbeRankKernel<256>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(kProbeRankSmemBytes<256>));
+    if (ra == cudaSuccess) {
+      ra = cudaFuncSetAttribute(ProbeRankKernel<512>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(kProbeRankSmemBytes<512>));
     }
+    if (ra == cudaSuccess) {
+      ra = cudaFuncSetAttribute(ProbeRankKernel<1024>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(kProbeRankSmemBytes<1024>));
+    }
+    if (absl::Status s = CudaStatus(ra, "ProbeRank shared memory"); !s.ok()) return s;
     // EmaWordKernel CTAs resident on the device at once, for its persistent grid.
     int dev = 0, sms = 0, per_sm = 0;
     cudaError_t e = cudaGetDevice(&dev);
@@ -2057,6 +2158,7 @@ class CudaDataPlane final : public DataPlane {
     }
     if (absl::Status s = CudaStatus(e, "EMA occupancy"); !s.ok()) return s;
     ema_resident_ = std::max(1, sms * per_sm);
+    sms_ = std::max(1, sms);
     // The 16-byte EMA kernel needs b = 64 and every 16-byte chunk of V and D inside its array.
     ema_vec_ = g.block_size == 64 && g.max_slots % 8 == 0;
     e = d_.dtype_bytes == 4 ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
@@ -2180,8 +2282,10 @@ class CudaDataPlane final : public DataPlane {
     // The entries' bookkeeping (validation, fresh flag, probe miss curve), then one EMA launch
     // per row, in row order (the prefix-valid replay), of the kernel for the arena's state type,
     // `chunks` CTAs per entry.
-    cudaError_t e = LaunchSmem(ProbeKernel, n_, kProbeThreads, kProbeSmemBytes, stream, d_, layer,
-                               logits, logits_stride, accepted);
+    const dim3 probe_grid(static_cast<unsigned>(std::clamp(sms_ / n_, 1, kMaxProbeCtas)),
+                          static_cast<unsigned>(n_));
+    cudaError_t e = Launch(ProbeKernel, probe_grid, kProbeThreads, stream, d_, layer, logits,
+                           logits_stride, accepted);
     using EmaFn = void (*)(Dev, int, int, const float*, int64_t, const int32_t*);
     auto per_row = [&](EmaFn fp32, EmaFn bf16, int64_t chunks) {
       const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(chunks, 1, 65535)),
@@ -2237,6 +2341,16 @@ class CudaDataPlane final : public DataPlane {
         e = Launch(SelectKernel, dim3(rows_, pairs), kSelectThreads, stream, d_, g0, n_);
       }
     }
+    // Probing pairs' curve levels, from the row-0 scores just made.
+    if (e == cudaSuccess) {
+      const dim3 grid(static_cast<unsigned>(n_), static_cast<unsigned>(count));
+      e = rank_threads_ == 256   ? LaunchSmem(ProbeRankKernel<256>, grid, 256,
+                                              kProbeRankSmemBytes<256>, stream, d_, l0)
+          : rank_threads_ == 512 ? LaunchSmem(ProbeRankKernel<512>, grid, 512,
+                                              kProbeRankSmemBytes<512>, stream, d_, l0)
+                                 : LaunchSmem(ProbeRankKernel<1024>, grid, 1024,
+                                              kProbeRankSmemBytes<1024>, stream, d_, l0);
+    }
     return e;
   }
 
@@ -2267,6 +2381,8 @@ class CudaDataPlane final : public DataPlane {
   int ema_resident_ = 1;           // EmaWordKernel CTAs resident on the device at once
   bool ema_vec_ = false;           // EmaVecKernel applies (b = 64, max_slots % 8 == 0) when the
                                    // logits rows are 16-byte aligned
+  int sms_ = 1;                    // multiprocessors of the device (ProbeKernel's grid)
+  int rank_threads_ = 1024;        // ProbeRankKernel's CTA size
   int ema_vec_resident_ = 1;       // EmaVecKernel CTAs resident on the device at once
 };
 

@@ -170,6 +170,47 @@ TEST(Observe, FreshProbeStepTakesNoCurveSample) {
   EXPECT_EQ(t.view().curves[0], 0u);
 }
 
+// The probe's count at the current budget uses the budget the step's selection used: a policy
+// written between Select and Observe applies from the next step, to the probe as to the
+// selection.
+TEST(Observe, ProbeMissesAtTheBudgetOfTheStep) {
+  TestArena t(Geo(640, 128), Pol(0.5, 0.5f, 2));
+  ASSERT_TRUE(t.dp().ResetSequence(0, 1).ok());
+  for (int i = 0; i < 640; ++i) t.Set(0, 0, 0, i, static_cast<float>(10 - i / 64));
+  t.SetFresh(0, 0, false);
+  OneSeqStep s{0, 640, 639};
+  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());  // step 0: probe
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  // At rho 0.3 the kept 7 blocks (9, 0 .. 5) would hold the whole top-K; the step's 0.5 keeps 5.
+  ASSERT_TRUE(WritePolicy(t.view(), Pol(0.3, 0.5f, 2)).ok());
+  std::vector<float> z(640, 0.0f);
+  for (int i = 0; i < 64; ++i) z[i] = 100.0f;
+  for (int i = 320; i < 384; ++i) z[i] = 90.0f;
+  ASSERT_TRUE(t.dp().Observe(0, z.data(), 640).ok());
+  EXPECT_EQ(t.view().stats[0].probe_steps, 1u);
+  EXPECT_EQ(t.view().stats[0].probe_missed, 64u);
+}
+
+// Whether a pair probes is decided by its Select: a pair fresh at Select is scored densely
+// without a ranking, so a second Observe of that selection (the pair no longer fresh) takes no
+// curve sample either.
+TEST(Observe, ProbeIsDecidedAtSelect) {
+  TestArena t(Geo(640, 128), Pol(0.5, 0.5f, 2));
+  ASSERT_TRUE(t.dp().ResetSequence(0, 1).ok());
+  OneSeqStep s{0, 640, 639};
+  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());  // step 0: probe, the pair fresh
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  std::vector<float> z(640, 1.0f);
+  ASSERT_TRUE(t.dp().Observe(0, z.data(), 640).ok());
+  EXPECT_FALSE(t.Fresh(0, 0));
+  ASSERT_TRUE(t.dp().Observe(0, z.data(), 640).ok());
+  EXPECT_EQ(t.view().stats[0].probe_steps, 0u);
+  // Selected again, the pair (no longer fresh, still a probe step) probes.
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  ASSERT_TRUE(t.dp().Observe(0, z.data(), 640).ok());
+  EXPECT_EQ(t.view().stats[0].probe_steps, 1u);
+}
+
 TEST(Observe, ResetForgetsEverything) {
   TestArena t(Geo(128), Pol(0.0));
   ASSERT_TRUE(t.dp().ResetSequence(0, 1).ok());
