@@ -6,10 +6,11 @@
 // selection at once ("select ahead", in groups of layers that fit the group scratch): Scores
 // (block scores of every (layer, entry, row); Scores64 for b = 64 reads D alone for blocks whose
 // V summary is set) -> Select (one CTA per (layer, entry, row): radix selects; the last CTA of
-// a (layer, entry) builds its union and compacted lengths into the layer's record). Per layer:
-// Select(l) = Publish (the record into the outputs, the compacted table through the engine's
-// block table, stats); Observe(l) = Probe (one CTA per entry: validation, fresh flag, probe miss
-// curve), then the EMA, one launch per row in row order. EmaVec for the
+// a (layer, entry) builds its union and compacted lengths into the layer's record) -> ProbeRank
+// (each probing (layer, entry)'s block levels for the miss curve). Per layer: Select(l) =
+// Publish (the record into the outputs, the compacted table through the engine's block table,
+// stats); Observe(l) = Probe (validation, fresh flag, on probe steps row 0's dense top-K counted
+// per curve level), then the EMA, one launch per row in row order. EmaVec for the
 // engine's layout (b = 64, max_slots % 8 == 0, 16-byte aligned logits rows; it also refreshes
 // the V summaries of its blocks), EmaWord for other even block sizes >= 64 and Ema otherwise
 // (both followed by VSummary).
@@ -36,10 +37,8 @@ namespace {
 // H200 512 measured faster than 1024 with 4 keys at every point (64 x 128K x 50% bf16: SPIN 33.9
 // -> 31.9 us; 128 x 32K: 24.5 -> 20.9).
 constexpr int kSelectThreads = 512;
-// Threads of a Probe CTA (one per entry, a dense top-K over the whole row on probe steps), and the
-// most any CtaTopT caller uses. On the H200 the probe with 256 threads, in the row-0 EMA launch,
-// took 1050 us per layer at batch 64 x 128K with every step a probe step, against 397 us with
-// 1024 threads in a launch of its own (gpu_bench --point 64,131072,0.5,bf16,1).
+// Threads of a Probe CTA (up to 16 per entry; the last of an entry takes the top-K of up to 8192
+// candidates, 8 per thread), and the most any CtaTopT caller uses.
 constexpr int kProbeThreads = 1024;
 constexpr int kMaxTopTThreads = kProbeThreads > kSelectThreads ? kProbeThreads : kSelectThreads;
 // Select keeps a row's keys in registers up to this many per thread (4096 blocks: 256K
