@@ -122,20 +122,31 @@ TEST(Observe, MtpReplaysOnlyAcceptedRowsInOrder) {
   EXPECT_TRUE(std::isnan(u.Get(0, 0, 0, 5)));
 }
 
-TEST(Observe, ProbeStepAccumulatesTheMissCurve) {
-  // 10 blocks, K = 128 (2 blocks at least). Prediction: block b scores 10 - b except the query
-  // block 9. The dense top-K lies in blocks 0 and 5 (64 slots each).
-  TestArena t(Geo(640, 128), Pol(0.5, 0.5f, 2));
+// The probe tests' sequence: 10 blocks, K = 128 (2 blocks at least), probe period 2, target 0.5.
+// Prediction: block b scores 10 - b except the query block 9. Its first step (a probe step) is
+// begun and layer 0 selected (densely).
+void BeginProbeStep(TestArena& t, const OneSeqStep& s) {
   ASSERT_TRUE(t.dp().ResetSequence(0, 1).ok());
   for (int i = 0; i < 640; ++i) t.Set(0, 0, 0, i, static_cast<float>(10 - i / 64));
   t.SetFresh(0, 0, false);
-  OneSeqStep s{0, 640, 639};
   ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());  // step 0: probe
   ASSERT_TRUE(t.dp().Select(0).ok());
   ASSERT_EQ(t.Selected().size(), 10u);
+}
+
+// The probe tests' logits: the dense top-K lies in blocks 0 and 5 (64 slots each).
+std::vector<float> ProbeLogits() {
   std::vector<float> z(640, 0.0f);
   for (int i = 0; i < 64; ++i) z[i] = 100.0f;
   for (int i = 320; i < 384; ++i) z[i] = 90.0f;
+  return z;
+}
+
+TEST(Observe, ProbeStepAccumulatesTheMissCurve) {
+  TestArena t(Geo(640, 128), Pol(0.5, 0.5f, 2));
+  OneSeqStep s{0, 640, 639};
+  ASSERT_NO_FATAL_FAILURE(BeginProbeStep(t, s));
+  const std::vector<float> z = ProbeLogits();
   ASSERT_TRUE(t.dp().Observe(0, z.data(), 640).ok());
   const uint64_t* curve = t.view().curves;
   // Ranking: 9 (query), 0, 1, 2, 3, 4, 5, ... keep f -> m = max(2, ceil(10 f)).
@@ -175,17 +186,11 @@ TEST(Observe, FreshProbeStepTakesNoCurveSample) {
 // selection.
 TEST(Observe, ProbeMissesAtTheBudgetOfTheStep) {
   TestArena t(Geo(640, 128), Pol(0.5, 0.5f, 2));
-  ASSERT_TRUE(t.dp().ResetSequence(0, 1).ok());
-  for (int i = 0; i < 640; ++i) t.Set(0, 0, 0, i, static_cast<float>(10 - i / 64));
-  t.SetFresh(0, 0, false);
   OneSeqStep s{0, 640, 639};
-  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());  // step 0: probe
-  ASSERT_TRUE(t.dp().Select(0).ok());
+  ASSERT_NO_FATAL_FAILURE(BeginProbeStep(t, s));
   // At rho 0.3 the kept 7 blocks (9, 0 .. 5) would hold the whole top-K; the step's 0.5 keeps 5.
   ASSERT_TRUE(WritePolicy(t.view(), Pol(0.3, 0.5f, 2)).ok());
-  std::vector<float> z(640, 0.0f);
-  for (int i = 0; i < 64; ++i) z[i] = 100.0f;
-  for (int i = 320; i < 384; ++i) z[i] = 90.0f;
+  const std::vector<float> z = ProbeLogits();
   ASSERT_TRUE(t.dp().Observe(0, z.data(), 640).ok());
   EXPECT_EQ(t.view().stats[0].probe_steps, 1u);
   EXPECT_EQ(t.view().stats[0].probe_missed, 64u);
