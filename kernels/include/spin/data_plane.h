@@ -12,7 +12,9 @@
 //     Observe(l, logits, accepted)    -> EMA update from accepted rows, probe miss curves
 //
 // Per-step inputs are read through pointers (fixed addresses, so CUDA graphs replay them);
-// outputs are written to fixed-address buffers inside the arena (see Outputs()).
+// outputs are written to fixed-address buffers inside the arena (see Outputs()). A data plane's
+// calls must run in the order issued (one stream, or streams ordered by events): the outputs and
+// the CUDA backend's private buffers are reused layer after layer and step after step.
 #pragma once
 
 #include <cstdint>
