@@ -204,6 +204,15 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
   CHECK_OK(dpr.status());
   DataPlane& dp = **dpr;
   for (int e = 0; e < B; ++e) CHECK_OK(dp.ResetSequence(e, 100 + e, stream));
+  // With a probe period P > 1, sequence e starts e mod P steps in, so each step has about B / P
+  // probing sequences (as sequences that joined the batch at different times would).
+  if (pt.probe_period > 1) {
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    for (int e = 0; e < B; ++e) {
+      const uint64_t steps = static_cast<uint64_t>(e % pt.probe_period);
+      CHECK_CUDA(cudaMemcpy(&view->seqs[e].steps, &steps, sizeof(steps), cudaMemcpyHostToDevice));
+    }
+  }
 
   PagedIndexerArgs dense;
   dense.q = q;
@@ -442,7 +451,9 @@ int main(int argc, char** argv) {
                    "[--point BATCH,SLOTS,RHO,fp32|bf16[,PROBE_PERIOD]]\n"
                    "Times the dense reference indexer, SPIN and the sparse stage on the GPU.\n"
                    "--point measures one configuration (for profilers); PROBE_PERIOD 1 makes\n"
-                   "every step a probe step of every sequence (default 0: none).\n");
+                   "every step a probe step of every sequence (default 0: none); with a period\n"
+                   "P > 1 sequence e starts e mod P steps in, so each step has about BATCH / P\n"
+                   "probing sequences.\n");
       return 2;
     }
   }
@@ -545,23 +556,37 @@ int main(int argc, char** argv) {
       }
     }
   }
-  // Probe steps: every step a probe step of every sequence (the table above has none).
+  // Probe steps (the table above has none): every step a probe step of every sequence (period
+  // 1), and period 8 with the sequences' probe steps spread over steps (about batch / 8 probing
+  // at each step, as in a batch whose sequences joined at different times).
   md +=
-      "\nProbe steps: every step a probe step of every sequence (probe period 1), 50% sparsity, "
-      "bf16 state; SPIN's selection is dense on a probe step and its Observe takes each row 0's "
-      "dense top-K and miss curve.\n\n"
-      "| batch | slots | dense us | SPIN us (select + observe) | SPIN/dense |\n"
-      "|---|---|---|---|---|\n";
-  for (int b : quick ? std::vector<int>{1, 64} : std::vector<int>{1, 16, 64}) {
-    for (int n : quick ? std::vector<int>{128 << 10} : std::vector<int>{128 << 10, 256 << 10}) {
-      const Result r = Measure({b, n, 0.5, StateDtype::kBf16, 1}, bw, plan, stream, reps);
-      if (!r.wg_ok) wg_failed = true;
-      std::snprintf(line, sizeof(line), "| %d | %dK | %.1f | %.1f (%.1f + %.1f) | %.3f |\n", b,
-                    n >> 10, r.dense_us, r.spin_us, r.select_us, r.spin_us - r.select_us,
-                    r.spin_us / r.dense_us);
-      md += line;
-      std::fprintf(stderr, "%s", line);
-    }
+      "\nProbe steps, 50% sparsity, bf16 state: period 1 makes every step a probe step of every "
+      "sequence; period 8 starts sequence e e mod 8 steps in, so about batch / 8 sequences probe "
+      "at each step. A probing sequence's selection is dense and its Observe takes row 0's dense "
+      "top-K and miss curve.\n\n"
+      "| batch | slots | probe period | dense us | SPIN us (select + observe) | SPIN/dense | "
+      "sparse stage us | sparse/dense |\n"
+      "|---|---|---|---|---|---|---|---|\n";
+  struct ProbePoint {
+    int b, n;
+    uint32_t period;
+  };
+  const std::vector<ProbePoint> probe_points =
+      quick ? std::vector<ProbePoint>{{1, 128 << 10, 1}, {64, 128 << 10, 1}, {64, 128 << 10, 8}}
+            : std::vector<ProbePoint>{{1, 128 << 10, 1},  {1, 256 << 10, 1},  {16, 128 << 10, 1},
+                                      {16, 256 << 10, 1}, {64, 128 << 10, 1}, {64, 256 << 10, 1},
+                                      {16, 128 << 10, 8}, {64, 128 << 10, 8}, {64, 256 << 10, 8},
+                                      {128, 128 << 10, 8}};
+  for (const ProbePoint& pp : probe_points) {
+    const Result r =
+        Measure({pp.b, pp.n, 0.5, StateDtype::kBf16, pp.period}, bw, plan, stream, reps);
+    if (!r.wg_ok) wg_failed = true;
+    std::snprintf(
+        line, sizeof(line), "| %d | %dK | %u | %.1f | %.1f (%.1f + %.1f) | %.3f | %.1f | %.3f |\n",
+        pp.b, pp.n >> 10, pp.period, r.dense_us, r.spin_us, r.select_us, r.spin_us - r.select_us,
+        r.spin_us / r.dense_us, r.sparse_us, r.sparse_us / r.dense_us);
+    md += line;
+    std::fprintf(stderr, "%s", line);
   }
   if (wg_failed) md += "\nwgmma FAILED (disagreed with mma.sync or did not run) at some points.\n";
   std::printf("%s", md.c_str());

@@ -103,7 +103,8 @@ struct Dev {
   int32_t* ahead_ids;        // [L][S][MB]: the union per layer, ascending
   int2* ahead_info;          // [L][S]: {union count, dense}
   int32_t* ahead_len;        // [L][S][R]: compacted length per row
-  uint8_t* probe_on;         // [L][S]: the pair probes at this step's Observe
+  int32_t* probe_list;       // [L][S]: the entries that probe at the layer's Observe
+  int32_t* probe_count;      // [L]: how many (ProbeRankKernel; zeroed before it runs)
   uint8_t* probe_lvl;        // [L][S][MB]: curve level of each block (ProbeRankKernel)
   unsigned long long* probe_cand;  // [S][kProbeCap]: top-K candidates (ProbeKernel)
   int32_t* probe_cnt;              // [S][2]: candidates and finite logits (0 between launches)
@@ -1031,12 +1032,15 @@ static_assert(kProbeCap == kProbeThreads * kProbeItems, "a candidate or block pe
 static_assert(kProbeItems <= kSelectRegRounds, "TopTShared's tie counts per round");
 static_assert(kCurvePoints < 0x80, "a level and the budget bit in a byte");
 constexpr uint8_t kLevelNow = 0x80;  // the block is kept at the step's own budget
-// Logits sampled for the candidates' threshold (2 per thread), logits each thread has in flight
-// in the candidate pass, and the most CTAs an entry's pass is split over.
+// Logits sampled for the candidates' threshold (2 per thread), and logits each thread has in flight
+// in the candidate pass.
 constexpr int kProbeSampleBits = 11;
 constexpr int kProbeSample = 1 << kProbeSampleBits;
 constexpr int kProbeLoads = 16;
-constexpr int kMaxProbeCtas = 16;
+// At most this many CTAs share one probing entry's row (ProbeKernel): on the H200 66 CTAs per
+// entry (batch 16, two probing) were slower than 8 (33.6 against 29.3 us per layer), as were
+// 132 against 16 at batch 1 (28.0 against 23.2).
+constexpr int kMaxProbeShares = 16;
 // ProbeRankKernel<NT> ranks up to NT * kProbeItems blocks by one sort; the host takes the
 // smallest of 256, 512 and 1024 threads that holds the arena's blocks (a CTA per (layer, entry)
 // pair, so small CTAs when contexts are short).
@@ -1068,8 +1072,8 @@ __global__ void __launch_bounds__(NT) ProbeRankKernel(Dev d, int l0) {
   const StepEntry en = d.entries[e];
   const bool live = e < d.batch->n && en.seq >= 0;
   const bool on = live && en.probe && d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] == 0;
-  if (tid == 0) d.probe_on[d.Ahead(layer, e)] = on ? 1 : 0;
   if (!on) return;
+  if (tid == 0) d.probe_list[d.Ahead(layer, atomicAdd(&d.probe_count[layer], 1))] = e;
   extern __shared__ __align__(16) unsigned char rank_smem[];
   ProbeRankSmem<NT>& sm = *reinterpret_cast<ProbeRankSmem<NT>*>(rank_smem);
   __shared__ int s_m[kCurvePoints + 1];
@@ -1144,54 +1148,23 @@ __global__ void __launch_bounds__(NT) ProbeRankKernel(Dev d, int l0) {
   if (tid == 0) lvl[qb] = kLevelNow;  // level 0
 }
 
-// Observe's first launch, gridDim.x CTAs per entry (blockIdx.y) before the EMA launches:
-// validates accepted and the logits stride (recording errors; CTA 0), clears the fresh flag
-// when row 0 is applied (CTA 0; nothing else reads it during Observe), and on a probe step of a
-// pair that was not fresh (ProbeRankKernel's flag) counts row 0's dense top-K per curve level.
-//
-// The top-K: the r-th largest of kProbeSample evenly spread logits (CtaTopT over registers, in
-// every CTA of the entry) is a threshold t0 above which about 2K logits are expected; each CTA
-// takes its share of the row (kProbeLoads loads in flight per thread, one global atomic per warp
-// and round) and appends the finite logits with key >= t0 as (key, inverted slot) candidates to
-// the entry's buffer. The last CTA to finish (an arrival count) takes the top-K by one CtaTopT
-// over the candidates, kProbeItems per thread in registers (the keys are distinct, so ties go to
-// the lower slot by the key itself). When the candidates number fewer than K or more than
-// kProbeCap, it gathers again alone with every finite logit a candidate if those fit, and
-// otherwise CtaTopT takes the top-K from global memory. (The top-K as one CtaTopT over the row
-// in one CTA took about 390 us per layer on the H200 at 64 x 128K with every sequence probing:
-// one load in flight per thread per pass, and the first pass's histogram contended on the few
-// bins the logits' top bits fall in.)
-__global__ void __launch_bounds__(kProbeThreads)
-    ProbeKernel(Dev d, int layer, const float* logits, int64_t stride, const int32_t* accepted) {
+// One probing entry's share `cx` of `ctas` (ProbeKernel below): the candidates of its share of
+// the row, and for the last share to finish the top-K counted per level. Every thread of the CTA
+// calls it.
+__device__ void ProbeTask(Dev d, int layer, const float* logits, int64_t stride, int e, int cx,
+                          int ctas) {
   constexpr int NT = kProbeThreads;
   constexpr unsigned kAll = 0xFFFFFFFFu;
-  StepKernelEntry();
-  const int e = static_cast<int>(blockIdx.y), cx = static_cast<int>(blockIdx.x);
-  const int ctas = static_cast<int>(gridDim.x);
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32;
-  // Every load of the validation at once (e < the host's n <= max_seqs, and the lengths and
-  // accepted count are the entry's own, so every address is in bounds).
-  const int batch_n = d.batch->n, rows = d.batch->rows;
+  const int rows = d.batch->rows;
   const StepEntry en = d.entries[e];
-  const int32_t* clen = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
   __shared__ int s_probe;
+  __syncthreads();  // the previous task's readers of the shared state are done
   if (tid < 32) {
-    const int len = lane < d.max_rows ? clen[lane] : 0;
-    const int acc = accepted ? accepted[e] : rows;
-    const bool live = e < batch_n && en.seq >= 0;
-    const bool probing = live && d.probe_on[d.Ahead(layer, e)] != 0;
+    const int len =
+        lane < d.max_rows ? d.compact_len[static_cast<int64_t>(e) * d.max_rows + lane] : 0;
     const bool long_row = __any_sync(kAll, lane < rows && len > stride);
-    if (lane == 0) {
-      if (live && cx == 0) {
-        uint8_t* fresh = d.fresh + static_cast<int64_t>(en.seq) * d.layers + layer;
-        const bool bad_acc = acc < 0 || acc > rows;
-        if (accepted && bad_acc) RecordError(d.error, kArenaBadAccepted);
-        if (long_row) RecordError(d.error, kArenaBadStride);
-        // Row 0 is applied (EmaRowOf's `active` for r = 0): the pair is no longer fresh.
-        if (!bad_acc && !long_row && acc >= 1 && *fresh != 0) *fresh = 0;
-      }
-      s_probe = probing && !long_row ? 1 : 0;
-    }
+    if (lane == 0) s_probe = long_row ? 0 : 1;  // a row past the stride: no probe (recorded)
   }
   __syncthreads();
   if (!s_probe) return;
@@ -1359,6 +1332,59 @@ __global__ void __launch_bounds__(kProbeThreads)
       atomicAdd(reinterpret_cast<unsigned long long*>(&st->probe_missed),
                 static_cast<unsigned long long>(k - s_now));
     }
+  }
+}
+
+// Observe's first launch, gridDim.x CTAs per entry (blockIdx.y) before the EMA launches:
+// validates accepted and the logits stride (recording errors; CTA 0), clears the fresh flag
+// when row 0 is applied (CTA 0; nothing else reads it during Observe), and on a probe step of a
+// pair that was not fresh (ProbeRankKernel's flag) counts row 0's dense top-K per curve level.
+//
+// The top-K: the r-th largest of kProbeSample evenly spread logits (CtaTopT over registers, in
+// every CTA of the entry) is a threshold t0 above which about 2K logits are expected; each CTA
+// takes its share of the row (kProbeLoads loads in flight per thread, one global atomic per warp
+// and round) and appends the finite logits with key >= t0 as (key, inverted slot) candidates to
+// the entry's buffer. The last CTA to finish (an arrival count) takes the top-K by one CtaTopT
+// over the candidates, kProbeItems per thread in registers (the keys are distinct, so ties go to
+// the lower slot by the key itself). When the candidates number fewer than K or more than
+// kProbeCap, it gathers again alone with every finite logit a candidate if those fit, and
+// otherwise CtaTopT takes the top-K from global memory. (The top-K as one CtaTopT over the row
+// in one CTA took about 390 us per layer on the H200 at 64 x 128K with every sequence probing:
+// one load in flight per thread per pass, and the first pass's histogram contended on the few
+// bins the logits' top bits fall in.)
+__global__ void __launch_bounds__(kProbeThreads)
+    ProbeKernel(Dev d, int layer, const float* logits, int64_t stride, const int32_t* accepted) {
+  constexpr unsigned kAll = 0xFFFFFFFFu;
+  StepKernelEntry();
+  const int g = static_cast<int>(blockIdx.x), G = static_cast<int>(gridDim.x);
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int batch_n = d.batch->n, rows = d.batch->rows;
+  // Validation of entries g, g + G, ... (warp 0): every load of an entry's at once (e < batch n
+  // <= max_seqs, and the lengths and accepted count are the entry's own).
+  if (threadIdx.x < 32) {
+    for (int e = g; e < batch_n; e += G) {
+      const StepEntry en = d.entries[e];
+      const int acc = accepted ? accepted[e] : rows;
+      const int len =
+          lane < d.max_rows ? d.compact_len[static_cast<int64_t>(e) * d.max_rows + lane] : 0;
+      const bool long_row = __any_sync(kAll, lane < rows && len > stride);
+      if (lane == 0 && en.seq >= 0) {
+        uint8_t* fresh = d.fresh + static_cast<int64_t>(en.seq) * d.layers + layer;
+        const bool bad_acc = acc < 0 || acc > rows;
+        if (accepted && bad_acc) RecordError(d.error, kArenaBadAccepted);
+        if (long_row) RecordError(d.error, kArenaBadStride);
+        // Row 0 is applied (EmaRowOf's `active` for r = 0): the pair is no longer fresh.
+        if (!bad_acc && !long_row && acc >= 1 && *fresh != 0) *fresh = 0;
+      }
+    }
+  }
+  // The probing entries' work (ProbeRankKernel's list): K CTAs per entry, task t being the
+  // share t % K of entry t / K.
+  const int count = d.probe_count[layer];
+  if (count == 0) return;
+  const int K = min(kMaxProbeShares, max(1, G / count));
+  for (int t = g; t < count * K; t += G) {
+    ProbeTask(d, layer, logits, stride, d.probe_list[d.Ahead(layer, t / K)], t % K, K);
   }
 }
 
@@ -2101,8 +2127,13 @@ class CudaDataPlane final : public DataPlane {
     d_.ahead_info = static_cast<int2*>(p);
     if (auto s = alloc(L * S * R * sizeof(int32_t), &p); !s.ok()) return s;
     d_.ahead_len = static_cast<int32_t*>(p);
-    if (auto s = alloc(L * S, &p); !s.ok()) return s;
-    d_.probe_on = static_cast<uint8_t*>(p);
+    if (auto s = alloc(L * S * sizeof(int32_t), &p); !s.ok()) return s;
+    d_.probe_list = static_cast<int32_t*>(p);
+    if (auto s = alloc(L * sizeof(int32_t), &p); !s.ok()) return s;
+    d_.probe_count = static_cast<int32_t*>(p);
+    if (auto s = CudaStatus(cudaMemset(p, 0, L * sizeof(int32_t)), "clear probe lists"); !s.ok()) {
+      return s;
+    }
     if (auto s = alloc(L * S * MB, &p); !s.ok()) return s;
     d_.probe_lvl = static_cast<uint8_t*>(p);
     if (auto s = alloc(S * kProbeCap * sizeof(unsigned long long), &p); !s.ok()) return s;
@@ -2281,8 +2312,9 @@ class CudaDataPlane final : public DataPlane {
     // The entries' bookkeeping (validation, fresh flag, probe miss curve), then one EMA launch
     // per row, in row order (the prefix-valid replay), of the kernel for the arena's state type,
     // `chunks` CTAs per entry.
-    const dim3 probe_grid(static_cast<unsigned>(std::clamp(sms_ / n_, 1, kMaxProbeCtas)),
-                          static_cast<unsigned>(n_));
+    // One CTA per multiprocessor, and no more than kMaxProbeShares per entry, shared out over
+    // the probing entries (ProbeKernel).
+    const dim3 probe_grid(static_cast<unsigned>(std::min(sms_, kMaxProbeShares * n_)));
     cudaError_t e = Launch(ProbeKernel, probe_grid, kProbeThreads, stream, d_, layer, logits,
                            logits_stride, accepted);
     using EmaFn = void (*)(Dev, int, int, const float*, int64_t, const int32_t*);
@@ -2340,7 +2372,11 @@ class CudaDataPlane final : public DataPlane {
         e = Launch(SelectKernel, dim3(rows_, pairs), kSelectThreads, stream, d_, g0, n_);
       }
     }
-    // Probing pairs' curve levels, from the row-0 scores just made.
+    // Probing pairs' curve levels, from the row-0 scores just made, and the layers' lists of
+    // probing entries (counted from zero).
+    if (e == cudaSuccess) {
+      e = cudaMemsetAsync(d_.probe_count + l0, 0, count * sizeof(int32_t), stream);
+    }
     if (e == cudaSuccess) {
       const dim3 grid(static_cast<unsigned>(n_), static_cast<unsigned>(count));
       e = rank_threads_ == 256   ? LaunchSmem(ProbeRankKernel<256>, grid, 256,
