@@ -1335,10 +1335,12 @@ __device__ void ProbeTask(Dev d, int layer, const float* logits, int64_t stride,
   }
 }
 
-// Observe's first launch, gridDim.x CTAs per entry (blockIdx.y) before the EMA launches:
-// validates accepted and the logits stride (recording errors; CTA 0), clears the fresh flag
-// when row 0 is applied (CTA 0; nothing else reads it during Observe), and on a probe step of a
-// pair that was not fresh (ProbeRankKernel's flag) counts row 0's dense top-K per curve level.
+// Observe's first launch, before the EMA launches, one CTA per multiprocessor (at most
+// kMaxProbeShares per entry): CTA g validates accepted and the logits stride of entries g, g + G,
+// ... (recording errors) and clears their fresh flags when row 0 is applied (nothing else reads
+// them during Observe); then the CTAs are shared out over the layer's probing entries (those
+// ProbeRankKernel listed), up to kMaxProbeShares each, and count row 0's dense top-K per curve
+// level (ProbeTask).
 //
 // The top-K: the r-th largest of kProbeSample evenly spread logits (CtaTopT over registers, in
 // every CTA of the entry) is a threshold t0 above which about 2K logits are expected; each CTA
