@@ -1056,12 +1056,11 @@ constexpr size_t kProbeRankSmemBytes = sizeof(ProbeRankSmem<NT>);  // dynamic sh
 constexpr int Log2(int x) { return x <= 1 ? 0 : 1 + Log2(x / 2); }
 
 // One CTA per (entry, layer of [l0, l0 + gridDim.y)), after the step's selections: whether the
-// pair probes (row 0 applied at Observe on a probe step of a pair that is not fresh: the same
-// test ProbeKernel would make, as nothing changes the fresh flag between here and the Observe
-// except that Observe, which a Select of the layer after it re-ranks), and if so each block's
-// level. Blocks rank as the selector ranks them: the query block first, then by score, ties to
-// the lower id. Grid point p keeps the query block and the m_p - 1 best others; levels are the
-// first such p (the kept sets grow with p).
+// pair probes (a probe step of a pair that is not fresh, decided with its selection as on the
+// CPU; a Select of the layer after its Observe decides again), and if so the entry joins the
+// layer's probe list for ProbeKernel and each block gets its level. Blocks rank as the selector
+// ranks them: the query block first, then by score, ties to the lower id. Grid point p keeps the
+// query block and the m_p - 1 best others; levels are the first such p (the kept sets grow with p).
 template <int NT>
 __global__ void __launch_bounds__(NT) ProbeRankKernel(Dev d, int l0) {
   constexpr int kCap = NT * kProbeItems, kIdBits = Log2(kCap);
