@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
+#include "cp_async.cuh"
 #include "spin/paged_indexer.h"
 
 namespace spin::internal {
@@ -29,15 +30,6 @@ template <int kStages>
 constexpr size_t SmemBytes() {
   // q tile, key tiles, scales, the chunk's page ids, and up to 1 KB to align the tiles.
   return kTileBytes * (1 + kStages) + kScaleBytes * kStages + kMaxChunk * 4 + 1024;
-}
-
-__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // Shared-memory matrix descriptor for a K-major tile with the 128-byte swizzle: start address
