@@ -40,7 +40,11 @@ __global__ void Bf16CheckKernel(unsigned long long* mismatches, uint32_t* first)
   for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < kAll;
        i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
     const float f = __uint_as_float(static_cast<uint32_t>(i));
-    if (FloatToBf16(f) != FloatToBf16Bits(f)) {
+    // The pair conversion too, f with its neighbour pattern (every input in both halves).
+    const float g = __uint_as_float(static_cast<uint32_t>(i) ^ 1u);
+    const uint32_t pair = FloatsToBf16x2(f, g);
+    if (FloatToBf16(f) != FloatToBf16Bits(f) || (pair & 0xFFFFu) != FloatToBf16Bits(f) ||
+        (pair >> 16) != FloatToBf16Bits(g)) {
       ++local;
       atomicMin(first, static_cast<uint32_t>(i));
     }

@@ -20,8 +20,10 @@
 
 namespace spin {
 
-/// Bit pattern of an unset bf16 state entry (a quiet NaN).
-inline constexpr uint16_t kBf16Unset = 0x7FC0;
+/// Bit pattern of an unset bf16 state entry: the quiet NaN that the GPU's float -> bf16
+/// conversion (cvt.rn.bf16.f32) returns for every NaN input, so that the device narrows with
+/// that one instruction and no NaN test (FloatToBf16 below).
+inline constexpr uint16_t kBf16Unset = 0x7FFF;
 
 /// Reinterprets the bits of a float.
 SPIN_HD uint32_t FloatBits(float f) {
@@ -57,17 +59,28 @@ SPIN_HD uint16_t FloatToBf16Bits(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-/// FloatToBf16Bits. On the device: the hardware conversion (cvt.rn.bf16.f32 rounds to nearest
-/// even, keeps subnormals and overflows to inf, as the integer definition does) with NaN mapped
-/// to kBf16Unset instead of the hardware's canonical NaN; three instructions instead of about
-/// six (the EMA narrows two values per slot). The GPU test
-/// CudaNumerics.DeviceBf16NarrowingEqualsTheReferenceForEveryFloat checks all 2^32 inputs.
+/// FloatToBf16Bits. On the device: the hardware conversion alone (cvt.rn.bf16.f32 rounds to
+/// nearest even, keeps subnormals, overflows to inf and returns kBf16Unset for every NaN, as the
+/// integer definition does); one instruction instead of about six (the EMA narrows two values
+/// per slot). The GPU test CudaNumerics.DeviceBf16NarrowingEqualsTheReferenceForEveryFloat
+/// checks all 2^32 inputs.
 SPIN_HD uint16_t FloatToBf16(float f) {
 #if defined(__CUDA_ARCH__)
-  const uint16_t h = __bfloat16_as_ushort(__float2bfloat16_rn(f));
-  return f != f ? kBf16Unset : h;
+  return __bfloat16_as_ushort(__float2bfloat16_rn(f));
 #else
   return FloatToBf16Bits(f);
+#endif
+}
+
+/// FloatToBf16(lo) | FloatToBf16(hi) << 16: on the device one conversion of the pair.
+SPIN_HD uint32_t FloatsToBf16x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__)
+  const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+  return static_cast<uint32_t>(__bfloat16_as_ushort(p.x)) |
+         (static_cast<uint32_t>(__bfloat16_as_ushort(p.y)) << 16);
+#else
+  return static_cast<uint32_t>(FloatToBf16Bits(lo)) |
+         (static_cast<uint32_t>(FloatToBf16Bits(hi)) << 16);
 #endif
 }
 
