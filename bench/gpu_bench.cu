@@ -119,6 +119,9 @@ struct Point {
   double rho;
   StateDtype dtype;
   uint32_t probe_period = 0;  // 0: no probe steps; 1: every step probes every sequence
+  // Contexts spread over the batch: entry e has slots * (B - e) / B (at least one page), as in
+  // a batch of sequences at different lengths; otherwise every entry has `slots`.
+  bool mixed = false;
 };
 
 struct Result {
@@ -174,7 +177,13 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
   float* logits = nullptr;
   CHECK_CUDA(cudaMalloc(&logits, static_cast<size_t>(B) * N * 4));
   std::vector<int32_t> seq(B), ctx(B, N), qp(B, N - 1);
-  for (int e = 0; e < B; ++e) seq[e] = e;
+  for (int e = 0; e < B; ++e) {
+    seq[e] = e;
+    if (pt.mixed) {
+      ctx[e] = std::max<int32_t>(kPageSlots, static_cast<int32_t>(int64_t{N} * (B - e) / B));
+      qp[e] = ctx[e] - 1;
+    }
+  }
   int32_t *d_seq, *d_ctx, *d_q;
   CHECK_CUDA(cudaMalloc(&d_seq, B * 4));
   CHECK_CUDA(cudaMalloc(&d_ctx, B * 4));
@@ -436,24 +445,26 @@ int main(int argc, char** argv) {
   double prho = 0.5;
   char pdt[8] = "bf16";
   unsigned pprobe = 0;
+  int pmixed = 0;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--out") && i + 1 < argc) {
       out_path = argv[++i];
     } else if (!std::strcmp(argv[i], "--quick")) {
       quick = true;
     } else if (!std::strcmp(argv[i], "--point") && i + 1 < argc &&
-               std::sscanf(argv[i + 1], "%d,%d,%lf,%4[^,],%u", &pb, &pn, &prho, pdt, &pprobe) >=
-                   4) {
+               std::sscanf(argv[i + 1], "%d,%d,%lf,%4[^,],%u,%d", &pb, &pn, &prho, pdt, &pprobe,
+                           &pmixed) >= 4) {
       ++i;
     } else {
       std::fprintf(stderr,
                    "usage: gpu_bench [--out FILE] [--quick] "
-                   "[--point BATCH,SLOTS,RHO,fp32|bf16[,PROBE_PERIOD]]\n"
+                   "[--point BATCH,SLOTS,RHO,fp32|bf16[,PROBE_PERIOD[,MIXED]]]\n"
                    "Times the dense reference indexer, SPIN and the sparse stage on the GPU.\n"
                    "--point measures one configuration (for profilers); PROBE_PERIOD 1 makes\n"
                    "every step a probe step of every sequence (default 0: none); with a period\n"
                    "P > 1 sequence e starts e mod P steps in, so each step has about BATCH / P\n"
-                   "probing sequences.\n");
+                   "probing sequences. MIXED 1 spreads the contexts: entry e has\n"
+                   "SLOTS * (BATCH - e) / BATCH.\n");
       return 2;
     }
   }
@@ -472,7 +483,8 @@ int main(int argc, char** argv) {
     const StateDtype dt = std::strcmp(pdt, "fp32") == 0 ? StateDtype::kFp32 : StateDtype::kBf16;
     Plan point_plan;
     if (!wgmma_runs) point_plan.wg_stages = 0;
-    const Result r = Measure({pb, pn, prho, dt, pprobe}, 4.5e12, point_plan, stream, 3);
+    const Result r =
+        Measure({pb, pn, prho, dt, pprobe, pmixed != 0}, 4.5e12, point_plan, stream, 3);
     std::printf(
         "point: dense mma.sync %.1f us, wgmma %.1f us (%s, worst deviation %.2g of the row "
         "max), sparse stage on %s; spin %.1f us (select %.1f), sparse %.1f us per layer of a "
@@ -585,6 +597,27 @@ int main(int argc, char** argv) {
         line, sizeof(line), "| %d | %dK | %u | %.1f | %.1f (%.1f + %.1f) | %.3f | %.1f | %.3f |\n",
         pp.b, pp.n >> 10, pp.period, r.dense_us, r.spin_us, r.select_us, r.spin_us - r.select_us,
         r.spin_us / r.dense_us, r.sparse_us, r.sparse_us / r.dense_us);
+    md += line;
+    std::fprintf(stderr, "%s", line);
+  }
+  // Mixed contexts (the tables above give every entry the same context).
+  md +=
+      "\nMixed contexts, 50% sparsity, bf16 state, no probe steps: entry e of a batch of B has "
+      "slots * (B - e) / B slots (at least 64), so the batch holds about half the slots of the "
+      "rows above.\n\n"
+      "| batch | slots (longest) | dense us | SPIN us (select + observe) | SPIN/dense | "
+      "sparse stage us | sparse/dense |\n"
+      "|---|---|---|---|---|---|---|\n";
+  const std::vector<std::pair<int, int>> mixed_points =
+      quick ? std::vector<std::pair<int, int>>{{64, 128 << 10}}
+            : std::vector<std::pair<int, int>>{{16, 128 << 10}, {64, 128 << 10}, {128, 256 << 10}};
+  for (const auto& [mb, mn] : mixed_points) {
+    const Result r = Measure({mb, mn, 0.5, StateDtype::kBf16, 0, true}, bw, plan, stream, reps);
+    if (!r.wg_ok) wg_failed = true;
+    std::snprintf(line, sizeof(line),
+                  "| %d | %dK | %.1f | %.1f (%.1f + %.1f) | %.3f | %.1f | %.3f |\n", mb, mn >> 10,
+                  r.dense_us, r.spin_us, r.select_us, r.spin_us - r.select_us,
+                  r.spin_us / r.dense_us, r.sparse_us, r.sparse_us / r.dense_us);
     md += line;
     std::fprintf(stderr, "%s", line);
   }

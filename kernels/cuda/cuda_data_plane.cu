@@ -12,8 +12,9 @@
 // stats); Observe(l) = Probe (validation, fresh flag, on probe steps row 0's dense top-K counted
 // per curve level), then the EMA, one launch per row in row order. EmaVec for the
 // engine's layout (b = 64, max_slots % 8 == 0, 16-byte aligned logits rows; it also refreshes
-// the V summaries of its blocks), EmaWord for other even block sizes >= 64 and Ema otherwise
-// (both followed by VSummary).
+// the V summaries of its blocks, and its grid shares out the segments of the whole batch),
+// EmaWord for other even block sizes >= 64 and Ema otherwise (both followed by VSummary, with
+// a grid row per entry).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -1787,6 +1788,10 @@ __global__ void __launch_bounds__(kEmaThreads)
   AddEmaCounts(d, layer, obs, bad);
 }
 
+// Most entries whose segments one EMA grid shares out (EmaVecKernel with flat = 1); a larger
+// batch gets a grid per entry.
+constexpr int kEmaFlatMaxEntries = 512;
+
 // The EMA for the engine's layout (b = 64, max_slots a multiple of 8, logits rows 16-byte
 // aligned): EmaWordKernel's contract and result from 16-byte accesses. A segment is one
 // compacted block (64 slots, fewer at the row's end); eight lanes take a segment, lane s its
@@ -1797,12 +1802,18 @@ __global__ void __launch_bounds__(kEmaThreads)
 // offsets q - i, are staged through shared memory as the aligned 16-byte chunks covering it and
 // stored back whole where a chunk lies inside the range, entry by entry in the two edge chunks
 // (their other entries belong to other segments). No address outside [0, max_slots) of V or D.
+//
+// The work is shared out by segment, not by entry: every CTA first lists the segments of the
+// entries whose row r is applied (an exclusive prefix over the entries, in shared memory), and
+// warp w of the grid takes the w-th contiguous run of them, four per round. So a batch whose
+// rows differ in length (mixed contexts, or the dense rows of probing sequences) costs what its
+// segments cost, not its longest row times the batch. With flat = 0 (batches above
+// kEmaFlatMaxEntries) the list is the one entry blockIdx.y, shared out over gridDim.x CTAs.
 template <typename T>
 __global__ void __launch_bounds__(kEmaThreads)
     EmaVecKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
-                 const int32_t* accepted) {
+                 const int32_t* accepted, int flat, int listed) {
   StepKernelEntry();
-  const int ctas = static_cast<int>(gridDim.x);
   using B = StateBits<T>;
   using E = typename B::E;
   constexpr int kWarps = kEmaThreads / 32;
@@ -1812,42 +1823,124 @@ __global__ void __launch_bounds__(kEmaThreads)
   constexpr int kMaxChunks = 64 / kChunk + 1;               // chunks covering 64 entries
   constexpr int kDWords = (kMaxChunks + 7) / 8;             // D chunks per lane
   constexpr int kWin = kMaxChunks * kChunk;
+  constexpr int kPerThread = kEmaFlatMaxEntries / kEmaThreads;
+  using Scan = cub::BlockScan<int, kEmaThreads>;
   __shared__ __align__(16) E s_d[kWarps][4][kWin];
+  __shared__ typename Scan::TempStorage s_scan;
+  // Per listed entry i: its first segment in the list (s_start[ne] = all of them), its row's
+  // compacted length, its query slot and its sequence.
+  __shared__ int s_start[kEmaFlatMaxEntries + 1], s_len[kEmaFlatMaxEntries];
+  __shared__ int s_q[kEmaFlatMaxEntries], s_seq[kEmaFlatMaxEntries];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const EmaRow w = EmaRowOf(d, layer, r, stride, accepted);
-  if (!w.active) return;  // uniform over the CTA
-  const StepEntry& en = w.en;
-  const int len = w.len;
-  const float alpha = w.alpha, beta = w.beta;
-  const int q = en.q_pos + r;
-  const int32_t* ids = d.union_ids + static_cast<int64_t>(blockIdx.y) * d.max_blocks;
-  const float* z = logits + (static_cast<int64_t>(blockIdx.y) * w.rows + r) * stride;
-  T* v = reinterpret_cast<T*>(d.Record(en.seq, layer));
-  T* dd = v + d.max_slots;
-  float* vsum_row = d.VSum(en.seq, layer);
-  const int segs = (len + 63) / 64;
+  // Every load of the plan is issued at once: none waits for another (`listed` is the batch
+  // size the grid was made for, so the entries' loads need not wait for the batch header).
+  const float alpha = d.policy->alpha, beta = d.policy->beta;
+  const int batch_n = d.batch->n, rows = d.batch->rows;
+  const int e0 = flat ? 0 : static_cast<int>(blockIdx.y);
+  const int ne = flat ? min(listed, kEmaFlatMaxEntries) : 1;
+  // The entries' segments: none unless the row is applied (padding, r >= accepted, accepted
+  // out of range, or a stride below one of the entry's compacted rows: not applied).
+  {
+    int cnt[kPerThread];
+#pragma unroll
+    for (int u = 0; u < kPerThread; ++u) {
+      const int i = threadIdx.x * kPerThread + u;
+      cnt[u] = 0;
+      if (i >= ne) continue;
+      const int e = e0 + i;
+      const StepEntry en = d.entries[e];
+      const int acc_in = accepted ? accepted[e] : 0;
+      const int32_t* lens = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
+      int len = 0;
+      bool ok = true;
+      for (int rr = 0; rr < d.max_rows; ++rr) {  // rows <= max_rows
+        const int l = lens[rr];
+        ok = ok && (rr >= rows || l <= stride);
+        if (rr == r) len = l;
+      }
+      const int acc = accepted ? acc_in : rows;
+      ok = ok && e < batch_n && en.seq >= 0 && r < rows && acc >= 0 && acc <= rows && r < acc;
+      cnt[u] = ok ? (len + 63) / 64 : 0;
+      s_len[i] = len;
+      s_q[i] = en.q_pos + r;
+      s_seq[i] = en.seq;
+    }
+    int start[kPerThread], total;
+    Scan(s_scan).ExclusiveSum(cnt, start, total);
+#pragma unroll
+    for (int u = 0; u < kPerThread; ++u) {
+      const int i = threadIdx.x * kPerThread + u;
+      if (i < ne) s_start[i] = start[u];
+    }
+    if (threadIdx.x == 0) s_start[ne] = total;
+  }
+  __syncthreads();
+  const int total = s_start[ne];
+  if (total == 0) return;  // uniform over the CTA
+  // This warp's run [lo, hi) of the list: a multiple of four segments.
+  const int warps = static_cast<int>(gridDim.x) * kWarps;
+  const int per = (total + 4 * warps - 1) / (4 * warps) * 4;
+  const int lo = (static_cast<int>(blockIdx.x) * kWarps + warp) * per;
+  const int hi = min(lo + per, total);
   const int gq = lane / 8, t0 = 8 * (lane % 8), s8 = lane % 8;
   E* win = s_d[warp][gq];
+  // The listed entry of this lane group's first segment: the last i with s_start[i] <= lo + gq
+  // (entries without segments have s_start[i] = s_start[i + 1]).
+  int li = 0;
+  {
+    int a = 0, c = ne;  // s_start[a] <= x < s_start[c] (s_start[ne] = total > x)
+    const int x = min(lo + gq, total - 1);
+    while (c - a > 1) {
+      const int m = (a + c) / 2;
+      if (s_start[m] <= x) {
+        a = m;
+      } else {
+        c = m;
+      }
+    }
+    li = a;
+  }
+  // The entry of the lane group's segment, kept while its segments stay in it.
+  int first = 0, len = 0, q = 0, seq = 0, e = e0;
+  int held = -1;  // the listed entry those are for
   unsigned obs = 0, bad = 0;
-  for (int w0 = (blockIdx.x * kWarps + warp) * 4; w0 < segs; w0 += ctas * kWarps * 4) {
-    const int sg = w0 + gq;
+  for (int x0 = lo; x0 < hi; x0 += 4) {  // uniform over the warp
+    const int gx = x0 + gq;              // this lane group's segment of the list
+    const bool valid = gx < hi;
+    if (valid) {
+      while (s_start[li + 1] <= gx) ++li;  // the entry holding it (s_start[ne] > gx)
+      if (li != held) {
+        held = li;
+        e = e0 + li;
+        seq = s_seq[li];
+        first = s_start[li];
+        len = s_len[li];
+        q = s_q[li];
+      }
+    }
+    const int32_t* ids = d.union_ids + static_cast<int64_t>(e) * d.max_blocks;
+    const float* z = logits + (static_cast<int64_t>(e) * rows + r) * stride;
+    T* v = reinterpret_cast<T*>(d.Record(seq, layer));
+    T* dd = v + d.max_slots;
+    float* vsum_row = d.VSum(seq, layer);
+    const int sg = gx - first;
     int base = 0, cnt = 0, jlo = 0, jhi = -1, cb = 0, nch = 0, tmax = -1;
     float zv[8];
     uint4 vw[kVWords], dw[kDWords];
 #pragma unroll
     for (int k = 0; k < 8; ++k) zv[k] = 0.0f;
-    if (sg < segs) {
-      const int x0 = sg * 64;
-      cnt = min(64, len - x0);
+    if (valid) {
+      const int x0s = sg * 64;
+      cnt = min(64, len - x0s);
       if (t0 + 8 <= cnt) {
-        const float4 a = *reinterpret_cast<const float4*>(z + x0 + t0);
-        const float4 c = *reinterpret_cast<const float4*>(z + x0 + t0 + 4);
+        const float4 a = *reinterpret_cast<const float4*>(z + x0s + t0);
+        const float4 c = *reinterpret_cast<const float4*>(z + x0s + t0 + 4);
         zv[0] = a.x, zv[1] = a.y, zv[2] = a.z, zv[3] = a.w;
         zv[4] = c.x, zv[5] = c.y, zv[6] = c.z, zv[7] = c.w;
       } else {
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-          if (t0 + k < cnt) zv[k] = z[x0 + t0 + k];
+          if (t0 + k < cnt) zv[k] = z[x0s + t0 + k];
         }
       }
       base = ids[sg] * 64;
@@ -1888,13 +1981,21 @@ __global__ void __launch_bounds__(kEmaThreads)
       // t0 + k's D entry is xd[-k].
       obs += 8;
       E* xd = win + (jhi - t0 - cb);
+      float nv[8];
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         const float bz = ScaledScore(zv[k], beta);
-        const float nv = EmaUpdateScaled(B::Get(ve[k]), zv[k], alpha, bz);
-        vmax = k == 0 ? nv : MaxNaN(vmax, nv);
-        ve[k] = B::Put(nv);
+        nv[k] = EmaUpdateScaled(B::Get(ve[k]), zv[k], alpha, bz);
+        vmax = k == 0 ? nv[k] : MaxNaN(vmax, nv[k]);
         xd[-k] = B::Put(EmaUpdateScaled(B::Get(xd[-k]), zv[k], alpha, bz));
+      }
+      if constexpr (sizeof(T) == 2) {  // V narrowed a pair at a time
+        uint32_t* vp = reinterpret_cast<uint32_t*>(vw);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) vp[k] = FloatsToBf16x2(nv[2 * k], nv[2 * k + 1]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) ve[k] = B::Put(nv[k]);
       }
     } else {
 #pragma unroll
@@ -1944,7 +2045,7 @@ __global__ void __launch_bounds__(kEmaThreads)
       } else {
         m = B::Get(B::Put(vmax));
       }
-    } else if (sg < segs && base + t0 < d.max_slots) {
+    } else if (valid && base + t0 < d.max_slots) {
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         const float x = B::Get(ve[k]);
@@ -1960,7 +2061,7 @@ __global__ void __launch_bounds__(kEmaThreads)
       m = om > m ? om : m;
       unset |= __shfl_xor_sync(kAll, unset, o);
     }
-    if (s8 == 0 && sg < segs) {
+    if (s8 == 0 && valid) {
       vsum_row[base / 64] = unset ? __int_as_float(0x7FC00000) : (m == 0.0f ? 0.0f : m);
     }
   }
@@ -2311,8 +2412,7 @@ class CudaDataPlane final : public DataPlane {
     }
     observed_[layer] = 1;
     // The entries' bookkeeping (validation, fresh flag, probe miss curve), then one EMA launch
-    // per row, in row order (the prefix-valid replay), of the kernel for the arena's state type,
-    // `chunks` CTAs per entry.
+    // per row, in row order (the prefix-valid replay), of the kernel for the arena's state type.
     // One CTA per multiprocessor, and no more than kMaxProbeShares per entry, shared out over
     // the probing entries (ProbeKernel).
     const dim3 probe_grid(static_cast<unsigned>(std::min(sms_, kMaxProbeShares * n_)));
@@ -2329,10 +2429,20 @@ class CudaDataPlane final : public DataPlane {
     };
     const int64_t max_len = static_cast<int64_t>(a_.max_blocks) * d_.block;
     if (ema_vec_ && reinterpret_cast<uintptr_t>(logits) % 16 == 0 && logits_stride % 4 == 0) {
-      // Persistent as below; a warp takes four segments (blocks) per round.
-      const int64_t rounds = CeilDiv(a_.max_blocks, (kEmaThreads / 32) * 4);
-      per_row(EmaVecKernel<float>, EmaVecKernel<uint16_t>,
-              std::min<int64_t>(rounds, ema_vec_resident_ / n_));
+      // Persistent as below, a warp taking four segments (blocks) per round: the resident CTAs
+      // share out the segments of every entry, or above kEmaFlatMaxEntries those of one entry
+      // per grid row.
+      const int64_t warp_rounds = CeilDiv(a_.max_blocks, (kEmaThreads / 32) * 4);
+      const int flat = n_ <= kEmaFlatMaxEntries ? 1 : 0;
+      const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(
+                          flat ? std::min<int64_t>(ema_vec_resident_, warp_rounds * n_)
+                               : std::min<int64_t>(warp_rounds, ema_vec_resident_ / n_),
+                          1, 65535)),
+                      static_cast<unsigned>(flat ? 1 : n_));
+      for (int r = 0; r < rows_ && e == cudaSuccess; ++r) {
+        e = Launch(d_.dtype_bytes == 4 ? EmaVecKernel<float> : EmaVecKernel<uint16_t>, grid,
+                   kEmaThreads, stream, d_, layer, r, logits, logits_stride, accepted, flat, n_);
+      }
     } else if (d_.block % 2 == 0 && d_.block >= kEmaSegSlots) {
       // Persistent: as many CTAs per entry as are resident on the device in one wave (at least
       // one), and no more than one round of segments per warp needs when the whole context is

@@ -414,6 +414,56 @@ TEST_F(CudaTest, ParityProbePaths) {
   }
 }
 
+// The 16-byte EMA shares the segments of a whole batch of at most 512 entries over its grid
+// (kEmaFlatMaxEntries in the backend), and above that gives each entry its own grid row. Batches
+// of 600 entries (per-entry grids), exactly 512 (the whole batch at the limit) and 37 (far fewer
+// than the grid's warps), with padding, mixed and partial-block contexts, MTP rows with random
+// acceptance and probe steps (whose rows are dense, so the rows' lengths differ most), in fp32
+// and bf16: every selection and, at the end, the whole state equal the CPU's.
+TEST_F(CudaTest, ParityLargeAndSmallBatchesShareTheEma) {
+  for (StateDtype dtype : {StateDtype::kFp32, StateDtype::kBf16}) {
+    SCOPED_TRACE(dtype == StateDtype::kFp32 ? "fp32" : "bf16");
+    Geometry g;
+    g.layers = 2;
+    g.max_seqs = 600;
+    g.block_size = 64;
+    g.max_slots = 64 * 16 + 8;
+    g.topk = 64;
+    g.max_rows = 2;
+    g.dtype = dtype;
+    Policy p;
+    p.target_sparsity = 0.5;
+    p.exploration = 0.1;
+    p.alpha = 0.3f;
+    p.probe_period = 3;
+    Twin t(g, p, 23);
+    std::vector<int> ctx(600);
+    for (int s = 0; s < 600; ++s) {
+      ctx[s] = 1 + (s * 37) % 900;
+      t.Reset(s, 7000 + s);
+    }
+    std::mt19937 rng(5);
+    const int sizes[] = {600, 512, 37, 600, 512, 37};
+    for (int step = 0; step < 6; ++step) {
+      const int n = sizes[step];
+      std::vector<int32_t> seq, c, q, acc;
+      for (int e = 0; e < n; ++e) {
+        const int s = (e * 7 + step) % 600;  // distinct within a step (7 is prime to 600)
+        const bool pad = e % 29 == 5;
+        seq.push_back(pad ? -1 : s);
+        c.push_back(pad ? 0 : ctx[s]);
+        q.push_back(pad ? 0 : ctx[s] - 1);
+        acc.push_back(static_cast<int32_t>(rng() % 3));
+      }
+      t.Step(seq, c, q, 2, acc, step);
+      for (int e = 0; e < n; ++e) {
+        if (seq[e] >= 0) ctx[seq[e]] += std::max(1, acc[e]);
+      }
+    }
+    t.ExpectSameArena("after batches of 600, 512 and 37 entries");
+  }
+}
+
 // BeginStep keeps each entry in registers, kMaxSequences / 1024 rounds per thread: a batch of
 // more than 1024 entries (padding among them) uses the second round, and must still equal the
 // CPU. A sequence twice in one batch is refused as a whole (shared bitmap), as on the CPU.
