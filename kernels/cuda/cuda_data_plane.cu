@@ -1844,7 +1844,7 @@ __global__ void __launch_bounds__(kEmaThreads)
     int cnt[kPerThread];
 #pragma unroll
     for (int u = 0; u < kPerThread; ++u) {
-      const int i = threadIdx.x * kPerThread + u;
+      const int i = static_cast<int>(threadIdx.x) + u * kEmaThreads;  // striped: every warp loads
       cnt[u] = 0;
       if (i >= ne) continue;
       const int e = e0 + i;
@@ -1865,12 +1865,17 @@ __global__ void __launch_bounds__(kEmaThreads)
       s_q[i] = en.q_pos + r;
       s_seq[i] = en.seq;
     }
-    int start[kPerThread], total;
-    Scan(s_scan).ExclusiveSum(cnt, start, total);
+    // One block scan per kEmaThreads entries (the second only for a batch above that).
+    int total = 0;
 #pragma unroll
     for (int u = 0; u < kPerThread; ++u) {
-      const int i = threadIdx.x * kPerThread + u;
-      if (i < ne) s_start[i] = start[u];
+      if (u * kEmaThreads >= ne) break;  // uniform over the CTA
+      if (u > 0) __syncthreads();        // the scan's storage is reused
+      int start, sum;
+      Scan(s_scan).ExclusiveSum(cnt[u], start, sum);
+      const int i = static_cast<int>(threadIdx.x) + u * kEmaThreads;
+      if (i < ne) s_start[i] = total + start;
+      total += sum;
     }
     if (threadIdx.x == 0) s_start[ne] = total;
   }
