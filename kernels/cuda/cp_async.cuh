@@ -25,8 +25,7 @@ __device__ __forceinline__ void CpAsync16Prefix(void* smem, const void* gmem, in
                : "memory");
 }
 __device__ __forceinline__ void CpAsync8(void* smem, const void* gmem) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(SharedAddress(smem)),
-               "l"(gmem)
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(SharedAddress(smem)), "l"(gmem)
                : "memory");
 }
 __device__ __forceinline__ void CpAsyncCommit() {
