@@ -114,14 +114,18 @@ cudaGraphExec_t Capture(cudaStream_t stream, F&& body) {
   return exec;
 }
 
+enum Contexts { kFull = 0, kMixed = 1, kRagged = 2 };
+
 struct Point {
   int batch, slots;
   double rho;
   StateDtype dtype;
   uint32_t probe_period = 0;  // 0: no probe steps; 1: every step probes every sequence
-  // Contexts spread over the batch: entry e has slots * (B - e) / B (at least one page), as in
-  // a batch of sequences at different lengths; otherwise every entry has `slots`.
-  bool mixed = false;
+  // Contexts: kFull, every entry `slots`; kMixed, spread over the batch: entry e has
+  // slots * (B - e) / B (at least one page), as in a batch of sequences at different lengths;
+  // kRagged, entry e has slots - (7 e mod 64), so the queries fall at every place of an
+  // eight-slot chunk (q % 8 takes every value over eight entries), as they do in decoding.
+  int contexts = 0;
 };
 
 struct Result {
@@ -179,10 +183,12 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
   std::vector<int32_t> seq(B), ctx(B, N), qp(B, N - 1);
   for (int e = 0; e < B; ++e) {
     seq[e] = e;
-    if (pt.mixed) {
+    if (pt.contexts == kMixed) {
       ctx[e] = std::max<int32_t>(kPageSlots, static_cast<int32_t>(int64_t{N} * (B - e) / B));
-      qp[e] = ctx[e] - 1;
+    } else if (pt.contexts == kRagged) {
+      ctx[e] = N - (7 * e) % 64;
     }
+    qp[e] = ctx[e] - 1;
   }
   int32_t *d_seq, *d_ctx, *d_q;
   CHECK_CUDA(cudaMalloc(&d_seq, B * 4));
@@ -453,7 +459,8 @@ int main(int argc, char** argv) {
       quick = true;
     } else if (!std::strcmp(argv[i], "--point") && i + 1 < argc &&
                std::sscanf(argv[i + 1], "%d,%d,%lf,%4[^,],%u,%d", &pb, &pn, &prho, pdt, &pprobe,
-                           &pmixed) >= 4) {
+                           &pmixed) >= 4 &&
+               pmixed >= kFull && pmixed <= kRagged) {
       ++i;
     } else {
       std::fprintf(stderr,
@@ -464,7 +471,8 @@ int main(int argc, char** argv) {
                    "every step a probe step of every sequence (default 0: none); with a period\n"
                    "P > 1 sequence e starts e mod P steps in, so each step has about BATCH / P\n"
                    "probing sequences. MIXED 1 spreads the contexts: entry e has\n"
-                   "SLOTS * (BATCH - e) / BATCH.\n");
+                   "SLOTS * (BATCH - e) / BATCH; MIXED 2 gives entry e SLOTS - (7 e mod 64)\n"
+                   "(ragged: the queries at every place of an 8-slot chunk).\n");
       return 2;
     }
   }
@@ -483,8 +491,7 @@ int main(int argc, char** argv) {
     const StateDtype dt = std::strcmp(pdt, "fp32") == 0 ? StateDtype::kFp32 : StateDtype::kBf16;
     Plan point_plan;
     if (!wgmma_runs) point_plan.wg_stages = 0;
-    const Result r =
-        Measure({pb, pn, prho, dt, pprobe, pmixed != 0}, 4.5e12, point_plan, stream, 3);
+    const Result r = Measure({pb, pn, prho, dt, pprobe, pmixed}, 4.5e12, point_plan, stream, 3);
     std::printf(
         "point: dense mma.sync %.1f us, wgmma %.1f us (%s, worst deviation %.2g of the row "
         "max), sparse stage on %s; spin %.1f us (select %.1f), sparse %.1f us per layer of a "
@@ -612,10 +619,42 @@ int main(int argc, char** argv) {
       quick ? std::vector<std::pair<int, int>>{{64, 128 << 10}}
             : std::vector<std::pair<int, int>>{{16, 128 << 10}, {64, 128 << 10}, {128, 256 << 10}};
   for (const auto& [mb, mn] : mixed_points) {
-    const Result r = Measure({mb, mn, 0.5, StateDtype::kBf16, 0, true}, bw, plan, stream, reps);
+    const Result r = Measure({mb, mn, 0.5, StateDtype::kBf16, 0, kMixed}, bw, plan, stream, reps);
     if (!r.wg_ok) wg_failed = true;
     std::snprintf(line, sizeof(line),
                   "| %d | %dK | %.1f | %.1f (%.1f + %.1f) | %.3f | %.1f | %.3f |\n", mb, mn >> 10,
+                  r.dense_us, r.spin_us, r.select_us, r.spin_us - r.select_us,
+                  r.spin_us / r.dense_us, r.sparse_us, r.sparse_us / r.dense_us);
+    md += line;
+    std::fprintf(stderr, "%s", line);
+  }
+  // Ragged contexts: the tables above give every query the same place in its eight-slot chunk
+  // (slots - 1 = 7 mod 8), the EMA's best case; in decoding a query moves by one slot a step.
+  md +=
+      "\nRagged contexts, no probe steps: entry e has slots - (7 e mod 64) slots, so the "
+      "queries take every place of an eight-slot D chunk (in the tables above every query is "
+      "at slots - 1, the last place of one).\n\n"
+      "| batch | slots | sparsity | state | dense us | SPIN us (select + observe) | SPIN/dense | "
+      "sparse stage us | sparse/dense |\n"
+      "|---|---|---|---|---|---|---|---|---|\n";
+  struct RaggedPoint {
+    int b, n;
+    double rho;
+    StateDtype dt;
+  };
+  const std::vector<RaggedPoint> ragged_points =
+      quick ? std::vector<RaggedPoint>{{64, 128 << 10, 0.5, StateDtype::kBf16}}
+            : std::vector<RaggedPoint>{{16, 128 << 10, 0.5, StateDtype::kBf16},
+                                       {64, 128 << 10, 0.5, StateDtype::kBf16},
+                                       {64, 128 << 10, 0.5, StateDtype::kFp32},
+                                       {64, 128 << 10, 0.3, StateDtype::kBf16},
+                                       {128, 256 << 10, 0.5, StateDtype::kBf16}};
+  for (const RaggedPoint& rp : ragged_points) {
+    const Result r = Measure({rp.b, rp.n, rp.rho, rp.dt, 0, kRagged}, bw, plan, stream, reps);
+    if (!r.wg_ok) wg_failed = true;
+    std::snprintf(line, sizeof(line),
+                  "| %d | %dK | %.1f | %s | %.1f | %.1f (%.1f + %.1f) | %.3f | %.1f | %.3f |\n",
+                  rp.b, rp.n >> 10, rp.rho, rp.dt == StateDtype::kFp32 ? "fp32" : "bf16",
                   r.dense_us, r.spin_us, r.select_us, r.spin_us - r.select_us,
                   r.spin_us / r.dense_us, r.sparse_us, r.sparse_us / r.dense_us);
     md += line;
