@@ -81,6 +81,74 @@ __global__ void FillScales(uint8_t* kv, size_t pages) {
   }
 }
 
+// 16-byte global load and store that the compiler keeps (the traffic kernel below writes back
+// what it read, which it would otherwise drop).
+__device__ __forceinline__ uint4 Load16(const void* p) {
+  uint4 x;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+               : "l"(p));
+  return x;
+}
+__device__ __forceinline__ void Store16(void* p, uint4 x) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(x.x), "r"(x.y), "r"(x.z),
+               "r"(x.w)
+               : "memory");
+}
+
+// The EMA's memory traffic and nothing else, for layer `layer` after a step: for every
+// compacted block of every entry's row 0 (entry e is sequence e here), its logits read and its
+// V entries and the aligned 16-byte words covering its D range read and written back unchanged,
+// eight lanes a block as in the EMA, every load of a lane issued before its first store. Its
+// time is what the EMA's bytes cost in the EMA's access pattern, with no arithmetic.
+template <int kStateBytes>
+__global__ void EmaTrafficKernel(const float* logits, int64_t stride, const int32_t* ids,
+                                 int max_blocks, const int32_t* lens, int max_rows,
+                                 const int32_t* qpos, uint8_t* state, uint64_t record_bytes,
+                                 int layers, int layer, int max_slots, uint32_t* sink) {
+  constexpr int kChunk = 16 / kStateBytes;            // entries per 16-byte word
+  constexpr int kVWords = 8 / kChunk;                 // a lane's eight V entries
+  constexpr int kDWords = (64 / kChunk + 1 + 7) / 8;  // a lane's share of <= 9 or 17 D words
+  const int e = static_cast<int>(blockIdx.y);
+  const int len = lens[static_cast<int64_t>(e) * max_rows];
+  const int sg = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) / 8),
+            s8 = threadIdx.x % 8;
+  if (sg * 64 >= len) return;
+  const int j = ids[static_cast<int64_t>(e) * max_blocks + sg], q = qpos[e];
+  const int cnt = min(64, len - sg * 64), base = j * 64, t0 = 8 * s8;
+  uint8_t* rec = state + (static_cast<uint64_t>(e) * layers + layer) * record_bytes;
+  uint8_t* v = rec + static_cast<int64_t>(base + t0) * kStateBytes;
+  uint8_t* dd = rec + static_cast<int64_t>(max_slots) * kStateBytes;
+  const float* z = logits + static_cast<int64_t>(e) * stride + sg * 64 + t0;
+  uint4 zw[2], vw[kVWords], dw[kDWords];
+  const bool has_z = t0 + 8 <= cnt, has_v = t0 < cnt;
+  const int jhi = q - base, jlo = max(0, jhi - (cnt - 1));
+  const int cb = jlo - jlo % kChunk, nch = jhi >= 0 ? (jhi - cb) / kChunk + 1 : 0;
+  if (has_z) {
+    zw[0] = Load16(z);
+    zw[1] = Load16(z + 4);
+  }
+  if (has_v) {
+#pragma unroll
+    for (int w = 0; w < kVWords; ++w) vw[w] = Load16(v + 16 * w);
+  }
+#pragma unroll
+  for (int w = 0; w < kDWords; ++w) {
+    if (s8 + 8 * w < nch)
+      dw[w] = Load16(dd + static_cast<int64_t>(cb + (s8 + 8 * w) * kChunk) * kStateBytes);
+  }
+  if (has_v) {
+#pragma unroll
+    for (int w = 0; w < kVWords; ++w) Store16(v + 16 * w, vw[w]);
+  }
+#pragma unroll
+  for (int w = 0; w < kDWords; ++w) {
+    if (s8 + 8 * w < nch)
+      Store16(dd + static_cast<int64_t>(cb + (s8 + 8 * w) * kChunk) * kStateBytes, dw[w]);
+  }
+  if (has_z && (zw[0].x ^ zw[1].w) == 0x9E3779B9u) *sink = zw[0].y;  // keeps the logits' loads
+}
+
 float MedianGraphMs(cudaGraphExec_t exec, cudaStream_t stream, int reps) {
   cudaEvent_t a, b;
   CHECK_CUDA(cudaEventCreate(&a));
@@ -132,7 +200,8 @@ struct Result {
   Point p;
   int layers;
   double floor_us, spin_us, sparse_us, select_us, kept;
-  double begin_us = 0;           // BeginStep alone, per step (spin_us includes it / kModelLayers)
+  double begin_us = 0;    // BeginStep alone, per step (spin_us includes it / kModelLayers)
+  double traffic_us = 0;  // EmaTrafficKernel per layer: the EMA's bytes in its access pattern
   double mma_us = 0, wg_us = 0;  // dense, each kernel (0: not measured)
   double dense_us = 0;           // dense, the kernel used for the sparse stage
   IndexerKernel used = IndexerKernel::kMmaSync;
@@ -356,6 +425,30 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
   r.sparse_us = MedianGraphMs(g_sparse, stream, reps) * 1e3 / Ls;
   r.select_us = MedianGraphMs(g_select, stream, reps) * 1e3 / Ls;
   r.begin_us = MedianGraphMs(g_begin, stream, reps) * 1e3;
+  // The EMA's bytes alone, per layer (each layer its own state), over the last Select's union.
+  {
+    uint32_t* sink = nullptr;
+    CHECK_CUDA(cudaMalloc(&sink, 4));
+    const dim3 grid((view->max_blocks * 8 + 255) / 256, static_cast<unsigned>(B));
+    cudaGraphExec_t g_traffic = Capture(stream, [&] {
+      for (int l = 0; l < Ls; ++l) {
+        if (g.dtype == StateDtype::kFp32) {
+          EmaTrafficKernel<4><<<grid, 256, 0, stream>>>(
+              logits, N, view->union_ids, static_cast<int>(view->max_blocks), view->compact_len,
+              static_cast<int>(g.max_rows), d_q, view->state, view->StateRecordBytes(), Ls, l, N,
+              sink);
+        } else {
+          EmaTrafficKernel<2><<<grid, 256, 0, stream>>>(
+              logits, N, view->union_ids, static_cast<int>(view->max_blocks), view->compact_len,
+              static_cast<int>(g.max_rows), d_q, view->state, view->StateRecordBytes(), Ls, l, N,
+              sink);
+        }
+      }
+    });
+    r.traffic_us = MedianGraphMs(g_traffic, stream, reps) * 1e3 / Ls;
+    cudaGraphExecDestroy(g_traffic);
+    CHECK_CUDA(cudaFree(sink));
+  }
   std::vector<int32_t> count(B);
   CHECK_CUDA(cudaMemcpy(count.data(), view->union_count, B * 4, cudaMemcpyDeviceToHost));
   double kept = 0;
@@ -496,10 +589,10 @@ int main(int argc, char** argv) {
         "point: dense mma.sync %.1f us, wgmma %.1f us (%s, worst deviation %.2g of the row "
         "max), sparse stage on %s; spin %.1f us (select %.1f), sparse %.1f us per layer of a "
         "%d-layer step (probe period %u); BeginStep (with every layer's selection) %.1f us per "
-        "step\n",
+        "step; the EMA's bytes alone %.1f us per layer\n",
         r.mma_us, r.wg_us, r.wg_ok ? "agrees" : "DISAGREES or unavailable", r.wg_dev,
         IndexerKernelName(r.used), r.spin_us, r.select_us, r.sparse_us, kModelLayers, pprobe,
-        r.begin_us);
+        r.begin_us, r.traffic_us);
     return r.wg_ok ? 0 : 3;
   }
   const double bw = MeasureReadBandwidth(stream);
@@ -633,10 +726,14 @@ int main(int argc, char** argv) {
   md +=
       "\nRagged contexts, no probe steps: entry e has slots - (7 e mod 64) slots, so the "
       "queries take every place of an eight-slot D chunk (in the tables above every query is "
-      "at slots - 1, the last place of one).\n\n"
+      "at slots - 1, the last place of one). \"EMA bytes alone\" is a kernel that moves exactly "
+      "the EMA's bytes in the EMA's access pattern (each compacted block's logits read, its V "
+      "entries and the 16-byte words covering its D range read and written back unchanged, eight "
+      "lanes a block) and does nothing else, per layer as Observe is; against the observe part "
+      "it shows how much of the EMA is its memory traffic.\n\n"
       "| batch | slots | sparsity | state | dense us | SPIN us (select + observe) | SPIN/dense | "
-      "sparse stage us | sparse/dense |\n"
-      "|---|---|---|---|---|---|---|---|---|\n";
+      "sparse stage us | sparse/dense | EMA bytes alone us |\n"
+      "|---|---|---|---|---|---|---|---|---|---|\n";
   struct RaggedPoint {
     int b, n;
     double rho;
@@ -652,11 +749,12 @@ int main(int argc, char** argv) {
   for (const RaggedPoint& rp : ragged_points) {
     const Result r = Measure({rp.b, rp.n, rp.rho, rp.dt, 0, kRagged}, bw, plan, stream, reps);
     if (!r.wg_ok) wg_failed = true;
-    std::snprintf(line, sizeof(line),
-                  "| %d | %dK | %.1f | %s | %.1f | %.1f (%.1f + %.1f) | %.3f | %.1f | %.3f |\n",
-                  rp.b, rp.n >> 10, rp.rho, rp.dt == StateDtype::kFp32 ? "fp32" : "bf16",
-                  r.dense_us, r.spin_us, r.select_us, r.spin_us - r.select_us,
-                  r.spin_us / r.dense_us, r.sparse_us, r.sparse_us / r.dense_us);
+    std::snprintf(
+        line, sizeof(line),
+        "| %d | %dK | %.1f | %s | %.1f | %.1f (%.1f + %.1f) | %.3f | %.1f | %.3f | %.1f |\n", rp.b,
+        rp.n >> 10, rp.rho, rp.dt == StateDtype::kFp32 ? "fp32" : "bf16", r.dense_us, r.spin_us,
+        r.select_us, r.spin_us - r.select_us, r.spin_us / r.dense_us, r.sparse_us,
+        r.sparse_us / r.dense_us, r.traffic_us);
     md += line;
     std::fprintf(stderr, "%s", line);
   }
