@@ -1148,6 +1148,38 @@ __global__ void __launch_bounds__(NT) ProbeRankKernel(Dev d, int l0) {
   if (tid == 0) lvl[qb] = kLevelNow;  // level 0
 }
 
+// The one rule of which rows Observe applies (every Observe kernel asks it). Warp-wide: lane rr
+// holds row rr's compacted length of the entry (LaneRowLen: 0 past max_rows; rows <= kMaxRows
+// <= 32), and RowsFitWarp, called by every lane, is true when no row of the step is longer than
+// the logits stride (a longer row makes the whole entry unapplied; ProbeKernel records the error).
+__device__ __forceinline__ int LaneRowLen(const Dev& d, int e) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  return lane < d.max_rows ? d.compact_len[static_cast<int64_t>(e) * d.max_rows + lane] : 0;
+}
+__device__ __forceinline__ bool RowsFitWarp(int lane_len, int rows, int64_t stride) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  return __all_sync(0xFFFFFFFFu, lane >= rows || lane_len <= stride);
+}
+// The same for one thread: it reads every row's length, and row r's into `len_r`.
+__device__ __forceinline__ bool RowsFitStride(const Dev& d, int e, int rows, int64_t stride, int r,
+                                              int& len_r) {
+  const int32_t* lens = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
+  bool fit = true;
+  len_r = 0;
+  for (int rr = 0; rr < d.max_rows; ++rr) {  // rows <= max_rows
+    const int l = lens[rr];
+    fit = fit && (rr >= rows || l <= stride);
+    if (rr == r) len_r = l;
+  }
+  return fit;
+}
+// Row r of entry e is applied: the entry is in the batch and not padding, its accepted count
+// (`acc`, rows without an accepted array) is in [0, rows] and above r, and its rows fit the stride.
+__device__ __forceinline__ bool RowApplied(int e, int batch_n, int seq, int r, int rows, int acc,
+                                           bool rows_fit) {
+  return e < batch_n && seq >= 0 && r < rows && acc >= 0 && acc <= rows && r < acc && rows_fit;
+}
+
 // One probing entry's share `cx` of `ctas` (ProbeKernel below): the candidates of its share of
 // the row, and for the last share to finish the top-K counted per level. Every thread of the CTA
 // calls it.
@@ -1161,10 +1193,8 @@ __device__ void ProbeTask(Dev d, int layer, const float* logits, int64_t stride,
   __shared__ int s_probe;
   __syncthreads();  // the previous task's readers of the shared state are done
   if (tid < 32) {
-    const int len =
-        lane < d.max_rows ? d.compact_len[static_cast<int64_t>(e) * d.max_rows + lane] : 0;
-    const bool long_row = __any_sync(kAll, lane < rows && len > stride);
-    if (lane == 0) s_probe = long_row ? 0 : 1;  // a row past the stride: no probe (recorded)
+    const bool fit = RowsFitWarp(LaneRowLen(d, e), rows, stride);
+    if (lane == 0) s_probe = fit ? 1 : 0;  // a row past the stride: no probe (recorded)
   }
   __syncthreads();
   if (!s_probe) return;
@@ -1356,7 +1386,6 @@ __device__ void ProbeTask(Dev d, int layer, const float* logits, int64_t stride,
 // bins the logits' top bits fall in.)
 __global__ void __launch_bounds__(kProbeThreads)
     ProbeKernel(Dev d, int layer, const float* logits, int64_t stride, const int32_t* accepted) {
-  constexpr unsigned kAll = 0xFFFFFFFFu;
   StepKernelEntry();
   const int g = static_cast<int>(blockIdx.x), G = static_cast<int>(gridDim.x);
   const int lane = static_cast<int>(threadIdx.x) % 32;
@@ -1367,16 +1396,13 @@ __global__ void __launch_bounds__(kProbeThreads)
     for (int e = g; e < batch_n; e += G) {
       const StepEntry en = d.entries[e];
       const int acc = accepted ? accepted[e] : rows;
-      const int len =
-          lane < d.max_rows ? d.compact_len[static_cast<int64_t>(e) * d.max_rows + lane] : 0;
-      const bool long_row = __any_sync(kAll, lane < rows && len > stride);
+      const bool fit = RowsFitWarp(LaneRowLen(d, e), rows, stride);
       if (lane == 0 && en.seq >= 0) {
         uint8_t* fresh = d.fresh + static_cast<int64_t>(en.seq) * d.layers + layer;
-        const bool bad_acc = acc < 0 || acc > rows;
-        if (accepted && bad_acc) RecordError(d.error, kArenaBadAccepted);
-        if (long_row) RecordError(d.error, kArenaBadStride);
-        // Row 0 is applied (EmaRowOf's `active` for r = 0): the pair is no longer fresh.
-        if (!bad_acc && !long_row && acc >= 1 && *fresh != 0) *fresh = 0;
+        if (accepted && (acc < 0 || acc > rows)) RecordError(d.error, kArenaBadAccepted);
+        if (!fit) RecordError(d.error, kArenaBadStride);
+        // Row 0 is applied: the pair is no longer fresh.
+        if (RowApplied(e, batch_n, en.seq, 0, rows, acc, fit) && *fresh != 0) *fresh = 0;
       }
     }
   }
@@ -1405,21 +1431,18 @@ struct EmaRow {
 __device__ __forceinline__ EmaRow EmaRowOf(const Dev& d, int layer, int r, int64_t stride,
                                            const int32_t* accepted) {
   constexpr unsigned kAll = 0xFFFFFFFFu;
-  const int e = blockIdx.y, lane = threadIdx.x % 32;
+  const int e = blockIdx.y;
   EmaRow w;
   const int batch_n = d.batch->n;
   w.rows = d.batch->rows;
   w.en = d.entries[e];
   const int acc_in = accepted ? accepted[e] : 0;
-  const int lane_len =
-      lane < d.max_rows ? d.compact_len[static_cast<int64_t>(e) * d.max_rows + lane] : 0;
+  const int lane_len = LaneRowLen(d, e);
+  const bool fit = RowsFitWarp(lane_len, w.rows, stride);
   w.alpha = d.policy->alpha;
   w.beta = d.policy->beta;
-  const bool stride_ok = __all_sync(kAll, lane >= w.rows || lane_len <= stride);
   w.len = __shfl_sync(kAll, lane_len, r % 32);
-  const int acc = accepted ? acc_in : w.rows;
-  w.active = e < batch_n && r < w.rows && w.en.seq >= 0 && acc >= 0 && acc <= w.rows && r < acc &&
-             stride_ok;
+  w.active = RowApplied(e, batch_n, w.en.seq, r, w.rows, accepted ? acc_in : w.rows, fit);
   return w;
 }
 
@@ -1812,7 +1835,7 @@ constexpr int kEmaFlatMaxEntries = 512;
 template <typename T>
 __global__ void __launch_bounds__(kEmaThreads)
     EmaVecKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
-                 const int32_t* accepted, int flat, int listed) {
+                 const int32_t* accepted, int listed) {
   StepKernelEntry();
   using B = StateBits<T>;
   using E = typename B::E;
@@ -1836,6 +1859,7 @@ __global__ void __launch_bounds__(kEmaThreads)
   // size the grid was made for, so the entries' loads need not wait for the batch header).
   const float alpha = d.policy->alpha, beta = d.policy->beta;
   const int batch_n = d.batch->n, rows = d.batch->rows;
+  const bool flat = gridDim.y == 1;  // the launch gives a row per entry above kEmaFlatMaxEntries
   const int e0 = flat ? 0 : static_cast<int>(blockIdx.y);
   const int ne = flat ? min(listed, kEmaFlatMaxEntries) : 1;
   // The entries' segments: none unless the row is applied (padding, r >= accepted, accepted
@@ -1850,16 +1874,9 @@ __global__ void __launch_bounds__(kEmaThreads)
       const int e = e0 + i;
       const StepEntry en = d.entries[e];
       const int acc_in = accepted ? accepted[e] : 0;
-      const int32_t* lens = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
-      int len = 0;
-      bool ok = true;
-      for (int rr = 0; rr < d.max_rows; ++rr) {  // rows <= max_rows
-        const int l = lens[rr];
-        ok = ok && (rr >= rows || l <= stride);
-        if (rr == r) len = l;
-      }
-      const int acc = accepted ? acc_in : rows;
-      ok = ok && e < batch_n && en.seq >= 0 && r < rows && acc >= 0 && acc <= rows && r < acc;
+      int len;
+      const bool fit = RowsFitStride(d, e, rows, stride, r, len);
+      const bool ok = RowApplied(e, batch_n, en.seq, r, rows, accepted ? acc_in : rows, fit);
       cnt[u] = ok ? (len + 63) / 64 : 0;
       s_len[i] = len;
       s_q[i] = en.q_pos + r;
@@ -2446,7 +2463,7 @@ class CudaDataPlane final : public DataPlane {
                       static_cast<unsigned>(flat ? 1 : n_));
       for (int r = 0; r < rows_ && e == cudaSuccess; ++r) {
         e = Launch(d_.dtype_bytes == 4 ? EmaVecKernel<float> : EmaVecKernel<uint16_t>, grid,
-                   kEmaThreads, stream, d_, layer, r, logits, logits_stride, accepted, flat, n_);
+                   kEmaThreads, stream, d_, layer, r, logits, logits_stride, accepted, n_);
       }
     } else if (d_.block % 2 == 0 && d_.block >= kEmaSegSlots) {
       // Persistent: as many CTAs per entry as are resident on the device in one wave (at least
