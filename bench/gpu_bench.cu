@@ -430,19 +430,13 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
     uint32_t* sink = nullptr;
     CHECK_CUDA(cudaMalloc(&sink, 4));
     const dim3 grid((view->max_blocks * 8 + 255) / 256, static_cast<unsigned>(B));
+    auto* traffic = g.dtype == StateDtype::kFp32 ? EmaTrafficKernel<4> : EmaTrafficKernel<2>;
     cudaGraphExec_t g_traffic = Capture(stream, [&] {
       for (int l = 0; l < Ls; ++l) {
-        if (g.dtype == StateDtype::kFp32) {
-          EmaTrafficKernel<4><<<grid, 256, 0, stream>>>(
-              logits, N, view->union_ids, static_cast<int>(view->max_blocks), view->compact_len,
-              static_cast<int>(g.max_rows), d_q, view->state, view->StateRecordBytes(), Ls, l, N,
-              sink);
-        } else {
-          EmaTrafficKernel<2><<<grid, 256, 0, stream>>>(
-              logits, N, view->union_ids, static_cast<int>(view->max_blocks), view->compact_len,
-              static_cast<int>(g.max_rows), d_q, view->state, view->StateRecordBytes(), Ls, l, N,
-              sink);
-        }
+        traffic<<<grid, 256, 0, stream>>>(logits, N, view->union_ids,
+                                          static_cast<int>(view->max_blocks), view->compact_len,
+                                          static_cast<int>(g.max_rows), d_q, view->state,
+                                          view->StateRecordBytes(), Ls, l, N, sink);
       }
     });
     r.traffic_us = MedianGraphMs(g_traffic, stream, reps) * 1e3 / Ls;
@@ -648,12 +642,17 @@ int main(int argc, char** argv) {
     slots = {128 << 10};
   }
   bool wg_failed = false;
+  // Each table row: `line` (just formatted for r) into the table and onto stderr as progress.
+  auto emit = [&](const Result& r) {
+    if (!r.wg_ok) wg_failed = true;
+    md += line;
+    std::fprintf(stderr, "%s", line);
+  };
   for (int b : batches) {
     for (int n : slots) {
       for (double rho : {0.3, 0.5}) {
         for (StateDtype dt : {StateDtype::kFp32, StateDtype::kBf16}) {
           const Result r = Measure({b, n, rho, dt}, bw, plan, stream, reps);
-          if (!r.wg_ok) wg_failed = true;
           std::snprintf(line, sizeof(line),
                         "| %d | %dK | %.1f | %s | %d | %.1f | %.1f | %.1f (%.1e%s) | %s | %.1f | "
                         "%.2f | %.1f (%.1f + %.1f) | %.3f | %.1f | %.3f | %.3f | %.1f |\n",
@@ -662,8 +661,7 @@ int main(int argc, char** argv) {
                         IndexerKernelName(r.used), r.dense_us, r.floor_us / r.dense_us, r.spin_us,
                         r.select_us, r.spin_us - r.select_us, r.spin_us / r.dense_us, r.sparse_us,
                         r.sparse_us / r.dense_us, r.kept, r.begin_us);
-          md += line;
-          std::fprintf(stderr, "%s", line);
+          emit(r);
         }
       }
     }
@@ -692,13 +690,11 @@ int main(int argc, char** argv) {
   for (const ProbePoint& pp : probe_points) {
     const Result r =
         Measure({pp.b, pp.n, 0.5, StateDtype::kBf16, pp.period}, bw, plan, stream, reps);
-    if (!r.wg_ok) wg_failed = true;
     std::snprintf(
         line, sizeof(line), "| %d | %dK | %u | %.1f | %.1f (%.1f + %.1f) | %.3f | %.1f | %.3f |\n",
         pp.b, pp.n >> 10, pp.period, r.dense_us, r.spin_us, r.select_us, r.spin_us - r.select_us,
         r.spin_us / r.dense_us, r.sparse_us, r.sparse_us / r.dense_us);
-    md += line;
-    std::fprintf(stderr, "%s", line);
+    emit(r);
   }
   // Mixed contexts (the tables above give every entry the same context).
   md +=
@@ -713,13 +709,11 @@ int main(int argc, char** argv) {
             : std::vector<std::pair<int, int>>{{16, 128 << 10}, {64, 128 << 10}, {128, 256 << 10}};
   for (const auto& [mb, mn] : mixed_points) {
     const Result r = Measure({mb, mn, 0.5, StateDtype::kBf16, 0, kMixed}, bw, plan, stream, reps);
-    if (!r.wg_ok) wg_failed = true;
     std::snprintf(line, sizeof(line),
                   "| %d | %dK | %.1f | %.1f (%.1f + %.1f) | %.3f | %.1f | %.3f |\n", mb, mn >> 10,
                   r.dense_us, r.spin_us, r.select_us, r.spin_us - r.select_us,
                   r.spin_us / r.dense_us, r.sparse_us, r.sparse_us / r.dense_us);
-    md += line;
-    std::fprintf(stderr, "%s", line);
+    emit(r);
   }
   // Ragged contexts: the tables above give every query the same place in its eight-slot chunk
   // (slots - 1 = 7 mod 8), the EMA's best case; in decoding a query moves by one slot a step.
@@ -748,15 +742,13 @@ int main(int argc, char** argv) {
                                        {128, 256 << 10, 0.5, StateDtype::kBf16}};
   for (const RaggedPoint& rp : ragged_points) {
     const Result r = Measure({rp.b, rp.n, rp.rho, rp.dt, 0, kRagged}, bw, plan, stream, reps);
-    if (!r.wg_ok) wg_failed = true;
     std::snprintf(
         line, sizeof(line),
         "| %d | %dK | %.1f | %s | %.1f | %.1f (%.1f + %.1f) | %.3f | %.1f | %.3f | %.1f |\n", rp.b,
         rp.n >> 10, rp.rho, rp.dt == StateDtype::kFp32 ? "fp32" : "bf16", r.dense_us, r.spin_us,
         r.select_us, r.spin_us - r.select_us, r.spin_us / r.dense_us, r.sparse_us,
         r.sparse_us / r.dense_us, r.traffic_us);
-    md += line;
-    std::fprintf(stderr, "%s", line);
+    emit(r);
   }
   if (wg_failed) md += "\nwgmma FAILED (disagreed with mma.sync or did not run) at some points.\n";
   std::printf("%s", md.c_str());
