@@ -42,6 +42,7 @@ absl::StatusOr<ReplaySummary> ReplayThroughDaemon(const std::string& target, con
   ao.seed = options.seed;
   ao.client_name = remote ? "spinctl-replay-remote" : "spinctl-replay";
   ao.admin_token = admin_token;
+  ao.fetch_arena = !remote;  // a session is driven locally or remotely, never both
   absl::StatusOr<std::unique_ptr<client::Session>> s = client::Session::Attach(target, ao);
   if (!s.ok()) return s.status();
   client::Session& session = **s;

@@ -2,9 +2,11 @@
 
 #include <poll.h>
 
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "log.h"
 
 #if SPIN_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -105,11 +107,10 @@ void ResilientDataPlane::Retry() {
         want_session_ = false;
         logged = false;
       } else if (!logged) {
-        std::fprintf(stderr,
-                     "spin_client: cannot attach to spind at %s (%s); retrying every %lld ms%s\n",
-                     target_.c_str(), std::string(s.status().message()).c_str(),
-                     static_cast<long long>(retry_.count()),
-                     has_session_ ? "" : ", selections dense until then");
+        Log(LogLevel::kWarning,
+            absl::StrCat("cannot attach to spind at ", target_, " (", s.status().message(),
+                         "); retrying every ", retry_.count(), " ms",
+                         has_session_ ? "" : ", selections dense until then"));
         logged = true;
       }
     }
@@ -151,9 +152,8 @@ absl::Status ResilientDataPlane::BeginStep(const StepBatch& batch, cudaStream_t 
 absl::Status ResilientDataPlane::Refresh() {
   // Between steps: notice a dead daemon, switch in a session the retry thread attached.
   if (session_ && !lost_ && !session_->alive()) {
-    std::fprintf(stderr,
-                 "spin_client: lost spind session %s: keeping the mapped arena, reattaching\n",
-                 session_->id().c_str());
+    Log(LogLevel::kWarning, absl::StrCat("lost spind session ", session_->id(),
+                                         ": keeping the mapped arena, reattaching"));
     lost_ = true;
     std::lock_guard<std::mutex> lock(mu_);
     want_session_ = true;
@@ -174,8 +174,8 @@ absl::Status ResilientDataPlane::Refresh() {
                                "the session's arena layout differs from the "
                                "engine's (geometry or seed)");
     if (!s.ok()) {
-      std::fprintf(stderr, "spin_client: cannot use spind session %s: %s; retrying\n",
-                   next->id().c_str(), std::string(s.message()).c_str());
+      Log(LogLevel::kWarning, absl::StrCat("cannot use spind session ", next->id(), ": ",
+                                           s.message(), "; retrying"));
       std::lock_guard<std::mutex> lock(mu_);
       to_detach_.push_back(std::move(next));  // detached by the retry thread, not here
       want_session_ = true;
@@ -189,8 +189,8 @@ absl::Status ResilientDataPlane::Refresh() {
       // Never fail the engine over SPIN (DESIGN §7): a sequence that cannot be reopened is
       // logged; its steps are then rejected by the data plane's own checks.
       if (absl::Status s = dp.ResetSequence(seq, key); !s.ok()) {
-        std::fprintf(stderr, "spin_client: cannot reopen sequence %d in session %s: %s\n", seq,
-                     next->id().c_str(), std::string(s.message()).c_str());
+        Log(LogLevel::kError, absl::StrCat("cannot reopen sequence ", seq, " in session ",
+                                           next->id(), ": ", s.message()));
       }
     }
     session_ = std::move(next);

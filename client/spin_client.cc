@@ -1,7 +1,9 @@
 #include "spin_client.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -23,7 +25,8 @@ namespace {
 
 namespace pb = spin::v1;
 
-// Connects to the fd socket, asks for the session's arena and receives its fd.
+}  // namespace
+
 absl::Status FetchArenaFd(const std::string& path, const std::string& id, const std::string& token,
                           int* conn_out, int* fd_out, uint64_t* bytes_out) {
   sockaddr_un addr{};
@@ -42,7 +45,8 @@ absl::Status FetchArenaFd(const std::string& path, const std::string& id, const 
   setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
   const std::string req = absl::StrCat("ATTACH ", id, " ", token, "\n");
-  if (write(conn, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
+  // MSG_NOSIGNAL: a closed peer must not raise SIGPIPE in the engine process.
+  if (send(conn, req.data(), req.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(req.size())) {
     close(conn);
     return absl::UnavailableError("fd socket closed during the handshake");
   }
@@ -54,7 +58,7 @@ absl::Status FetchArenaFd(const std::string& path, const std::string& id, const 
   msg.msg_iovlen = 1;
   msg.msg_control = control;
   msg.msg_controllen = sizeof(control);
-  const ssize_t n = recvmsg(conn, &msg, MSG_CMSG_CLOEXEC);
+  const ssize_t n = recvmsg(conn, &msg, MSG_CMSG_CLOEXEC | MSG_NOSIGNAL);
   int fd = -1;
   for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
     if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
@@ -73,8 +77,6 @@ absl::Status FetchArenaFd(const std::string& path, const std::string& id, const 
   *bytes_out = bytes;
   return absl::OkStatus();
 }
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Attach(const std::string& target,
                                                          const AttachOptions& o) {
@@ -103,6 +105,17 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Attach(const std::string& targ
         gpu ? "spind keeps arenas on the GPU; this engine runs on the CPU"
             : "spind keeps arenas in host memory; this engine runs on the GPU (start spind "
               "with --backend cuda on its GPU)");
+  }
+  s->header_ = {};
+  if (resp.arena_header().size() == sizeof(ArenaHeader)) {
+    std::memcpy(&s->header_, resp.arena_header().data(), sizeof(ArenaHeader));
+  }
+  s->arena_bytes_ = resp.arena_bytes();
+  if (!o.fetch_arena) {
+    // Remote mode: spind runs the data plane; the arena stays in the daemon. The session lives
+    // as long as calls name it (KeepAlive when idle).
+    if (resp.backend() == pb::BACKEND_CUDA) s->device_uuid_ = resp.device_uuid();
+    return s;
   }
   int fd = -1;
   uint64_t bytes = 0;
@@ -150,6 +163,20 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Attach(const std::string& targ
 }
 
 absl::StatusOr<ArenaView> Session::MapHost(int fd, uint64_t bytes, const ArenaHeader& header) {
+  // The fd must be exactly the arena, sealed at its size: then no process holding it can
+  // shrink it under this mapping (which would raise SIGBUS in the engine).
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) != bytes) {
+    return absl::DataLossError(absl::StrCat("spind sent an arena fd of ",
+                                            static_cast<long long>(st.st_size),
+                                            " bytes; the session's arena has ", bytes));
+  }
+  const int seals = fcntl(fd, F_GET_SEALS);
+  const int want = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
+  if (seals < 0 || (seals & want) != want) {
+    return absl::FailedPreconditionError(
+        "spind sent an arena fd that is not sealed against resizing: upgrade spind");
+  }
   void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (base == MAP_FAILED) {
     return absl::ResourceExhaustedError(absl::StrCat("cannot map the ", bytes, "-byte arena"));
@@ -194,6 +221,16 @@ absl::StatusOr<ArenaView> Session::MapDevice(int fd, uint64_t bytes, const std::
       absl::StrCat("spind keeps this session's arena on GPU ", uuid,
                    " but this client was built without the CUDA backend"));
 #endif
+}
+
+absl::Status Session::KeepAlive() {
+  pb::KeepAliveRequest req;
+  req.mutable_session()->set_session_id(id_);
+  req.mutable_session()->set_token(token_);
+  pb::KeepAliveResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  return FromGrpc(stub_->KeepAlive(&ctx, req, &resp), "KeepAlive");
 }
 
 absl::Status Session::Detach() {

@@ -26,10 +26,20 @@ struct AttachOptions {
   /// CUDA sessions: keep the arena's fd instead of mapping it, for MapInto (ResilientDataPlane
   /// maps every session at one fixed address so the engine's CUDA graphs stay valid).
   bool defer_device_map = false;
+  /// Fetch and map the arena (local mode, the default). False for remote mode: spind runs the
+  /// data plane (RemoteDataPlane) and the arena is never handed out; a session is driven one
+  /// way or the other, never both, and data_plane() is unavailable.
+  bool fetch_arena = true;
   /// Refuse a daemon whose arenas live elsewhere (checked right after Attach, before any fd
   /// is fetched or memory imported): 0 = either, 1 = host memory only, 2 = GPU only.
   int require_backend = 0;
 };
+
+/// The fd-socket handshake (docs/spind.md): connects to `path`, asks for session `id`'s arena
+/// and receives its fd (`*fd_out`, the caller closes it) and size; the connection (`*conn_out`)
+/// stays open as the session's liveness signal. Never raises SIGPIPE; gives up after 10 s.
+absl::Status FetchArenaFd(const std::string& path, const std::string& id, const std::string& token,
+                          int* conn_out, int* fd_out, uint64_t* bytes_out);
 
 /// An attached session with its arena mapped here: the daemon's memfd (CPU backend), or its
 /// CUDA VMM allocation imported and mapped on the same GPU (CUDA backend; that GPU becomes the
@@ -42,8 +52,10 @@ class Session {
                                                          const AttachOptions& options);
   ~Session();
 
-  /// The local data plane over the shared arena.
+  /// The local data plane over the shared arena (local mode only: see fetch_arena).
   DataPlane& data_plane() { return *dp_; }
+  /// True when the arena is mapped here and data_plane() can be used.
+  bool has_data_plane() const { return dp_ != nullptr; }
   /// The mapped arena.
   const ArenaView& arena() const { return view_; }
   /// Session id and token (for control calls).
@@ -53,6 +65,9 @@ class Session {
   spin::v1::Spin::Stub& stub() { return *stub_; }
   /// Frees the session in the daemon (the mapping here stays valid until destruction).
   absl::Status Detach();
+  /// Renews the session's lease (remote mode: a session no call names for the daemon's grace
+  /// period is freed; local mode holds it through the fd connection).
+  absl::Status KeepAlive();
   /// False once spind closed the session's fd connection (it exited or freed the session).
   bool alive() const;
   /// True when the arena is in GPU memory (spind runs the CUDA backend).

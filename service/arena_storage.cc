@@ -4,6 +4,10 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+
 #include "absl/strings/str_cat.h"
 #include "spin/budget.h"
 
@@ -25,10 +29,16 @@ class CpuArenaStorage final : public ArenaStorage {
     bytes_ = ArenaBytes(g);
     // A memfd so that a client can map the same pages (fd passing over a Unix socket); it
     // lives as long as a mapping or descriptor holds it.
-    memfd_ = memfd_create("spin-arena", MFD_CLOEXEC);
+    memfd_ = memfd_create("spin-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (memfd_ < 0 || ftruncate(memfd_, static_cast<off_t>(bytes_)) != 0) {
       return absl::ResourceExhaustedError(
           absl::StrCat("cannot create a ", bytes_, "-byte arena (memfd): out of memory?"));
+    }
+    // Sealed at its size before anyone else can hold it: a client holding the fd cannot shrink
+    // it (spind would then die of SIGBUS reading the lost pages), grow it, or change the seals.
+    if (fcntl(memfd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+      return absl::InternalError(
+          absl::StrCat("cannot seal the arena's memfd: ", std::strerror(errno)));
     }
     void* base = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, memfd_, 0);
     if (base == MAP_FAILED) {
@@ -81,7 +91,20 @@ absl::StatusOr<std::unique_ptr<ArenaStorage>> MakeCpuArenaStorage(const Geometry
   return std::unique_ptr<ArenaStorage>(std::move(s));
 }
 
+uint64_t HostMemoryBytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  uint64_t bytes = pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * page : 0;
+  // cgroup v2, then v1: "max" or an absurd v1 value means no limit.
+  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream f(path);
+    unsigned long long limit = 0;
+    if (f >> limit && limit > 0 && (bytes == 0 || limit < bytes)) bytes = limit;
+  }
+  return bytes;
+}
+
 #ifndef SPIN_HAVE_CUDA
+uint64_t CudaDeviceFreeBytesOrZero(int) { return 0; }
 bool CudaBackendUsable(int, std::string* why) {
   *why = "this spind was built without the CUDA backend (the CUDA toolkit was not found)";
   return false;

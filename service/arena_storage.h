@@ -70,4 +70,11 @@ absl::StatusOr<std::unique_ptr<ArenaStorage>> MakeCudaArenaStorage(int ordinal, 
 /// The device UUID of `ordinal` ("" without the CUDA backend).
 std::string CudaDeviceUuidOrEmpty(int ordinal);
 
+/// Free bytes of CUDA device `ordinal` now (0 without the CUDA backend or on error).
+uint64_t CudaDeviceFreeBytesOrZero(int ordinal);
+
+/// Host memory arenas may use: physical RAM, or the cgroup's memory limit when lower (a
+/// container's limit is what the kernel enforces).
+uint64_t HostMemoryBytes();
+
 }  // namespace spin::service

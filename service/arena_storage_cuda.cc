@@ -243,4 +243,9 @@ std::string CudaDeviceUuidOrEmpty(int ordinal) {
   return u.ok() ? *u : "";
 }
 
+uint64_t CudaDeviceFreeBytesOrZero(int ordinal) {
+  absl::StatusOr<uint64_t> f = CudaDeviceFreeBytes(ordinal);
+  return f.ok() ? *f : 0;
+}
+
 }  // namespace spin::service

@@ -6,11 +6,31 @@
 
 namespace spin::service {
 
+absl::Status WriteSessionPolicy(Session& s, const Policy& p) {
+  if (absl::Status st = ValidatePolicy(p); !st.ok()) return st;
+  if (absl::Status st = s.arena->WritePolicy(p); !st.ok()) return st;
+  s.policy = p;
+  if (p.budget_mode == BudgetMode::kUniform) {
+    s.budgets_written.assign(s.geometry.layers, p.target_sparsity);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WriteSessionBudgets(Session& s, const std::vector<double>& sparsity) {
+  if (absl::Status st = ValidateBudgetTable(s.geometry, sparsity); !st.ok()) return st;
+  if (absl::Status st = s.arena->WriteBudgets(sparsity.data()); !st.ok()) return st;
+  s.budgets_written = sparsity;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<bool> RefreshBudgets(Session& s, bool policy_changed) {
   ArenaStorage& arena = *s.arena;
   if (absl::Status st = arena.PullControl(); !st.ok()) return st;
   const ArenaView& v = arena.host();
-  const Policy p = ReadPolicy(v);
+  // spind's own policy, not the arena's copy (a client that maps the arena can write it); the
+  // counters and curves are read from the arena and only ever used as numbers, bounded by the
+  // session's geometry in the controller.
+  const Policy& p = s.policy;
   if (p.budget_mode != BudgetMode::kPerLayer) {
     s.budgets.reset();  // a later switch back starts from fresh curves
     return false;
@@ -23,7 +43,7 @@ absl::StatusOr<bool> RefreshBudgets(Session& s, bool policy_changed) {
   absl::StatusOr<std::optional<BudgetUpdate>> u = s.budgets->Update(snap, p.target_sparsity);
   if (!u.ok()) return u.status();
   if (u->has_value()) {
-    if (absl::Status st = arena.WriteBudgets((*u)->sparsity.data()); !st.ok()) return st;
+    if (absl::Status st = WriteSessionBudgets(s, (*u)->sparsity); !st.ok()) return st;
     s.budget_recomputes += 1;
     s.budget_reason = (*u)->reason;
     return true;
@@ -32,9 +52,9 @@ absl::StatusOr<bool> RefreshBudgets(Session& s, bool policy_changed) {
     // No probe data yet: the new target applies uniformly until the first recompute.
     const std::vector<double> uniform(L, p.target_sparsity);
     bool same = true;
-    for (uint32_t l = 0; l < L; ++l) same = same && v.sparsity[l] == p.target_sparsity;
+    for (uint32_t l = 0; l < L; ++l) same = same && s.budgets_written[l] == p.target_sparsity;
     if (same) return false;
-    if (absl::Status st = arena.WriteBudgets(uniform.data()); !st.ok()) return st;
+    if (absl::Status st = WriteSessionBudgets(s, uniform); !st.ok()) return st;
     return true;
   }
   return false;
@@ -68,7 +88,10 @@ void BudgetProbe::Loop() {
   while (!cv_.wait_for(lock, interval_, [this] { return stop_; })) {
     lock.unlock();
     for (const std::shared_ptr<Session>& s : sessions_->List()) {
-      std::lock_guard<std::mutex> session_lock(s->mu);
+      // A session busy with a call is visited at the next pass: the thread never waits on one
+      // session while the others' budgets are due.
+      std::unique_lock<std::mutex> session_lock(s->mu, std::try_to_lock);
+      if (!session_lock.owns_lock() || s->freed) continue;
       absl::StatusOr<bool> written = RefreshBudgets(*s, false);
       if (!written.ok()) {
         log_("error", absl::StrCat("budgets of session ", s->id, ": ", written.status().message()));

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "session_manager.h"
@@ -24,6 +25,13 @@ namespace spin::service {
 /// whose controller has no table yet gets the uniform table at the new target, so a new target
 /// takes effect at the next step either way. Returns true when the budget table was written.
 absl::StatusOr<bool> RefreshBudgets(Session& s, bool policy_changed);
+
+/// Validates `p`, writes it into the session's arena (and, in uniform mode, the budget table)
+/// and records it as the session's policy (caller holds `s.mu`). Changes nothing on error.
+absl::Status WriteSessionPolicy(Session& s, const Policy& p);
+/// Writes a per-layer budget table into the session's arena and records it (caller holds
+/// `s.mu`). Changes nothing on error.
+absl::Status WriteSessionBudgets(Session& s, const std::vector<double>& sparsity);
 
 /// The background thread.
 class BudgetProbe {

@@ -36,9 +36,11 @@ ParseResult ParseConfig(int argc, const char* const* argv) {
       ->envname("SPIND_DEVICE")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  app.add_option("--max-arena-bytes", c.max_arena_bytes, "Arena bytes over all sessions")
+  app.add_option("--max-arena-bytes", c.max_arena_bytes,
+                 "Arena bytes over all sessions; 0 (default): half the memory where arenas live "
+                 "(host RAM on the cpu backend, the GPU's free memory at start on cuda)")
       ->envname("SPIND_MAX_ARENA_BYTES")
-      ->check(CLI::PositiveNumber)
+      ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--max-sessions", c.max_sessions, "Sessions held at once")
       ->envname("SPIND_MAX_SESSIONS")
@@ -49,8 +51,39 @@ ParseResult ParseConfig(int argc, const char* const* argv) {
       ->check(CLI::IsMember({"text", "json"}))
       ->capture_default_str();
   app.add_option("--client-grace-ms", c.client_grace_ms,
-                 "Free a session this long after its last client connection closed")
+                 "Free a session once no fd connection holds it and no call named it for this "
+                 "long (its lease; KeepAlive renews it)")
       ->envname("SPIND_CLIENT_GRACE_MS")
+      ->check(CLI::Range(1u, 86400000u))
+      ->capture_default_str();
+  app.add_option("--allow-uid", c.allow_uids,
+                 "Also hand arenas to fd-socket peers of this uid (repeat or comma-separate; "
+                 "spind's own uid and root are always accepted)")
+      ->envname("SPIND_ALLOW_UID")
+      ->delimiter(',');
+  app.add_option("--allow-gid", c.allow_gids,
+                 "Also hand arenas to fd-socket peers of this gid (repeat or comma-separate)")
+      ->envname("SPIND_ALLOW_GID")
+      ->delimiter(',');
+  app.add_flag("--tcp-allow-unauthenticated", c.tcp_allow_unauthenticated,
+               "Without --admin-token-file, let anyone who reaches --tcp-listen attach, detach "
+               "and change policy (refused by default; logged as a warning)")
+      ->envname("SPIND_TCP_ALLOW_UNAUTHENTICATED");
+  app.add_option("--workers", c.workers,
+                 "Threads for slow RPC work (arena allocation, remote-mode steps); each session "
+                 "uses at most one at a time")
+      ->envname("SPIND_WORKERS")
+      ->check(CLI::Range(1u, 256u))
+      ->capture_default_str();
+  app.add_option("--fd-handshake-ms", c.fd_handshake_ms,
+                 "A peer of the fd socket must complete its request within this time")
+      ->envname("SPIND_FD_HANDSHAKE_MS")
+      ->check(CLI::Range(10u, 600000u))
+      ->capture_default_str();
+  app.add_option("--max-fd-connections", c.max_fd_connections,
+                 "fd-socket connections one session may hold open at once")
+      ->envname("SPIND_MAX_FD_CONNECTIONS")
+      ->check(CLI::Range(1u, 1024u))
       ->capture_default_str();
   app.add_option("--probe-interval-ms", c.probe_interval_ms,
                  "How often the probe thread reads per-layer sessions' miss curves and "

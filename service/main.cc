@@ -3,11 +3,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <ctime>
 #include <fstream>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -18,24 +21,45 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "metrics.h"
+#include "nlohmann/json.hpp"
 #include "session_manager.h"
 #include "spin_service.h"
 
 namespace {
 
-// One log line on stderr: JSON object or text.
+// One log line on stderr: a JSON object (nlohmann::json escapes every control character and
+// replaces invalid UTF-8, so client-supplied text cannot break the line) or text.
 void Log(const spin::service::Config& c, const char* level, const std::string& msg) {
+  static std::mutex mu;  // one whole line at a time from every thread
+  std::string line;
   if (c.log_format == "json") {
-    std::string escaped;
-    for (char ch : msg) {
-      if (ch == '"' || ch == '\\') escaped.push_back('\\');
-      escaped.push_back(ch);
-    }
-    std::fprintf(stderr, "{\"ts\":%lld,\"level\":\"%s\",\"msg\":\"%s\"}\n",
-                 static_cast<long long>(std::time(nullptr)), level, escaped.c_str());
+    const nlohmann::json j = {
+        {"ts", static_cast<long long>(std::time(nullptr))}, {"level", level}, {"msg", msg}};
+    line = j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
   } else {
-    std::fprintf(stderr, "spind: %s: %s\n", level, msg.c_str());
+    line = std::string("spind: ") + level + ": ";
+    for (char ch : msg) {  // one line per message: control characters shown, not obeyed
+      const auto u = static_cast<unsigned char>(ch);
+      if (u < 0x20 || u == 0x7f) {
+        char hex[8];
+        std::snprintf(hex, sizeof(hex), "\\x%02x", u);
+        line += hex;
+      } else {
+        line.push_back(ch);
+      }
+    }
+    line += "\n";
   }
+  std::lock_guard<std::mutex> lock(mu);
+  std::fwrite(line.data(), 1, line.size(), stderr);
+}
+
+// What --max-arena-bytes 0 means: half of the memory where arenas live.
+uint64_t DefaultArenaBytes(spin::service::Backend backend, int device) {
+  const uint64_t there = backend == spin::service::Backend::kCuda
+                             ? spin::service::CudaDeviceFreeBytesOrZero(device)
+                             : spin::service::HostMemoryBytes();
+  return there > 0 ? there / 2 : (1ull << 30);
 }
 
 }  // namespace
@@ -59,6 +83,8 @@ int main(int argc, char** argv) {
   unlink(socket_path.c_str());  // a stale socket from a previous run
   // Where arenas live: a GPU when asked for (or, with auto, when one is usable), else host memory.
   Limits limits{c.max_sessions, c.max_arena_bytes, Backend::kCpu, c.device};
+  limits.grace = std::chrono::milliseconds(c.client_grace_ms);
+  limits.max_holders = static_cast<int>(c.max_fd_connections);
   std::string why_not_cuda;
   const bool cuda = CudaBackendUsable(c.device, &why_not_cuda);
   if (c.backend == "cuda" && !cuda) {
@@ -72,12 +98,28 @@ int main(int argc, char** argv) {
       limits.backend == Backend::kCuda
           ? "backend cuda, device " + std::to_string(c.device) + " " + uuid
           : "backend cpu" + (c.backend == "auto" ? " (" + why_not_cuda + ")" : std::string());
+  if (limits.max_arena_bytes == 0) {
+    limits.max_arena_bytes = DefaultArenaBytes(limits.backend, c.device);
+    Log(c, "info",
+        "--max-arena-bytes " + std::to_string(limits.max_arena_bytes) + " (half of the " +
+            (limits.backend == Backend::kCuda ? "GPU's free memory" : "host's memory") +
+            "; set it to change)");
+  }
+  auto log = [&c](const char* level, const std::string& msg) { Log(c, level, msg); };
   SessionManager sessions(limits);
-  FdServer fds(&sessions, FdSocketPath(socket_path), std::chrono::milliseconds(c.client_grace_ms));
+  FdServerOptions fd_options;
+  fd_options.allow_uids = c.allow_uids;
+  fd_options.allow_gids = c.allow_gids;
+  fd_options.handshake_deadline = std::chrono::milliseconds(c.fd_handshake_ms);
+  FdServer fds(&sessions, FdSocketPath(socket_path), fd_options, log);
   if (absl::Status s = fds.Start(); !s.ok()) {
     Log(c, "error", std::string(s.message()) + ": check that the directory exists and is writable");
     return 1;
   }
+  // Leases are checked four times per grace period (at least every second).
+  sessions.StartReaper(
+      std::chrono::milliseconds(std::clamp<uint32_t>(c.client_grace_ms / 4, 10, 1000)),
+      [&c](const std::string& line) { Log(c, "info", line); });
   Metrics metrics(&sessions, limits.backend == Backend::kCuda ? std::to_string(c.device) : "",
                   uuid);
   if (!c.metrics_address.empty()) {
@@ -92,12 +134,27 @@ int main(int argc, char** argv) {
   if (!c.admin_token_file.empty()) {
     std::ifstream f(c.admin_token_file);
     std::getline(f, admin_token);
+    while (!admin_token.empty() && std::isspace(static_cast<unsigned char>(admin_token.back()))) {
+      admin_token.pop_back();  // a trailing newline or \r from an editor or a Secret
+    }
     if (admin_token.empty()) {
       Log(c, "error", "--admin-token-file " + c.admin_token_file + " is empty");
       return 1;
     }
   }
-  SpinService service(&sessions, fds.path(), &metrics, admin_token);
+  if (!c.tcp_listen.empty() && admin_token.empty()) {
+    Log(c, "warning",
+        c.tcp_allow_unauthenticated
+            ? "--tcp-allow-unauthenticated: anyone who reaches " + c.tcp_listen +
+                  " can attach, detach and change policy"
+            : "--tcp-listen without --admin-token-file: state-changing calls over TCP are "
+              "refused (read-only calls are served)");
+  }
+  ServiceOptions service_options;
+  service_options.admin_token = admin_token;
+  service_options.allow_unauthenticated_tcp = c.tcp_allow_unauthenticated;
+  service_options.workers = c.workers;
+  SpinService service(&sessions, fds.path(), &metrics, service_options);
   service.SetLogger([&c](const char* level, const std::string& msg) { Log(c, level, msg); });
   BudgetProbe probe(
       &sessions, std::chrono::milliseconds(c.probe_interval_ms),
@@ -139,6 +196,7 @@ int main(int argc, char** argv) {
   waiter.join();
   probe.Stop();
   fds.Stop();
+  sessions.StopReaper();
   unlink(socket_path.c_str());
   Log(c, "info", "stopped; " + std::to_string(sessions.List().size()) + " sessions freed");
   return 0;

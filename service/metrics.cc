@@ -77,14 +77,17 @@ class SessionCollector final : public prometheus::Collectable {
     uint64_t total = 0;
     for (const std::shared_ptr<Session>& s : all) {
       total += s->bytes;
-      std::lock_guard<std::mutex> lock(s->mu);
+      // A session busy with a call is left out of this scrape rather than making the scrape
+      // (and Prometheus) wait for it; it is back at the next one.
+      std::unique_lock<std::mutex> lock(s->mu, std::try_to_lock);
+      if (!lock.owns_lock() || s->freed) continue;
       if (!s->arena->PullControl().ok()) continue;  // a device error: skip, scrape the rest
       const ArenaView& v = s->arena->host();
       ClientMetric rc;
       rc.label = {{"session", s->id}};
       rc.counter.value = static_cast<double>(s->budget_recomputes);
       recomputes.metric.push_back(rc);
-      for (uint32_t l = 0; l < v.geometry.layers; ++l) {
+      for (uint32_t l = 0; l < s->geometry.layers; ++l) {
         const LayerStats& st = v.stats[l];
         ClientMetric m;
         m.label = {{"session", s->id}, {"layer", std::to_string(l)}};
@@ -99,11 +102,14 @@ class SessionCollector final : public prometheus::Collectable {
           f.metric.push_back(x);
         };
         // The same derived ratios GetStats reports.
-        const spin::v1::LayerStats ratios = ToProto(l, st, v.sparsity[l]);
+        // The counters are the arena's (written by the client's data plane); the budget is
+        // the table spind wrote.
+        const double layer_budget = s->budgets_written[l];
+        const spin::v1::LayerStats ratios = ToProto(l, st, layer_budget);
         gauge(realized, ratios.realized_sparsity());
         gauge(effective, ratios.effective_sparsity());
         gauge(miss, ratios.miss_rate());
-        gauge(budget, v.sparsity[l]);
+        gauge(budget, layer_budget);
         counter(steps, st.steps);
         counter(probes, st.probe_steps);
         counter(bad, st.bad_scores);
@@ -145,9 +151,20 @@ Metrics::Metrics(SessionManager* sessions, std::string gpu, std::string uuid)
 
 Metrics::~Metrics() = default;
 
-absl::Status Metrics::Start(const std::string& address) {
+absl::Status Metrics::Start(const std::string& address, int threads, int request_timeout_ms) {
+  // civetweb's defaults (a 30 s request timeout, keep-alive) let two idle TCP connections hold
+  // both workers for 30 s. Each worker now drops a silent peer after the timeout, connections
+  // are not kept alive between scrapes, and more workers than a scrape needs serve at once.
+  const std::vector<std::string> options = {
+      "listening_ports",   address,
+      "num_threads",       std::to_string(threads),
+      "request_timeout_ms", std::to_string(request_timeout_ms),
+      "linger_timeout_ms", "0",
+      "enable_keep_alive", "no",
+      "max_request_size",  "16384",
+  };
   try {
-    exposer_ = std::make_unique<prometheus::Exposer>(address);
+    exposer_ = std::make_unique<prometheus::Exposer>(options);
   } catch (const std::exception& e) {
     return absl::UnavailableError(
         absl::StrCat("cannot serve metrics on ", address, ": ", e.what()));

@@ -25,8 +25,10 @@ class Metrics {
   Metrics(SessionManager* sessions, std::string gpu = "", std::string uuid = "");
   ~Metrics();
 
-  /// Serves /metrics on HOST:PORT (port 0 picks one). UNAVAILABLE if it cannot bind.
-  absl::Status Start(const std::string& address);
+  /// Serves /metrics on HOST:PORT (port 0 picks one) with `threads` HTTP workers, each giving
+  /// up on a peer that sends no complete request within `request_timeout_ms` (idle peers must
+  /// not starve Prometheus). UNAVAILABLE if it cannot bind.
+  absl::Status Start(const std::string& address, int threads = 8, int request_timeout_ms = 2000);
   /// The bound port, once started.
   int port() const { return port_; }
   /// Records one finished RPC of spin.v1.Spin.

@@ -29,6 +29,14 @@ absl::StatusOr<std::string> RandomHex(size_t bytes) {
   return out;
 }
 
+// Compares tokens in time independent of where they differ.
+bool TokensEqual(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const Geometry& g, uint64_t seed,
@@ -60,6 +68,9 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const Geometry& 
   s->client_name = client_name;
   s->created_unix_seconds = static_cast<int64_t>(std::time(nullptr));
   s->bytes = bytes;
+  s->policy = policy;
+  if (executor_ != nullptr) s->strand = std::make_shared<Strand>(executor_);
+  s->budgets_written.assign(g.layers, policy.target_sparsity);
   absl::StatusOr<std::string> id = RandomHex(8), token = RandomHex(16);
   if (!id.ok() || !token.ok()) {
     release();
@@ -86,23 +97,149 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const Geometry& 
         "granularity) would exceed --max-arena-bytes ", limits_.max_arena_bytes));
   }
   bytes_ += s->bytes - bytes;
+  // The lease starts now: a client that never fetches the fd and never calls again is freed
+  // after the grace period.
+  s->last_seen = std::chrono::steady_clock::now();
   sessions_[s->id] = s;
   order_.push_back(s->id);
   return s;
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Get(const std::string& id,
-                                                             const std::string& token) const {
+                                                             const std::string& token) {
+  if (id.size() > kMaxSessionIdBytes) {  // never echo a huge id back
+    return absl::NotFoundError(
+        absl::StrCat("no session has an id of ", id.size(), " bytes (ids are 18)"));
+  }
   std::lock_guard<std::mutex> lock(mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) {
     return absl::NotFoundError(absl::StrCat("no session '", id, "' (detached or never attached)"));
   }
-  if (it->second->token != token) {
+  if (!TokensEqual(it->second->token, token)) {
     return absl::PermissionDeniedError(absl::StrCat("wrong token for session '", id, "'"));
+  }
+  it->second->last_seen = std::chrono::steady_clock::now();
+  return it->second;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Find(const std::string& id) const {
+  if (id.size() > kMaxSessionIdBytes) {
+    return absl::NotFoundError(
+        absl::StrCat("no session has an id of ", id.size(), " bytes (ids are 18)"));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat("no session '", id, "' (detached or never attached)"));
   }
   return it->second;
 }
+
+absl::Status SessionManager::Bind(Session& s, DriveMode mode) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (s.mode == DriveMode::kUnbound || s.mode == mode) {
+    s.mode = mode;
+    return absl::OkStatus();
+  }
+  return BindError(s, mode);
+}
+
+absl::Status SessionManager::CheckBind(const Session& s, DriveMode mode) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (s.mode == DriveMode::kUnbound || s.mode == mode) return absl::OkStatus();
+  return BindError(s, mode);
+}
+
+absl::Status SessionManager::BindError(const Session& s, DriveMode mode) {
+  if (mode == DriveMode::kLocal) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session '", s.id,
+        "' is driven remotely (OpenSequences/PredictMasks/ObserveScores), so its arena is not "
+        "handed out: attach another session to run the data plane in this process"));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "session '", s.id,
+      "' is driven locally (its arena was handed out over the fd socket), so spind does not "
+      "run remote-mode calls on it: attach another session for remote mode"));
+}
+
+absl::Status SessionManager::Hold(const std::string& id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat("no session '", id, "' (detached or never attached)"));
+  }
+  Session& s = *it->second;
+  if (s.holders >= limits_.max_holders) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("session '", id, "' already has ", s.holders,
+                     " fd connections (the limit per session is ", limits_.max_holders,
+                     "): close one first"));
+  }
+  s.holders += 1;
+  s.last_seen = std::chrono::steady_clock::now();
+  return absl::OkStatus();
+}
+
+void SessionManager::Release(const std::string& id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) return;
+  if (it->second->holders > 0) it->second->holders -= 1;
+  it->second->last_seen = std::chrono::steady_clock::now();
+}
+
+void SessionManager::Touch(const std::string& id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(id);
+  if (it != sessions_.end()) it->second->last_seen = std::chrono::steady_clock::now();
+}
+
+std::vector<std::string> SessionManager::ReapExpired(std::chrono::steady_clock::time_point now) {
+  std::vector<std::string> lapsed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, s] : sessions_) {
+      if (s->holders == 0 && now - s->last_seen >= limits_.grace) lapsed.push_back(id);
+    }
+  }
+  for (const std::string& id : lapsed) Free(id);
+  return lapsed;
+}
+
+void SessionManager::StartReaper(std::chrono::milliseconds period,
+                                 std::function<void(const std::string&)> log) {
+  StopReaper();
+  {
+    std::lock_guard<std::mutex> lock(reaper_mu_);
+    reaper_stop_ = false;
+  }
+  reaper_ = std::thread([this, period, log = std::move(log)] {
+    std::unique_lock<std::mutex> lock(reaper_mu_);
+    while (!reaper_cv_.wait_for(lock, period, [this] { return reaper_stop_; })) {
+      lock.unlock();
+      for (const std::string& id : ReapExpired(std::chrono::steady_clock::now())) {
+        if (log) {
+          log(absl::StrCat("session ", id, " freed: no fd connection and no call for ",
+                           limits_.grace.count(), " ms (its client went away)"));
+        }
+      }
+      lock.lock();
+    }
+  });
+}
+
+void SessionManager::StopReaper() {
+  {
+    std::lock_guard<std::mutex> lock(reaper_mu_);
+    reaper_stop_ = true;
+  }
+  reaper_cv_.notify_all();
+  if (reaper_.joinable()) reaper_.join();
+}
+
+SessionManager::~SessionManager() { StopReaper(); }
 
 absl::Status SessionManager::Detach(const std::string& id, const std::string& token) {
   absl::StatusOr<std::shared_ptr<Session>> s = Get(id, token);

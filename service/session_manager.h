@@ -2,21 +2,31 @@
 // limits operators set. Thread-safe.
 #pragma once
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "arena_storage.h"
+#include "executor.h"
 #include "spin/arena.h"
 #include "spin/budget.h"
 
 namespace spin::service {
+
+/// How a session's data plane is driven. A session is driven either by the process that holds
+/// its arena (local: it fetched the fd and runs the data plane on the shared memory) or by
+/// spind on the client's behalf (remote: OpenSequences / PredictMasks / ObserveScores), never
+/// both: in remote mode spind reads step state back from the arena, which only it may write.
+enum class DriveMode { kUnbound, kLocal, kRemote };
 
 /// One attached session. `mu` serialises every use of its arena.
 struct Session {
@@ -32,7 +42,24 @@ struct Session {
   uint64_t budget_recomputes = 0;  ///< budget tables written by the allocator
   std::string budget_reason;       ///< why the last one was written ("first", "drift ...")
   bool freed = false;              ///< set (under mu) when the manager dropped the session
+  /// The policy spind wrote last: the authority for GetPolicy, SetPolicy and the probe thread
+  /// (the arena's copy can be overwritten by a client that maps it).
+  Policy policy;
+  /// The budget table spind wrote last (one sparsity per layer), for the same reason.
+  std::vector<double> budgets_written;
+  /// Remote mode: the step spind began (its own copy; the arena's batch header is not trusted).
+  int32_t remote_n = 0, remote_rows = 0;
+  bool remote_selected = false;  ///< a PredictMasks of the current remote step ran
+  /// Runs the session's RPC work in order, one call at a time (set at attach when the manager
+  /// has an executor).
+  std::shared_ptr<Strand> strand;
   std::mutex mu;
+
+  // Guarded by the manager's lock, not `mu` (the lease must be readable without waiting on a
+  // busy session).
+  DriveMode mode = DriveMode::kUnbound;
+  int holders = 0;  ///< open fd connections holding the session
+  std::chrono::steady_clock::time_point last_seen;  ///< last call, fetch or holder release
 };
 
 /// Operator limits and where arenas live.
@@ -41,12 +68,20 @@ struct Limits {
   uint64_t max_arena_bytes = 64ull << 30;  ///< over all sessions
   Backend backend = Backend::kCpu;
   int device = 0;  ///< CUDA device ordinal (CUDA backend)
+  /// A session nobody holds (no fd connection) and nobody called for this long is freed.
+  std::chrono::milliseconds grace{30000};
+  /// fd connections one session may hold at once.
+  int max_holders = 8;
 };
+
+/// Session ids are "s-" and 16 hex digits; longer ones are refused before any lookup.
+inline constexpr size_t kMaxSessionIdBytes = 64;
 
 /// Creates, finds and frees sessions.
 class SessionManager {
  public:
   explicit SessionManager(const Limits& limits) : limits_(limits) {}
+  ~SessionManager();
 
   /// Validates geometry and policy, allocates and initialises the arena. INVALID_ARGUMENT for
   /// bad values, RESOURCE_EXHAUSTED past the limits.
@@ -55,12 +90,41 @@ class SessionManager {
                                                   const std::string& client_name);
 
   /// The session `id` if `token` matches: NOT_FOUND for an unknown id, PERMISSION_DENIED for a
-  /// wrong token.
-  absl::StatusOr<std::shared_ptr<Session>> Get(const std::string& id,
-                                               const std::string& token) const;
+  /// wrong token. A successful Get renews the session's lease.
+  absl::StatusOr<std::shared_ptr<Session>> Get(const std::string& id, const std::string& token);
+
+  /// The session `id` without a token (operator paths, logging); renews nothing.
+  absl::StatusOr<std::shared_ptr<Session>> Find(const std::string& id) const;
+
+  /// Binds the session to a drive mode (DriveMode): FAILED_PRECONDITION when it is already
+  /// bound to the other one, with what to do instead.
+  absl::Status Bind(Session& s, DriveMode mode);
+  /// What Bind would answer, without binding (checked before a request is validated, so a
+  /// refused request changes nothing).
+  absl::Status CheckBind(const Session& s, DriveMode mode) const;
+
+  /// An fd connection starts holding session `id` (its lease cannot lapse while held):
+  /// NOT_FOUND if it is gone, RESOURCE_EXHAUSTED past Limits::max_holders.
+  absl::Status Hold(const std::string& id);
+  /// An fd connection holding `id` closed: the lease runs from now. No-op for an unknown id.
+  void Release(const std::string& id);
+  /// Renews the lease of `id` (a keep-alive). No-op for an unknown id.
+  void Touch(const std::string& id);
+
+  /// Frees every session whose lease lapsed (no holder, no call for Limits::grace) and
+  /// returns their ids. The reaper thread calls it; tests may call it directly.
+  std::vector<std::string> ReapExpired(std::chrono::steady_clock::time_point now);
+  /// Starts the reaper thread (every `period`); `log` gets each reaped session's line.
+  void StartReaper(std::chrono::milliseconds period,
+                   std::function<void(const std::string&)> log = nullptr);
+  /// Stops the reaper thread (also done by the destructor).
+  void StopReaper();
 
   /// Frees the session (after the last in-flight call on it returns).
   absl::Status Detach(const std::string& id, const std::string& token);
+
+  /// Where sessions' RPC work runs: each session attached afterwards gets a strand on it.
+  void SetExecutor(Executor* executor) { executor_ = executor; }
 
   /// Called (outside the manager's lock) with the id of every session freed.
   void SetOnFree(std::function<void(const std::string&)> f) { on_free_ = std::move(f); }
@@ -77,9 +141,16 @@ class SessionManager {
   /// Where arenas are allocated.
   Backend backend() const { return limits_.backend; }
   int device() const { return limits_.device; }
+  const Limits& limits() const { return limits_; }
 
  private:
+  static absl::Status BindError(const Session& s, DriveMode mode);
   Limits limits_;
+  Executor* executor_ = nullptr;
+  std::thread reaper_;
+  std::mutex reaper_mu_;
+  std::condition_variable reaper_cv_;
+  bool reaper_stop_ = false;
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<Session>> sessions_;
   std::vector<std::string> order_;

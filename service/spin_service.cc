@@ -21,14 +21,14 @@ pb::Backend BackendProto(Backend b) {
   return b == Backend::kCuda ? pb::BACKEND_CUDA : pb::BACKEND_CPU;
 }
 
-// The budget table of a session (caller holds the session's lock and pulled the control
-// region).
+// The budget table of a session as spind wrote it, with the arena's epoch (caller holds the
+// session's lock and pulled the control region).
 pb::GetBudgetsResponse Budgets(const Session& s) {
   pb::GetBudgetsResponse r;
   const ArenaView& v = s.arena->host();
-  for (uint32_t l = 0; l < v.geometry.layers; ++l) r.add_layer_sparsity(v.sparsity[l]);
+  for (double x : s.budgets_written) r.add_layer_sparsity(x);
   r.set_epoch(v.policy->epoch);
-  r.set_budget_mode(ToProto(ReadPolicy(v)).budget_mode());
+  r.set_budget_mode(ToProto(s.policy).budget_mode());
   r.set_recomputes(s.budget_recomputes);
   r.set_reason(s.budget_reason);
   return r;
@@ -36,7 +36,9 @@ pb::GetBudgetsResponse Budgets(const Session& s) {
 
 }  // namespace
 
-// One WatchBudgets stream: writes queued updates one at a time; deletes itself when done.
+// One WatchBudgets stream. Holds at most the message being written and the latest one not yet
+// written: a reader slower than the updates sees the newest table, never a backlog (the latest
+// table is what matters). Deletes itself when done.
 class BudgetWatcher final : public grpc::ServerWriteReactor<pb::GetBudgetsResponse> {
  public:
   explicit BudgetWatcher(BudgetHub* hub) : hub_(hub) {}
@@ -44,11 +46,14 @@ class BudgetWatcher final : public grpc::ServerWriteReactor<pb::GetBudgetsRespon
   void Push(const pb::GetBudgetsResponse& update) {
     std::lock_guard<std::mutex> lock(mu_);
     if (ending_) return;
-    queue_.push_back(update);
-    if (!writing_) {
-      writing_ = true;
-      StartWrite(&queue_.front());
+    if (writing_) {
+      next_ = update;  // replaces an older unwritten one
+      has_next_ = true;
+      return;
     }
+    writing_ = true;
+    current_ = update;
+    StartWrite(&current_);
   }
 
   void End(const grpc::Status& status) {
@@ -61,7 +66,6 @@ class BudgetWatcher final : public grpc::ServerWriteReactor<pb::GetBudgetsRespon
 
   void OnWriteDone(bool ok) override {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.pop_front();
     if (!ok && !ending_) {  // the client went away
       ending_ = true;
       end_status_ = grpc::Status::CANCELLED;
@@ -71,10 +75,12 @@ class BudgetWatcher final : public grpc::ServerWriteReactor<pb::GetBudgetsRespon
       Finish(end_status_);
       return;
     }
-    if (queue_.empty()) {
+    if (!has_next_) {
       writing_ = false;
     } else {
-      StartWrite(&queue_.front());
+      current_ = std::move(next_);
+      has_next_ = false;
+      StartWrite(&current_);
     }
   }
 
@@ -88,14 +94,17 @@ class BudgetWatcher final : public grpc::ServerWriteReactor<pb::GetBudgetsRespon
  private:
   BudgetHub* hub_;
   std::mutex mu_;
-  std::deque<pb::GetBudgetsResponse> queue_;
+  pb::GetBudgetsResponse current_, next_;
+  bool has_next_ = false;
   bool writing_ = false, ending_ = false;
   grpc::Status end_status_;
 };
 
-void BudgetHub::Add(const std::string& session, BudgetWatcher* w) {
+bool BudgetHub::Add(const std::string& session, BudgetWatcher* w, size_t max_per_session) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (watchers_.count(session) >= max_per_session) return false;
   watchers_.emplace(session, w);
+  return true;
 }
 
 void BudgetHub::Remove(BudgetWatcher* w) {
@@ -120,6 +129,23 @@ void BudgetHub::EndAll(const std::string& session, const grpc::Status& status) {
   for (auto it = lo; it != hi; ++it) it->second->End(status);
 }
 
+SpinService::SpinService(SessionManager* sessions, std::string fd_socket, Metrics* metrics,
+                         ServiceOptions options)
+    : sessions_(sessions),
+      fd_socket_(std::move(fd_socket)),
+      metrics_(metrics),
+      options_(std::move(options)),
+      executor_(options_.workers) {
+  sessions_->SetExecutor(&executor_);
+  // A freed session (Detach, or its lease lapsed) ends its budget streams.
+  sessions_->SetOnFree([this](const std::string& id) { hub_.EndAll(id, grpc::Status::OK); });
+}
+
+SpinService::~SpinService() {
+  sessions_->SetOnFree(nullptr);
+  sessions_->SetExecutor(nullptr);
+}
+
 grpc::ServerWriteReactor<pb::GetBudgetsResponse>* SpinService::WatchBudgets(
     grpc::CallbackServerContext* ctx, const pb::GetBudgetsRequest* req) {
   auto* w = new BudgetWatcher(&hub_);
@@ -128,22 +154,35 @@ grpc::ServerWriteReactor<pb::GetBudgetsResponse>* SpinService::WatchBudgets(
     w->End(ToGrpc(s.status()));
     return w;
   }
-  pb::GetBudgetsResponse first;
-  {
-    std::lock_guard<std::mutex> lock((*s)->mu);
-    if (absl::Status st = (*s)->arena->PullControl(); !st.ok()) {
-      w->End(ToGrpc(st));
-      return w;
-    }
-    if ((*s)->freed) {  // freed since Get: its streams were already ended
+  std::shared_ptr<Session> session = *s;
+  auto start = [this, w, session] {
+    std::lock_guard<std::mutex> lock(session->mu);
+    if (session->freed) {  // freed since Get: its streams were already ended
       w->End(grpc::Status::OK);
-      return w;
+      return;
     }
-    first = Budgets(**s);
+    if (absl::Status st = session->arena->PullControl(); !st.ok()) {
+      w->End(ToGrpc(st));
+      return;
+    }
     // Under the session lock: the first message is queued before any update can be, and a
     // Free (which marks the session under this lock before ending its streams) cannot slip in.
-    hub_.Add((*s)->id, w);
-    w->Push(first);
+    if (!hub_.Add(session->id, w, options_.max_watchers_per_session)) {
+      w->End(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("session ", session->id, " already has ",
+                                       options_.max_watchers_per_session,
+                                       " WatchBudgets streams open: close one first")));
+      return;
+    }
+    w->Push(Budgets(*session));
+  };
+  if (!session->strand || !session->strand->Post(start, options_.max_queued_per_session)) {
+    if (session->strand) {
+      w->End(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          "too many calls queued on this session: retry later"));
+    } else {
+      start();
+    }
   }
   return w;
 }
@@ -151,16 +190,27 @@ grpc::ServerWriteReactor<pb::GetBudgetsResponse>* SpinService::WatchBudgets(
 void SpinService::PublishBudgets(const Session& s) { hub_.Notify(s.id, Budgets(s)); }
 
 absl::Status SpinService::CheckAdmin(grpc::CallbackServerContext* ctx) const {
-  if (admin_token_.empty() || ctx->peer().rfind("unix:", 0) == 0) return absl::OkStatus();
+  if (ctx->peer().rfind("unix:", 0) == 0) return absl::OkStatus();
+  if (options_.admin_token.empty()) {
+    if (options_.allow_unauthenticated_tcp) return absl::OkStatus();
+    return absl::PermissionDeniedError(
+        "state-changing calls over TCP are refused: spind has no admin token. Start it with "
+        "--admin-token-file (and send 'authorization: Bearer <token>'), use the Unix socket, or "
+        "accept the risk with --tcp-allow-unauthenticated");
+  }
   const auto& md = ctx->client_metadata();
   auto it = md.find("authorization");
-  if (it != md.end() &&
-      std::string(it->second.data(), it->second.size()) == "Bearer " + admin_token_) {
-    return absl::OkStatus();
+  const std::string want = "Bearer " + options_.admin_token;
+  if (it != md.end() && it->second.size() == want.size()) {
+    unsigned char diff = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      diff |= static_cast<unsigned char>(it->second.data()[i] ^ want[i]);
+    }
+    if (diff == 0) return absl::OkStatus();
   }
   return absl::PermissionDeniedError(
-      "mutating calls over TCP need spind's admin token: send metadata 'authorization: Bearer "
-      "<token>' (spinctl --admin-token-file)");
+      "state-changing calls over TCP need spind's admin token: send metadata 'authorization: "
+      "Bearer <token>' (spinctl --admin-token-file)");
 }
 
 grpc::ServerUnaryReactor* SpinService::Done(grpc::CallbackServerContext* ctx, const char* method,
@@ -181,6 +231,45 @@ grpc::Status ToGrpc(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
+grpc::ServerUnaryReactor* SpinService::OnSession(grpc::CallbackServerContext* ctx,
+                                                 const char* method, const pb::SessionRef& ref,
+                                                 bool mutating,
+                                                 std::function<absl::Status(Session&)> body) {
+  const auto t0 = Clock::now();
+  if (mutating) {
+    if (absl::Status a = CheckAdmin(ctx); !a.ok()) return Done(ctx, method, t0, a);
+  }
+  auto s = sessions_->Get(ref.session_id(), ref.token());
+  if (!s.ok()) return Done(ctx, method, t0, s.status());
+  std::shared_ptr<Session> session = *s;
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  auto run = [this, reactor, method, t0, session, body = std::move(body)] {
+    absl::Status st;
+    {
+      std::lock_guard<std::mutex> lock(session->mu);
+      st = session->freed ? absl::NotFoundError(absl::StrCat("session '", session->id,
+                                                             "' was detached during the call"))
+                          : body(*session);
+    }
+    const grpc::Status g = ToGrpc(st);
+    if (metrics_ != nullptr) {
+      metrics_->ObserveRpc(method, g.error_code(),
+                           std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    reactor->Finish(g);
+  };
+  if (!session->strand) {
+    run();
+  } else if (!session->strand->Post(run, options_.max_queued_per_session)) {
+    const grpc::Status g(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                         absl::StrCat(options_.max_queued_per_session, " calls already wait on session ",
+                                      session->id, ": retry later"));
+    if (metrics_ != nullptr) metrics_->ObserveRpc(method, g.error_code(), 0.0);
+    reactor->Finish(g);
+  }
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* SpinService::Attach(grpc::CallbackServerContext* ctx,
                                               const pb::AttachRequest* req,
                                               pb::AttachResponse* resp) {
@@ -188,244 +277,371 @@ grpc::ServerUnaryReactor* SpinService::Attach(grpc::CallbackServerContext* ctx,
   if (absl::Status a = CheckAdmin(ctx); !a.ok()) return Done(ctx, "Attach", t0, a);
   absl::StatusOr<Geometry> g = FromProto(req->geometry());
   if (!g.ok()) return Done(ctx, "Attach", t0, g.status());
-  Policy p;  // defaults for what the request leaves at zero
+  if (req->client_name().size() > kMaxClientName) {
+    return Done(ctx, "Attach", t0,
+                absl::InvalidArgumentError(absl::StrCat("client_name has ", req->client_name().size(),
+                                                        " bytes; the limit is ", kMaxClientName)));
+  }
+  for (size_t i = 0; i < req->client_name().size(); ++i) {
+    const unsigned char ch = static_cast<unsigned char>(req->client_name()[i]);
+    if (ch < 0x20 || ch == 0x7f) {
+      return Done(ctx, "Attach", t0,
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "client_name has a control character (byte ", static_cast<int>(ch),
+                      ") at offset ", i, ": use printable text")));
+    }
+  }
+  Policy p;  // defaults for what the request leaves unset
   if (req->has_policy()) {
     p.target_sparsity = req->policy().target_sparsity();
     p.exploration = req->policy().exploration();
-    if (req->policy().alpha() != 0.0f) p.alpha = req->policy().alpha();
+    if (req->policy().has_alpha()) p.alpha = req->policy().alpha();
     p.probe_period = req->policy().probe_period();
     absl::StatusOr<BudgetMode> m = ModeFromProto(req->policy().budget_mode(), p.budget_mode);
     if (!m.ok()) return Done(ctx, "Attach", t0, m.status());
     p.budget_mode = *m;
   }
-  absl::StatusOr<std::shared_ptr<Session>> s =
-      sessions_->Attach(*g, req->seed(), p, req->client_name());
-  if (!s.ok()) return Done(ctx, "Attach", t0, s.status());
-  const Session& session = **s;
-  resp->set_session_id(session.id);
-  resp->set_token(session.token);
-  resp->set_backend(BackendProto(session.arena->backend()));
-  resp->set_arena_bytes(session.bytes);
-  resp->set_device_uuid(session.arena->device_uuid());
-  resp->set_arena_header(std::string(reinterpret_cast<const char*>(session.arena->host().header),
-                                     sizeof(ArenaHeader)));
-  *resp->mutable_policy() = ToProto(p);
-  resp->set_fd_socket(fd_socket_);
-  return Done(ctx, "Attach", t0, absl::OkStatus());
+  if (absl::Status v = ValidatePolicy(p); !v.ok()) return Done(ctx, "Attach", t0, v);
+  // The arena is allocated and initialised on a worker: a large one takes a while, and the
+  // threads that serve every other caller must not wait for it.
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  executor_.Post([this, reactor, req, resp, t0, g = *g, p] {
+    absl::StatusOr<std::shared_ptr<Session>> s =
+        sessions_->Attach(g, req->seed(), p, req->client_name());
+    absl::Status st = s.status();
+    if (s.ok()) {
+      const Session& session = **s;
+      resp->set_session_id(session.id);
+      resp->set_token(session.token);
+      resp->set_backend(BackendProto(session.arena->backend()));
+      resp->set_arena_bytes(session.bytes);
+      resp->set_device_uuid(session.arena->device_uuid());
+      ArenaHeader header{};
+      if (absl::StatusOr<ArenaHeader> h = MakeArenaHeader(g, req->seed()); h.ok()) header = *h;
+      resp->set_arena_header(
+          std::string(reinterpret_cast<const char*>(&header), sizeof(ArenaHeader)));
+      *resp->mutable_policy() = ToProto(p);
+      resp->set_fd_socket(fd_socket_);
+    }
+    const grpc::Status gs = ToGrpc(st);
+    if (metrics_ != nullptr) {
+      metrics_->ObserveRpc("Attach", gs.error_code(),
+                           std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    reactor->Finish(gs);
+  });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* SpinService::Detach(grpc::CallbackServerContext* ctx,
                                               const pb::DetachRequest* req, pb::DetachResponse*) {
   const auto t0 = Clock::now();
   if (absl::Status a = CheckAdmin(ctx); !a.ok()) return Done(ctx, "Detach", t0, a);
-  // Open WatchBudgets streams of the session end through the manager's free callback.
-  return Done(ctx, "Detach", t0,
-              sessions_->Detach(req->session().session_id(), req->session().token()));
+  auto s = sessions_->Get(req->session().session_id(), req->session().token());
+  if (!s.ok()) return Done(ctx, "Detach", t0, s.status());
+  // Freeing waits for the session's call in progress: on a worker, after the calls queued on
+  // the session. Open WatchBudgets streams end through the manager's free callback.
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  std::shared_ptr<Session> session = *s;
+  auto run = [this, reactor, session, t0] {
+    sessions_->Free(session->id);
+    if (metrics_ != nullptr) {
+      metrics_->ObserveRpc("Detach", grpc::StatusCode::OK,
+                           std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    reactor->Finish(grpc::Status::OK);
+  };
+  // Detach is never refused for a full queue: it goes to the pool when the strand is full.
+  if (!session->strand || !session->strand->Post(run, options_.max_queued_per_session)) {
+    executor_.Post(run);
+  }
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* SpinService::KeepAlive(grpc::CallbackServerContext* ctx,
+                                                 const pb::KeepAliveRequest* req,
+                                                 pb::KeepAliveResponse* resp) {
+  const auto t0 = Clock::now();
+  auto s = sessions_->Get(req->session().session_id(), req->session().token());  // renews
+  if (!s.ok()) return Done(ctx, "KeepAlive", t0, s.status());
+  resp->set_grace_ms(static_cast<uint64_t>(sessions_->limits().grace.count()));
+  return Done(ctx, "KeepAlive", t0, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* SpinService::GetPolicy(grpc::CallbackServerContext* ctx,
                                                  const pb::GetPolicyRequest* req,
                                                  pb::GetPolicyResponse* resp) {
-  const auto t0 = Clock::now();
-  auto s = sessions_->Get(req->session().session_id(), req->session().token());
-  if (!s.ok()) return Done(ctx, "GetPolicy", t0, s.status());
-  std::lock_guard<std::mutex> lock((*s)->mu);
-  ArenaStorage& arena = *(*s)->arena;
-  if (absl::Status st = arena.PullControl(); !st.ok()) return Done(ctx, "GetPolicy", t0, st);
-  *resp->mutable_policy() = ToProto(ReadPolicy(arena.host()));
-  resp->set_epoch(arena.host().policy->epoch);
-  return Done(ctx, "GetPolicy", t0, absl::OkStatus());
+  return OnSession(ctx, "GetPolicy", req->session(), false, [resp](Session& s) {
+    if (absl::Status st = s.arena->PullControl(); !st.ok()) return st;
+    *resp->mutable_policy() = ToProto(s.policy);
+    resp->set_epoch(s.arena->host().policy->epoch);
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* SpinService::SetPolicy(grpc::CallbackServerContext* ctx,
                                                  const pb::SetPolicyRequest* req,
                                                  pb::SetPolicyResponse* resp) {
-  const auto t0 = Clock::now();
-  if (absl::Status a = CheckAdmin(ctx); !a.ok()) return Done(ctx, "SetPolicy", t0, a);
-  auto s = sessions_->Get(req->session().session_id(), req->session().token());
-  if (!s.ok()) return Done(ctx, "SetPolicy", t0, s.status());
-  std::lock_guard<std::mutex> lock((*s)->mu);
-  ArenaStorage& arena = *(*s)->arena;
-  if (absl::Status st = arena.PullControl(); !st.ok()) return Done(ctx, "SetPolicy", t0, st);
-  Policy p = ReadPolicy(arena.host());
-  if (req->has_target_sparsity()) p.target_sparsity = req->target_sparsity();
-  if (req->has_exploration()) p.exploration = req->exploration();
-  if (req->has_alpha()) p.alpha = req->alpha();
-  if (req->has_probe_period()) p.probe_period = req->probe_period();
-  absl::StatusOr<BudgetMode> m = ModeFromProto(req->budget_mode(), p.budget_mode);
-  if (!m.ok()) return Done(ctx, "SetPolicy", t0, m.status());
-  p.budget_mode = *m;
-  if (absl::Status st = arena.WritePolicy(p); !st.ok()) return Done(ctx, "SetPolicy", t0, st);
-  // Per-layer mode: the allocator re-sizes the table for a new target now, not at the next
-  // probe pass, so every change takes effect at the next step.
-  // The policy is written: a failure to re-size the budgets (a device error) is logged, and the
-  // probe thread retries; the call reports what it changed.
-  if (absl::StatusOr<bool> b = RefreshBudgets(**s, true); !b.ok() && log_) {
-    log_("error",
-         absl::StrCat("session ", (*s)->id, ": budgets after SetPolicy: ", b.status().message()));
-  }
-  *resp->mutable_policy() = ToProto(p);
-  resp->set_epoch(arena.host().policy->epoch);
-  hub_.Notify((*s)->id, Budgets(**s));
-  return Done(ctx, "SetPolicy", t0, absl::OkStatus());
+  return OnSession(ctx, "SetPolicy", req->session(), true, [this, req, resp](Session& s) {
+    ArenaStorage& arena = *s.arena;
+    if (absl::Status st = arena.PullControl(); !st.ok()) return st;
+    Policy p = s.policy;
+    if (req->has_target_sparsity()) p.target_sparsity = req->target_sparsity();
+    if (req->has_exploration()) p.exploration = req->exploration();
+    if (req->has_alpha()) p.alpha = req->alpha();
+    if (req->has_probe_period()) p.probe_period = req->probe_period();
+    absl::StatusOr<BudgetMode> m = ModeFromProto(req->budget_mode(), p.budget_mode);
+    if (!m.ok()) return m.status();
+    p.budget_mode = *m;
+    if (absl::Status st = WriteSessionPolicy(s, p); !st.ok()) return st;
+    // Per-layer mode: the allocator re-sizes the table for a new target now, not at the next
+    // probe pass, so every change takes effect at the next step. The policy is written: a
+    // failure to re-size the budgets (a device error) is logged, and the probe thread retries;
+    // the call reports what it changed.
+    if (absl::StatusOr<bool> b = RefreshBudgets(s, true); !b.ok() && log_) {
+      log_("error",
+           absl::StrCat("session ", s.id, ": budgets after SetPolicy: ", b.status().message()));
+    }
+    *resp->mutable_policy() = ToProto(p);
+    resp->set_epoch(arena.host().policy->epoch);
+    hub_.Notify(s.id, Budgets(s));
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* SpinService::GetBudgets(grpc::CallbackServerContext* ctx,
                                                   const pb::GetBudgetsRequest* req,
                                                   pb::GetBudgetsResponse* resp) {
-  const auto t0 = Clock::now();
-  auto s = sessions_->Get(req->session().session_id(), req->session().token());
-  if (!s.ok()) return Done(ctx, "GetBudgets", t0, s.status());
-  std::lock_guard<std::mutex> lock((*s)->mu);
-  if (absl::Status st = (*s)->arena->PullControl(); !st.ok())
-    return Done(ctx, "GetBudgets", t0, st);
-  *resp = Budgets(**s);
-  return Done(ctx, "GetBudgets", t0, absl::OkStatus());
+  return OnSession(ctx, "GetBudgets", req->session(), false, [resp](Session& s) {
+    if (absl::Status st = s.arena->PullControl(); !st.ok()) return st;
+    *resp = Budgets(s);
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* SpinService::OpenSequences(grpc::CallbackServerContext* ctx,
                                                      const pb::OpenSequencesRequest* req,
                                                      pb::OpenSequencesResponse*) {
-  const auto t0 = Clock::now();
-  if (absl::Status a = CheckAdmin(ctx); !a.ok()) return Done(ctx, "OpenSequences", t0, a);
-  auto s = sessions_->Get(req->session().session_id(), req->session().token());
-  if (!s.ok()) return Done(ctx, "OpenSequences", t0, s.status());
-  std::lock_guard<std::mutex> lock((*s)->mu);
-  const uint32_t max = (*s)->geometry.max_seqs;
-  for (const pb::SequenceOpen& o : req->sequences()) {
-    if (o.sequence() < 0 || static_cast<uint32_t>(o.sequence()) >= max) {
-      return Done(ctx, "OpenSequences", t0,
-                  absl::OutOfRangeError(
-                      absl::StrCat("sequence ", o.sequence(), " is out of range [0, ", max, ")")));
+  return OnSession(ctx, "OpenSequences", req->session(), true, [this, req](Session& s) {
+    if (absl::Status b = sessions_->CheckBind(s, DriveMode::kRemote); !b.ok()) return b;
+    const uint32_t max = s.geometry.max_seqs;
+    if (static_cast<uint64_t>(req->sequences_size()) > max) {
+      return absl::InvalidArgumentError(absl::StrCat(req->sequences_size(),
+                                                     " sequences exceed the session's max_sequences ",
+                                                     max));
     }
-  }
-  for (const pb::SequenceOpen& o : req->sequences()) {
-    if (absl::Status st = (*s)->arena->ResetSequence(o.sequence(), o.key()); !st.ok()) {
-      return Done(ctx, "OpenSequences", t0, st);
+    std::vector<uint8_t> seen(max, 0);
+    for (const pb::SequenceOpen& o : req->sequences()) {
+      if (o.sequence() < 0 || static_cast<uint32_t>(o.sequence()) >= max) {
+        return absl::OutOfRangeError(
+            absl::StrCat("sequence ", o.sequence(), " is out of range [0, ", max, ")"));
+      }
+      if (seen[o.sequence()]++) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("sequence ", o.sequence(), " appears twice in the request"));
+      }
     }
-  }
-  return Done(ctx, "OpenSequences", t0, absl::OkStatus());
+    if (absl::Status b = sessions_->Bind(s, DriveMode::kRemote); !b.ok()) return b;
+    for (const pb::SequenceOpen& o : req->sequences()) {
+      if (absl::Status st = s.arena->ResetSequence(o.sequence(), o.key()); !st.ok()) return st;
+    }
+    return absl::OkStatus();
+  });
 }
+
+namespace {
+
+// Remote mode: the current step's outputs as read back from the arena, checked against the
+// step spind began and the session's geometry before any of them is used as a size or index.
+absl::Status CheckRemoteOutputs(const Session& s) {
+  const ArenaView& v = s.arena->host();
+  const Geometry& g = s.geometry;
+  if (v.batch->n != s.remote_n || v.batch->rows != s.remote_rows) {
+    return absl::InternalError(absl::StrCat(
+        "session ", s.id, ": the arena's step (", v.batch->n, " entries x ", v.batch->rows,
+        " rows) is not the one spind began (", s.remote_n, " x ", s.remote_rows,
+        "); detach and attach again"));
+  }
+  const int64_t max_len = static_cast<int64_t>(v.max_blocks) * g.block_size;
+  for (int32_t e = 0; e < s.remote_n; ++e) {
+    const int64_t count = v.union_count[e];
+    if (count < 0 || count > v.max_blocks) {
+      return absl::InternalError(absl::StrCat("session ", s.id, ": entry ", e, " has ", count,
+                                              " selected blocks, outside [0, ", v.max_blocks,
+                                              "]; detach and attach again"));
+    }
+    const int32_t* ids = v.union_ids + static_cast<int64_t>(e) * v.max_blocks;
+    for (int64_t k = 0; k < count; ++k) {
+      if (ids[k] < 0 || static_cast<uint32_t>(ids[k]) >= v.max_blocks) {
+        return absl::InternalError(absl::StrCat("session ", s.id, ": entry ", e,
+                                                " selects block ", ids[k], ", outside [0, ",
+                                                v.max_blocks, "); detach and attach again"));
+      }
+    }
+    for (int32_t r = 0; r < s.remote_rows; ++r) {
+      const int64_t len = v.compact_len[static_cast<int64_t>(e) * g.max_rows + r];
+      if (len < 0 || len > max_len) {
+        return absl::InternalError(absl::StrCat("session ", s.id, ": entry ", e, " row ", r,
+                                                " has compacted length ", len, ", outside [0, ",
+                                                max_len, "]; detach and attach again"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 grpc::ServerUnaryReactor* SpinService::PredictMasks(grpc::CallbackServerContext* ctx,
                                                     const pb::PredictMasksRequest* req,
                                                     pb::PredictMasksResponse* resp) {
-  const auto t0 = Clock::now();
-  if (absl::Status a = CheckAdmin(ctx); !a.ok()) return Done(ctx, "PredictMasks", t0, a);
-  auto s = sessions_->Get(req->session().session_id(), req->session().token());
-  if (!s.ok()) return Done(ctx, "PredictMasks", t0, s.status());
-  Session& session = **s;
-  std::lock_guard<std::mutex> lock(session.mu);
-  if (req->begin_step()) {
-    if (static_cast<uint32_t>(req->entries_size()) > session.geometry.max_seqs) {
-      return Done(ctx, "PredictMasks", t0,
-                  absl::InvalidArgumentError(absl::StrCat(
-                      req->entries_size(), " entries exceed the session's max_sequences ",
-                      session.geometry.max_seqs)));
+  return OnSession(ctx, "PredictMasks", req->session(), true, [this, req, resp](Session& s) {
+    if (absl::Status b = sessions_->CheckBind(s, DriveMode::kRemote); !b.ok()) return b;
+    const Geometry& g = s.geometry;
+    if (req->layer() < 0 || static_cast<uint32_t>(req->layer()) >= g.layers) {
+      return absl::OutOfRangeError(
+          absl::StrCat("layer ", req->layer(), " is out of range [0, ", g.layers, ")"));
     }
-    std::vector<int32_t> seq, ctx_len, q_pos;
-    for (const pb::StepEntry& e : req->entries()) {
-      seq.push_back(e.sequence());
-      ctx_len.push_back(e.ctx_len());
-      q_pos.push_back(e.q_pos());
+    if (req->begin_step()) {
+      if (static_cast<uint64_t>(req->entries_size()) > g.max_seqs) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            req->entries_size(), " entries exceed the session's max_sequences ", g.max_seqs));
+      }
+      if (req->rows() < 1 || req->rows() > g.max_rows) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("rows ", req->rows(), " is out of range [1, ", g.max_rows, "]"));
+      }
+    } else if (s.remote_rows == 0) {
+      return absl::FailedPreconditionError(
+          "PredictMasks without begin_step needs a step begun earlier: set begin_step on the "
+          "step's first call");
     }
-    const StepBatch batch{seq.data(), ctx_len.data(), q_pos.data(),
-                          static_cast<int32_t>(seq.size()), static_cast<int32_t>(req->rows())};
-    if (absl::Status st = session.arena->BeginStep(batch); !st.ok())
-      return Done(ctx, "PredictMasks", t0, st);
-  }
-  if (absl::Status st = session.arena->Select(req->layer()); !st.ok())
-    return Done(ctx, "PredictMasks", t0, st);
-  if (absl::Status st = session.arena->PullOutputs(); !st.ok())
-    return Done(ctx, "PredictMasks", t0, st);
-  const ArenaView& v = session.arena->host();
-  const int32_t n = v.batch->n, rows = v.batch->rows;
-  for (int32_t e = 0; e < n; ++e) {
-    pb::EntryMask* m = resp->add_masks();
-    const int32_t* ids = v.union_ids + static_cast<int64_t>(e) * v.max_blocks;
-    m->mutable_blocks()->Add(ids, ids + v.union_count[e]);
-    const int32_t* clen = v.compact_len + static_cast<int64_t>(e) * v.geometry.max_rows;
-    m->mutable_compact_len()->Add(clen, clen + rows);
-  }
-  return Done(ctx, "PredictMasks", t0, absl::OkStatus());
+    if (absl::Status b = sessions_->Bind(s, DriveMode::kRemote); !b.ok()) return b;
+    if (req->begin_step()) {
+      std::vector<int32_t> seq, ctx_len, q_pos;
+      seq.reserve(req->entries_size());
+      ctx_len.reserve(req->entries_size());
+      q_pos.reserve(req->entries_size());
+      for (const pb::StepEntry& e : req->entries()) {
+        seq.push_back(e.sequence());
+        ctx_len.push_back(e.ctx_len());
+        q_pos.push_back(e.q_pos());
+      }
+      const StepBatch batch{seq.data(), ctx_len.data(), q_pos.data(),
+                            static_cast<int32_t>(seq.size()), static_cast<int32_t>(req->rows())};
+      if (absl::Status st = s.arena->BeginStep(batch); !st.ok()) return st;
+      s.remote_n = batch.n;
+      s.remote_rows = batch.rows;
+      s.remote_selected = false;
+    }
+    if (absl::Status st = s.arena->Select(req->layer()); !st.ok()) return st;
+    if (absl::Status st = s.arena->PullOutputs(); !st.ok()) return st;
+    if (absl::Status st = CheckRemoteOutputs(s); !st.ok()) return st;
+    s.remote_selected = true;
+    const ArenaView& v = s.arena->host();
+    for (int32_t e = 0; e < s.remote_n; ++e) {
+      pb::EntryMask* m = resp->add_masks();
+      const int32_t* ids = v.union_ids + static_cast<int64_t>(e) * v.max_blocks;
+      m->mutable_blocks()->Add(ids, ids + v.union_count[e]);
+      const int32_t* clen = v.compact_len + static_cast<int64_t>(e) * g.max_rows;
+      m->mutable_compact_len()->Add(clen, clen + s.remote_rows);
+    }
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* SpinService::ObserveScores(grpc::CallbackServerContext* ctx,
                                                      const pb::ObserveScoresRequest* req,
                                                      pb::ObserveScoresResponse* resp) {
-  const auto t0 = Clock::now();
-  if (absl::Status a = CheckAdmin(ctx); !a.ok()) return Done(ctx, "ObserveScores", t0, a);
-  auto s = sessions_->Get(req->session().session_id(), req->session().token());
-  if (!s.ok()) return Done(ctx, "ObserveScores", t0, s.status());
-  Session& session = **s;
-  std::lock_guard<std::mutex> lock(session.mu);
-  ArenaStorage& arena = *session.arena;
-  absl::Status pulled = arena.PullOutputs();
-  if (pulled.ok()) pulled = arena.PullControl();
-  if (!pulled.ok()) return Done(ctx, "ObserveScores", t0, pulled);
-  const ArenaView& v = arena.host();
-  const int32_t n = v.batch->n, rows = v.batch->rows;
-  if (req->scores_size() != n * rows) {
-    return Done(ctx, "ObserveScores", t0,
-                absl::InvalidArgumentError(absl::StrCat("scores has ", req->scores_size(),
-                                                        " rows; the step has ", n, " entries x ",
-                                                        rows, " rows")));
-  }
-  if (req->accepted_size() != 0 && req->accepted_size() != n) {
-    return Done(ctx, "ObserveScores", t0,
-                absl::InvalidArgumentError(absl::StrCat("accepted has ", req->accepted_size(),
-                                                        " values for ", n, " entries")));
-  }
-  int64_t stride = 1;
-  for (const pb::RowScores& r : req->scores()) {
-    stride = std::max<int64_t>(stride, r.logits_size());
-  }
-  std::vector<float> logits(static_cast<size_t>(n) * rows * stride, -INFINITY);
-  for (int32_t x = 0; x < n * rows; ++x) {
-    const pb::RowScores& r = req->scores(x);
-    const int32_t need =
-        v.batch->selected_layer >= 0
-            ? v.compact_len[static_cast<int64_t>(x / rows) * v.geometry.max_rows + x % rows]
-            : 0;
-    if (v.entries[x / rows].seq >= 0 && r.logits_size() < need) {
-      return Done(ctx, "ObserveScores", t0,
-                  absl::InvalidArgumentError(
-                      absl::StrCat("scores of entry ", x / rows, " row ", x % rows, " have ",
-                                   r.logits_size(), " values; its compacted length is ", need)));
+  return OnSession(ctx, "ObserveScores", req->session(), true, [this, req, resp](Session& s) {
+    if (absl::Status b = sessions_->CheckBind(s, DriveMode::kRemote); !b.ok()) return b;
+    const Geometry& g = s.geometry;
+    if (req->layer() < 0 || static_cast<uint32_t>(req->layer()) >= g.layers) {
+      return absl::OutOfRangeError(
+          absl::StrCat("layer ", req->layer(), " is out of range [0, ", g.layers, ")"));
     }
-    std::copy(r.logits().begin(), r.logits().end(), logits.begin() + x * stride);
-  }
-  std::vector<int32_t> accepted(req->accepted().begin(), req->accepted().end());
-  const uint64_t bad_before = [&] {
-    uint64_t b = 0;
-    for (uint32_t l = 0; l < v.geometry.layers; ++l) b += v.stats[l].bad_scores;
-    return b;
-  }();
-  if (absl::Status st = arena.Observe(req->layer(), logits.data(), stride,
-                                      accepted.empty() ? nullptr : accepted.data());
-      !st.ok()) {
-    return Done(ctx, "ObserveScores", t0, st);
-  }
-  if (absl::Status st = arena.PullControl(); !st.ok()) return Done(ctx, "ObserveScores", t0, st);
-  uint64_t bad_after = 0;
-  for (uint32_t l = 0; l < v.geometry.layers; ++l) bad_after += v.stats[l].bad_scores;
-  resp->set_bad_scores(bad_after - bad_before);
-  return Done(ctx, "ObserveScores", t0, absl::OkStatus());
+    if (!s.remote_selected) {
+      return absl::FailedPreconditionError(
+          "ObserveScores needs a PredictMasks of the current step first");
+    }
+    if (absl::Status b = sessions_->Bind(s, DriveMode::kRemote); !b.ok()) return b;
+    ArenaStorage& arena = *s.arena;
+    absl::Status pulled = arena.PullOutputs();
+    if (pulled.ok()) pulled = arena.PullControl();
+    if (!pulled.ok()) return pulled;
+    if (absl::Status st = CheckRemoteOutputs(s); !st.ok()) return st;
+    const ArenaView& v = arena.host();
+    // Everything below is sized from spind's own copy of the step and the compacted lengths
+    // it checked, never from the request: the request is checked against them first.
+    const int64_t n = s.remote_n, rows = s.remote_rows;
+    if (req->scores_size() != n * rows) {
+      return absl::InvalidArgumentError(absl::StrCat("scores has ", req->scores_size(),
+                                                     " rows; the step has ", n, " entries x ",
+                                                     rows, " rows"));
+    }
+    if (req->accepted_size() != 0 && req->accepted_size() != n) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("accepted has ", req->accepted_size(), " values for ", n, " entries"));
+    }
+    const int64_t max_len = static_cast<int64_t>(v.max_blocks) * g.block_size;
+    int64_t stride = 1;
+    for (int64_t x = 0; x < n * rows; ++x) {
+      const int64_t have = req->scores(static_cast<int>(x)).logits_size();
+      const bool live = v.entries[x / rows].seq >= 0;
+      const int64_t need = live ? v.compact_len[(x / rows) * g.max_rows + x % rows] : 0;
+      if (have < need) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("scores of entry ", x / rows, " row ", x % rows, " have ", have,
+                         " values; its compacted length is ", need));
+      }
+      if (have > max_len) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("scores of entry ", x / rows, " row ", x % rows, " have ", have,
+                         " values; no compacted row of this session is longer than ", max_len));
+      }
+      stride = std::max(stride, need);
+    }
+    if (n * rows * stride > kMaxObserveFloats) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "this step's logits (", n, " entries x ", rows, " rows x ", stride,
+          " slots) exceed what remote mode assembles in one call (", kMaxObserveFloats,
+          " floats): run the data plane locally (fetch the arena) for steps this large"));
+    }
+    std::vector<float> logits(static_cast<size_t>(n * rows * stride), -INFINITY);
+    for (int64_t x = 0; x < n * rows; ++x) {
+      const pb::RowScores& r = req->scores(static_cast<int>(x));
+      const int64_t take = std::min<int64_t>(r.logits_size(), stride);
+      std::copy(r.logits().begin(), r.logits().begin() + take, logits.begin() + x * stride);
+    }
+    std::vector<int32_t> accepted(req->accepted().begin(), req->accepted().end());
+    auto bad_total = [&v, &g] {
+      uint64_t b = 0;
+      for (uint32_t l = 0; l < g.layers; ++l) b += v.stats[l].bad_scores;
+      return b;
+    };
+    const uint64_t bad_before = bad_total();
+    if (absl::Status st = arena.Observe(req->layer(), logits.data(), stride,
+                                        accepted.empty() ? nullptr : accepted.data());
+        !st.ok()) {
+      return st;
+    }
+    if (absl::Status st = arena.PullControl(); !st.ok()) return st;
+    resp->set_bad_scores(bad_total() - bad_before);
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* SpinService::GetStats(grpc::CallbackServerContext* ctx,
                                                 const pb::GetStatsRequest* req,
                                                 pb::GetStatsResponse* resp) {
-  const auto t0 = Clock::now();
-  auto s = sessions_->Get(req->session().session_id(), req->session().token());
-  if (!s.ok()) return Done(ctx, "GetStats", t0, s.status());
-  std::lock_guard<std::mutex> lock((*s)->mu);
-  if (absl::Status st = (*s)->arena->PullControl(); !st.ok()) return Done(ctx, "GetStats", t0, st);
-  const ArenaView& v = (*s)->arena->host();
-  for (uint32_t l = 0; l < v.geometry.layers; ++l) {
-    *resp->add_layers() = ToProto(l, v.stats[l], v.sparsity[l]);
-  }
-  return Done(ctx, "GetStats", t0, absl::OkStatus());
+  return OnSession(ctx, "GetStats", req->session(), false, [resp](Session& s) {
+    if (absl::Status st = s.arena->PullControl(); !st.ok()) return st;
+    const ArenaView& v = s.arena->host();
+    for (uint32_t l = 0; l < s.geometry.layers; ++l) {
+      *resp->add_layers() = ToProto(l, v.stats[l], s.budgets_written[l]);
+    }
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* SpinService::ListSessions(grpc::CallbackServerContext* ctx,

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <string>
 
+#include "executor.h"
 #include "metrics.h"
 #include "session_manager.h"
 #include "spin/v1/spin.grpc.pb.h"
@@ -19,7 +20,8 @@ class BudgetWatcher;
 /// The open WatchBudgets streams, by session.
 class BudgetHub {
  public:
-  void Add(const std::string& session, BudgetWatcher* w);
+  /// Registers a stream; false when `session` already has `max_per_session` streams.
+  bool Add(const std::string& session, BudgetWatcher* w, size_t max_per_session);
   void Remove(BudgetWatcher* w);
   /// Sends `update` to every stream of `session`.
   void Notify(const std::string& session, const spin::v1::GetBudgetsResponse& update);
@@ -34,21 +36,40 @@ class BudgetHub {
 /// Converts an absl::Status to the gRPC status with the same code and message.
 grpc::Status ToGrpc(const absl::Status& s);
 
-/// The service. Holds no state beyond the session manager.
+/// How the service treats its callers.
+struct ServiceOptions {
+  /// Required (metadata "authorization: Bearer <token>") by state-changing calls over TCP.
+  std::string admin_token;
+  /// Without an admin token, state-changing calls over TCP are refused unless this is set
+  /// (spind --tcp-allow-unauthenticated; logged as a warning at start).
+  bool allow_unauthenticated_tcp = false;
+  /// Worker threads for slow work (attach, data-plane calls, waits on a session's lock).
+  size_t workers = 4;
+  /// WatchBudgets streams one session may have open.
+  size_t max_watchers_per_session = 16;
+  /// Calls queued on one session before further ones get RESOURCE_EXHAUSTED.
+  size_t max_queued_per_session = 64;
+};
+
+/// Longest client_name accepted at attach.
+inline constexpr size_t kMaxClientName = 256;
+/// Remote-mode ObserveScores: the largest logits buffer (floats) spind assembles for one call.
+inline constexpr int64_t kMaxObserveFloats = int64_t{1} << 26;
+
+/// The service. Holds no state beyond the session manager (and its worker pool).
 class SpinService final : public spin::v1::Spin::CallbackService {
  public:
   /// `fd_socket` is the path clients fetch arena fds from (AttachResponse.fd_socket).
-  /// `metrics` may be null (no RPC metrics). A non-empty `admin_token` is required (metadata
-  /// "authorization: Bearer <token>") by mutating calls that arrive over TCP.
+  /// `metrics` may be null (no RPC metrics).
+  SpinService(SessionManager* sessions, std::string fd_socket, Metrics* metrics,
+              ServiceOptions options);
+  /// Tests and tools: `admin_token` as ServiceOptions::admin_token, and TCP callers are allowed
+  /// without one (as before the default changed).
   SpinService(SessionManager* sessions, std::string fd_socket, Metrics* metrics = nullptr,
               std::string admin_token = "")
-      : sessions_(sessions),
-        fd_socket_(std::move(fd_socket)),
-        metrics_(metrics),
-        admin_token_(std::move(admin_token)) {
-    // A freed session (Detach, or its client went away) ends its budget streams.
-    sessions_->SetOnFree([this](const std::string& id) { hub_.EndAll(id, grpc::Status::OK); });
-  }
+      : SpinService(sessions, std::move(fd_socket), metrics,
+                    ServiceOptions{std::move(admin_token), true}) {}
+  ~SpinService() override;
 
   /// Sends the session's budget table to its WatchBudgets streams (caller holds its lock and
   /// pulled its control region).
@@ -90,21 +111,31 @@ class SpinService final : public spin::v1::Spin::CallbackService {
   grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* ctx,
                                          const spin::v1::ListSessionsRequest* req,
                                          spin::v1::ListSessionsResponse* resp) override;
+  grpc::ServerUnaryReactor* KeepAlive(grpc::CallbackServerContext* ctx,
+                                      const spin::v1::KeepAliveRequest* req,
+                                      spin::v1::KeepAliveResponse* resp) override;
 
  private:
   // Finishes an RPC: records its metrics and completes the reactor.
   grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const char* method,
                                  std::chrono::steady_clock::time_point t0, const absl::Status& s);
 
-  // OK for Unix-socket peers and when no admin token is set; PERMISSION_DENIED otherwise unless
-  // the call carries the admin token.
+  // Runs `body` on the session's strand with its lock held (and the session not freed), then
+  // finishes the call with what it returned. `mutating` calls need CheckAdmin.
+  grpc::ServerUnaryReactor* OnSession(grpc::CallbackServerContext* ctx, const char* method,
+                                      const spin::v1::SessionRef& ref, bool mutating,
+                                      std::function<absl::Status(Session&)> body);
+
+  // OK for Unix-socket peers, and over TCP for calls carrying the admin token; without an admin
+  // token, TCP callers pass only with allow_unauthenticated_tcp. PERMISSION_DENIED otherwise.
   absl::Status CheckAdmin(grpc::CallbackServerContext* ctx) const;
 
   SessionManager* sessions_;
   std::string fd_socket_;
   Metrics* metrics_;
-  std::string admin_token_;
+  ServiceOptions options_;
   BudgetHub hub_;
+  Executor executor_;
   std::function<void(const char*, const std::string&)> log_;
 };
 

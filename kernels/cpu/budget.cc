@@ -256,8 +256,11 @@ absl::StatusOr<std::optional<BudgetUpdate>> BudgetController::Update(const Probe
     samples_[l] += probes;
   }
   if (dsteps > 0) {
-    num_blocks_ = static_cast<int32_t>(std::max<int64_t>(
-        1, std::llround(static_cast<double>(dblocks) / static_cast<double>(dsteps))));
+    // The counters come from an arena a client can write: the mean context is bounded by the
+    // geometry's blocks before it sizes anything.
+    const double mean = static_cast<double>(dblocks) / static_cast<double>(dsteps);
+    num_blocks_ = static_cast<int32_t>(
+        std::clamp<double>(std::round(mean), 1.0, static_cast<double>(default_blocks_)));
   }
   std::copy(snap.curves.begin(), snap.curves.end(), base_curves_.begin());
   std::copy(snap.stats.begin(), snap.stats.end(), base_stats_.begin());

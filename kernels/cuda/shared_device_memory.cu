@@ -371,4 +371,13 @@ absl::Status CudaSetDevice(int ordinal) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<uint64_t> CudaDeviceFreeBytes(int ordinal) {
+  if (absl::Status s = CudaSetDevice(ordinal); !s.ok()) return s;
+  size_t free = 0, total = 0;
+  if (cudaError_t e = cudaMemGetInfo(&free, &total); e != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("cudaMemGetInfo: ", cudaGetErrorString(e)));
+  }
+  return static_cast<uint64_t>(free);
+}
+
 }  // namespace spin

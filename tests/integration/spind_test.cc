@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "daemon_harness.h"
 #include "daemon_replay.h"
 #include "gen_trace.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -32,114 +33,6 @@ namespace spin::testing {
 namespace {
 
 namespace pb = spin::v1;
-
-// A spind child process on its own socket.
-class Daemon {
- public:
-  explicit Daemon(std::vector<std::string> extra = {}, std::string socket = "") {
-    static int counter = 0;
-    socket_ = !socket.empty() ? socket
-                              : ::testing::TempDir() + "/spind-" + std::to_string(getpid()) + "-" +
-                                    std::to_string(counter++) + ".sock";
-    std::vector<std::string> args = {SPIND_PATH, "--listen", "unix://" + socket_};
-    args.insert(args.end(), extra.begin(), extra.end());
-    log_ = socket_ + ".log";
-    pid_ = fork();
-    if (pid_ == 0) {
-      FILE* log = std::fopen(log_.c_str(), "w");
-      if (log) dup2(fileno(log), 2);
-      std::vector<char*> argv;
-      for (std::string& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    channel_ = grpc::CreateChannel("unix://" + socket_, grpc::InsecureChannelCredentials());
-    ready_ =
-        channel_->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(20));
-    stub_ = pb::Spin::NewStub(channel_);
-  }
-  ~Daemon() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-  }
-  // Sends SIGTERM and returns the exit status (or -1 on timeout).
-  int Terminate() {
-    kill(pid_, SIGTERM);
-    for (int i = 0; i < 100; ++i) {
-      int status = 0;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : -2;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-    return -1;
-  }
-  bool ready() const { return ready_; }
-  pid_t pid() const { return pid_; }
-  // What spind printed on stderr so far.
-  std::string log() const {
-    std::ifstream f(log_);
-    return std::string(std::istreambuf_iterator<char>(f), {});
-  }
-  // SIGKILL: a crash, no cleanup.
-  void Kill() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-      pid_ = -1;
-    }
-  }
-  pb::Spin::Stub& stub() { return *stub_; }
-  std::shared_ptr<grpc::Channel> channel() { return channel_; }
-  const std::string& socket() const { return socket_; }
-
- private:
-  std::string socket_, log_;
-  pid_t pid_ = -1;
-  bool ready_ = false;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<pb::Spin::Stub> stub_;
-};
-
-pb::AttachRequest AttachReq(uint32_t layers = 2, uint32_t slots = 1024, uint32_t seqs = 2) {
-  pb::AttachRequest r;
-  pb::Geometry* g = r.mutable_geometry();
-  g->set_layers(layers);
-  g->set_block_size(64);
-  g->set_topk(128);
-  g->set_max_sequences(seqs);
-  g->set_max_slots(slots);
-  g->set_max_rows(1);
-  g->set_state_dtype(pb::STATE_DTYPE_FP32);
-  r.set_seed(7);
-  r.mutable_policy()->set_target_sparsity(0.5);
-  r.mutable_policy()->set_exploration(0.05);
-  r.mutable_policy()->set_alpha(0.3f);
-  r.set_client_name("test");
-  return r;
-}
-
-template <typename Req, typename Resp, typename Call>
-grpc::Status Rpc(Call call, const Req& req, Resp* resp) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  return call(&ctx, req, resp);
-}
-
-#define CALL(d, Method, req, resp)                                                                \
-  Rpc([&](grpc::ClientContext* c, const auto& q, auto* p) { return (d).stub().Method(c, q, p); }, \
-      req, resp)
-
-pb::SessionRef Ref(const pb::AttachResponse& a) {
-  pb::SessionRef r;
-  r.set_session_id(a.session_id());
-  r.set_token(a.token());
-  return r;
-}
 
 TEST(Spind, AttachPolicyBudgetsStatsDetach) {
   Daemon d;
@@ -511,30 +404,6 @@ TEST(Spind, LocalDataPlaneOnTheSharedArenaEqualsOfflineReplay) {
   ASSERT_TRUE(CALL(d, SetPolicy, sp, &spr).ok());
   EXPECT_DOUBLE_EQ((*session)->arena().sparsity[1], 0.6);
   EXPECT_TRUE((*session)->Detach().ok());
-}
-
-// Open file descriptors of a process.
-int FdCount(pid_t pid) {
-  int n = 0;
-  const std::string dir = "/proc/" + std::to_string(pid) + "/fd";
-  FILE* p = popen(("ls " + dir + " | wc -l").c_str(), "r");
-  if (p && std::fscanf(p, "%d", &n) != 1) n = -1;
-  if (p) pclose(p);
-  return n;
-}
-
-// Resident set of a process in pages.
-long RssPages(pid_t pid) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/statm");
-  long size = 0, rss = -1;
-  f >> size >> rss;
-  return rss;
-}
-
-int SessionCount(Daemon& d) {
-  pb::ListSessionsResponse ls;
-  if (!CALL(d, ListSessions, pb::ListSessionsRequest(), &ls).ok()) return -1;
-  return ls.sessions_size();
 }
 
 // Engines that crash (SIGKILL) lose their sessions after the grace period: no fd or memory

@@ -92,5 +92,7 @@ absl::StatusOr<std::string> CudaDeviceUuid(int ordinal);
 absl::StatusOr<int> CudaOrdinalOfUuid(const std::string& uuid);
 /// Makes `ordinal` the calling thread's current device.
 absl::Status CudaSetDevice(int ordinal);
+/// Free bytes of device `ordinal` now (cudaMemGetInfo; makes it the current device).
+absl::StatusOr<uint64_t> CudaDeviceFreeBytes(int ordinal);
 
 }  // namespace spin
