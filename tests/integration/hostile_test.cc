@@ -688,6 +688,36 @@ TEST(Hostile, BigAttachesDoNotStallOtherCallers) {
       << "ListSessions waited " << worst << " s while attaches took " << attach_secs << " s";
 }
 
+// Defect 4: silent fd peers neither delay a fetch nor hold up SIGTERM.
+TEST(Hostile, SilentFdPeersDelayNeitherFetchesNorShutdown) {
+  Daemon d;
+  ASSERT_TRUE(d.ready());
+  const pb::AttachResponse a = MustAttach(d);
+  std::vector<int> idle;
+  for (int i = 0; i < 10; ++i) {
+    const int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, a.fd_socket().c_str(), sizeof(addr.sun_path) - 1);
+    ASSERT_EQ(connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    (void)!send(s, "ATT", 3, MSG_NOSIGNAL);  // a request that never ends
+    idle.push_back(s);
+  }
+  const auto t0 = Clock::now();
+  int fd = -1;
+  const std::string reply =
+      FdSocketExchange(a.fd_socket(), "ATTACH " + a.session_id() + " " + a.token() + "\n", &fd);
+  EXPECT_EQ(reply.rfind("OK ", 0), 0u) << reply;
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 0.5);
+  if (fd >= 0) close(fd);
+  // The drain waits up to 5 s for gRPC clients (this test's channel stays connected); the fd
+  // peers add nothing to that (before, each silent peer held the loop for 2 s per read).
+  const auto t1 = Clock::now();
+  EXPECT_EQ(d.Terminate(), 0);
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t1).count(), 6.5);
+  for (int s : idle) close(s);
+}
+
 // Defect 5: the client library never raises SIGPIPE in its host, and logs through a hook.
 TEST(Hostile, ClientLibraryRaisesNoSignalAndLogsThroughTheHook) {
   // A peer that closes at once: the handshake's write meets a closed socket.
