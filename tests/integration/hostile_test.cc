@@ -325,11 +325,16 @@ TEST(Hostile, OversizeAndOutOfRangeRequestsAreRefusedBeforeAllocating) {
   st = CALL(d, ObserveScores, os, &osr);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
   EXPECT_NE(st.error_message().find("compacted length"), std::string::npos);
-  os.mutable_scores(0)->mutable_logits()->Resize(1024 * 1024, 0.0f);  // 4 MiB: past 1024 slots
+  // 2 MB in one row (before, spind sized a buffer of rows x the longest row sent).
+  os.mutable_scores(0)->mutable_logits()->Resize(500000, 0.0f);
   st = CALL(d, ObserveScores, os, &osr);
-  EXPECT_TRUE(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT ||
-              st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED)
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_NE(st.error_message().find("no compacted row of this session is longer than 1024"),
+            std::string::npos)
       << st.error_message();
+  // Past gRPC's 4 MiB message limit: refused by the transport before any handler runs.
+  os.mutable_scores(0)->mutable_logits()->Resize(1100000, 0.0f);
+  EXPECT_EQ(CALL(d, ObserveScores, os, &osr).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   os.mutable_scores(0)->mutable_logits()->Resize(len, 0.0f);
   for (int x = 0; x < 100000; ++x) os.add_scores()->add_logits(1.0f);
   st = CALL(d, ObserveScores, os, &osr);
