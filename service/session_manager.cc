@@ -107,28 +107,26 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const Geometry& 
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Get(const std::string& id,
                                                              const std::string& token) {
+  std::lock_guard<std::mutex> lock(mu_);
+  absl::StatusOr<std::shared_ptr<Session>> s = FindLocked(id);
+  if (!s.ok()) return s;
+  if (!TokensEqual((*s)->token, token)) {
+    return absl::PermissionDeniedError(absl::StrCat("wrong token for session '", id, "'"));
+  }
+  (*s)->last_seen = std::chrono::steady_clock::now();
+  return s;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Find(const std::string& id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return FindLocked(id);
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindLocked(const std::string& id) const {
   if (id.size() > kMaxSessionIdBytes) {  // never echo a huge id back
     return absl::NotFoundError(
         absl::StrCat("no session has an id of ", id.size(), " bytes (ids are 18)"));
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = sessions_.find(id);
-  if (it == sessions_.end()) {
-    return absl::NotFoundError(absl::StrCat("no session '", id, "' (detached or never attached)"));
-  }
-  if (!TokensEqual(it->second->token, token)) {
-    return absl::PermissionDeniedError(absl::StrCat("wrong token for session '", id, "'"));
-  }
-  it->second->last_seen = std::chrono::steady_clock::now();
-  return it->second;
-}
-
-absl::StatusOr<std::shared_ptr<Session>> SessionManager::Find(const std::string& id) const {
-  if (id.size() > kMaxSessionIdBytes) {
-    return absl::NotFoundError(
-        absl::StrCat("no session has an id of ", id.size(), " bytes (ids are 18)"));
-  }
-  std::lock_guard<std::mutex> lock(mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) {
     return absl::NotFoundError(absl::StrCat("no session '", id, "' (detached or never attached)"));

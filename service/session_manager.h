@@ -145,6 +145,7 @@ class SessionManager {
 
  private:
   static absl::Status BindError(const Session& s, DriveMode mode);
+  absl::StatusOr<std::shared_ptr<Session>> FindLocked(const std::string& id) const;
   Limits limits_;
   Executor* executor_ = nullptr;
   std::thread reaper_;

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -153,5 +154,35 @@ inline int SessionCount(Daemon& d) {
   if (!CALL(d, ListSessions, pb::ListSessionsRequest(), &ls).ok()) return -1;
   return ls.sessions_size();
 }
+
+#ifdef ATTACH_HELPER_PATH
+// Starts attach_helper against `d` in `mode` ("fetch", "attach", "step", "remote"; see
+// attach_helper.cc) and waits until it printed its session id (into *id). Returns its pid, or -1
+// if it failed before getting there.
+inline pid_t StartAttachHelper(const Daemon& d, const char* mode, std::string* id = nullptr) {
+  int out[2];
+  if (pipe(out) != 0) return -1;
+  const pid_t child = fork();
+  if (child == 0) {
+    dup2(out[1], 1);
+    close(out[0]);
+    const std::string target = "unix://" + d.socket();
+    execl(ATTACH_HELPER_PATH, ATTACH_HELPER_PATH, target.c_str(), mode, nullptr);
+    _exit(127);
+  }
+  close(out[1]);
+  char line[64] = {};
+  FILE* f = fdopen(out[0], "r");
+  const bool got = std::fgets(line, sizeof(line), f) != nullptr;
+  std::fclose(f);
+  if (!got) {
+    kill(child, SIGKILL);
+    waitpid(child, nullptr, 0);
+    return -1;
+  }
+  if (id != nullptr) *id = std::string(line, std::strcspn(line, "\n"));
+  return child;
+}
+#endif
 
 }  // namespace spin::testing

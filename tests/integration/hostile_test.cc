@@ -473,21 +473,8 @@ TEST(Hostile, ClientsKilledAtEveryPointAreReclaimed) {
   const int fds_before = FdCount(d.pid());
   for (const char* mode : {"attach", "fetch", "step", "remote"}) {
     for (int round = 0; round < 3; ++round) {
-      int out[2];
-      ASSERT_EQ(pipe(out), 0);
-      const pid_t child = fork();
-      if (child == 0) {
-        dup2(out[1], 1);
-        close(out[0]);
-        const std::string target = "unix://" + d.socket();
-        execl(ATTACH_HELPER_PATH, ATTACH_HELPER_PATH, target.c_str(), mode, nullptr);
-        _exit(127);
-      }
-      close(out[1]);
-      char line[64] = {};
-      FILE* f = fdopen(out[0], "r");
-      ASSERT_NE(std::fgets(line, sizeof(line), f), nullptr) << "helper (" << mode << ") failed";
-      std::fclose(f);
+      const pid_t child = StartAttachHelper(d, mode);
+      ASSERT_GT(child, 0) << "helper (" << mode << ") failed";
       // Killed while it steps (or waits), mid-cycle.
       std::this_thread::sleep_for(milliseconds(30 * round));
       kill(child, SIGKILL);

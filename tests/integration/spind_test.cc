@@ -414,21 +414,8 @@ TEST(Spind, KilledClientsSessionIsReclaimed) {
   int fds_after_warmup = 0;
   long rss_after_warmup = 0;
   for (int cycle = 0; cycle < 50; ++cycle) {
-    int out[2];
-    ASSERT_EQ(pipe(out), 0);
-    const pid_t child = fork();
-    if (child == 0) {
-      dup2(out[1], 1);
-      close(out[0]);
-      const std::string target = "unix://" + d.socket();
-      execl(ATTACH_HELPER_PATH, ATTACH_HELPER_PATH, target.c_str(), nullptr);
-      _exit(127);
-    }
-    close(out[1]);
-    char line[64] = {};
-    FILE* f = fdopen(out[0], "r");
-    ASSERT_NE(std::fgets(line, sizeof(line), f), nullptr) << "helper did not attach";
-    std::fclose(f);
+    const pid_t child = StartAttachHelper(d, "fetch");
+    ASSERT_GT(child, 0) << "helper did not attach";
     ASSERT_EQ(SessionCount(d), 1) << "cycle " << cycle;
     kill(child, SIGKILL);
     waitpid(child, nullptr, 0);
