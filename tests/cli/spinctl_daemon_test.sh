@@ -19,17 +19,29 @@ done
 "$spinctl" --target "unix://$sock" status | grep -q "serving, 0 sessions" && pass status \
   || fail status
 "$spinctl" gen-trace "$work/t" --layers 3 --slots 4096 --steps 40 --topk 256 --rows 2 \
-  >/dev/null 2>&1
+  >"$work/gen.out" 2>&1 && pass "gen-trace" || fail "gen-trace: $(tail -2 "$work/gen.out")"
 "$spinctl" replay --trace "$work/t" --probe-period 6 --exploration 0.1 --dump "$work/off" \
-  --quiet >/dev/null
+  --quiet >/dev/null 2>"$work/off.err" || fail "offline replay: $(tail -2 "$work/off.err")"
 "$spinctl" --target "unix://$sock" replay --trace "$work/t" --probe-period 6 \
-  --exploration 0.1 --dump "$work/loc" --quiet >"$work/loc.out"
+  --exploration 0.1 --dump "$work/loc" --quiet >"$work/loc.out" 2>&1 \
+  || fail "replay through spind: $(tail -2 "$work/loc.out")"
 "$spinctl" --target "unix://$sock" replay --remote --trace "$work/t" --probe-period 6 \
-  --exploration 0.1 --dump "$work/rem" --quiet >"$work/rem.out"
-cmp -s "$work/off" "$work/loc" && grep -q "mapped arena" "$work/loc.out" \
-  && pass "replay through the mapped arena = offline" || fail "replay mapped arena"
-cmp -s "$work/off" "$work/rem" && grep -q "remote mode" "$work/rem.out" \
-  && pass "remote replay = offline" || fail "remote replay"
+  --exploration 0.1 --dump "$work/rem" --quiet >"$work/rem.out" 2>&1 \
+  || fail "remote replay through spind: $(tail -2 "$work/rem.out")"
+# The dumps are compared only once they are known to hold the whole replay: one JSON line per
+# (step, layer) = 40 x 3 (two empty or missing dumps would compare equal).
+for d in off loc rem; do
+  n=$(wc -l <"$work/$d" 2>/dev/null || echo missing)
+  [ -s "$work/$d" ] && [ "$n" = 120 ] && [ "$(grep -c '^{"step":' "$work/$d")" = 120 ] \
+    && pass "$d dump has 120 lines" \
+    || fail "$d dump: $n lines, want 120: $(head -c 200 "$work/$d" 2>&1)"
+done
+[ -s "$work/off" ] && cmp -s "$work/off" "$work/loc" && grep -q "mapped arena" "$work/loc.out" \
+  && pass "replay through the mapped arena = offline" \
+  || fail "replay mapped arena: $(cmp "$work/off" "$work/loc" 2>&1) $(tail -1 "$work/loc.out")"
+[ -s "$work/off" ] && cmp -s "$work/off" "$work/rem" && grep -q "remote mode" "$work/rem.out" \
+  && pass "remote replay = offline" \
+  || fail "remote replay: $(cmp "$work/off" "$work/rem" 2>&1) $(tail -1 "$work/rem.out")"
 # Per-layer budgets through the daemon: spind's probe thread owns the tables (whether it gets to
 # recompute during so short a replay is timing; the integration test checks the recomputes). A
 # per-layer session selects at its target from the first step, not dense.
@@ -40,8 +52,28 @@ grep -q '"budget_mode":"per-layer"' "$work/pl.json" && grep -q '"budget_recomput
   && awk -v r="$rs" 'BEGIN { exit !(r > 0.44 && r < 0.56) }' \
   && pass "per-layer replay through spind selects at the target" \
   || fail "per-layer replay through spind: $(head -c 300 "$work/pl.json")"
-"$spinctl" --target "unix://$sock" sessions | grep -q "^session" && pass sessions \
-  || fail sessions
+# sessions lists a live session: a replay through spind holds one while it runs (the header
+# line alone, which an empty daemon prints too, is not enough). The replay is stopped while
+# each listing is taken and runs a few milliseconds in between, so the check does not race it.
+"$spinctl" gen-trace "$work/long" --layers 4 --slots 8192 --steps 400 --topk 256 >/dev/null 2>&1
+"$spinctl" --target "unix://$sock" replay --trace "$work/long" --quiet >/dev/null 2>&1 &
+rp=$!
+seen=""
+for _ in $(seq 1000); do
+  kill -STOP "$rp" 2>/dev/null || break  # the replay has ended
+  "$spinctl" --target "unix://$sock" sessions >"$work/sessions" 2>&1
+  kill -CONT "$rp" 2>/dev/null
+  if head -n 1 "$work/sessions" | grep -q "^session " \
+    && grep -qE "^s-[^ ]+ +[^ ]+ +4 +1 +8192 " "$work/sessions"; then
+    seen=yes
+    break
+  fi
+  sleep 0.005
+done
+kill -CONT "$rp" 2>/dev/null
+wait "$rp"
+[ -n "$seen" ] && pass "sessions lists the replay's session: $(sed -n 2p "$work/sessions")" \
+  || fail "sessions never listed the replay's session: $(cat "$work/sessions")"
 "$spinctl" --target "unix://$sock" stats --session s-none --token x 2>"$work/err"
 rc=$?
 [ "$rc" -ne 0 ] && [ "$(wc -l <"$work/err")" -eq 1 ] && grep -q "no session" "$work/err" \

@@ -1,6 +1,7 @@
 // The CUDA backend against the CPU reference on the same inputs: every selection, every
 // compacted table and length, every remapped index, and at the end every byte of state,
-// statistics and miss curves must be identical (fp32 and bf16). Skips without a device.
+// statistics and miss curves must be identical (fp32 and bf16). Skips without a device (fails
+// instead under SPIN_REQUIRE_GPU=1, require_gpu.h).
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -13,6 +14,7 @@
 
 #include "engine_sim.h"
 #include "gtest/gtest.h"
+#include "require_gpu.h"
 #include "spin/budget.h"
 #include "spin/cuda_data_plane.h"
 #include "test_arena.h"
@@ -25,7 +27,7 @@ namespace {
 class CudaTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device";
+    SPIN_REQUIRE_GPU_OR_SKIP();
   }
 };
 
@@ -660,7 +662,7 @@ TEST_F(CudaTest, GraphReplayMatchesEagerReference) {
 // The device narrows bf16 state with the hardware conversion (numerics.h); the host with the
 // integer definition. Parity of bf16 state rests on their agreeing for every float.
 TEST(CudaNumerics, DeviceBf16NarrowingEqualsTheReferenceForEveryFloat) {
-  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device";
+  SPIN_REQUIRE_GPU_OR_SKIP();
   uint64_t mismatches = 0;
   uint32_t first = 0;
   ASSERT_EQ(CountBf16Mismatches(&mismatches, &first), cudaSuccess);

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "require_gpu.h"
 #include "spin/cuda_data_plane.h"
 
 namespace spin::testing {
@@ -25,14 +26,15 @@ bool HopperDevice() {
   return cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9 && prop.minor == 0;
 }
 
-// Every test runs for both kernels; the wgmma one needs compute capability 9.0 (sm_90a).
+// Every test runs for both kernels; the wgmma one needs compute capability 9.0 (sm_90a). Without
+// a device, or with another one for wgmma, the tests skip; under SPIN_REQUIRE_GPU=1 (a GPU run,
+// scripts/gpu-check on an H200) they fail instead (require_gpu.h).
 class IndexerTest : public ::testing::TestWithParam<IndexerKernel> {
  protected:
   void SetUp() override {
-    if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device";
-    if (GetParam() == IndexerKernel::kWgmma && !HopperDevice()) {
-      GTEST_SKIP() << "wgmma needs an sm_90 device";
-    }
+    SPIN_REQUIRE_GPU_OR_SKIP();
+    SPIN_REQUIRE_OR_SKIP(GetParam() != IndexerKernel::kWgmma || HopperDevice(),
+                         "wgmma needs an sm_90 device, this one is " << DeviceArch());
   }
 };
 
@@ -40,8 +42,9 @@ class IndexerTest : public ::testing::TestWithParam<IndexerKernel> {
 class IndexerVariantsTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device";
-    if (!HopperDevice()) GTEST_SKIP() << "wgmma needs an sm_90 device";
+    SPIN_REQUIRE_GPU_OR_SKIP();
+    SPIN_REQUIRE_OR_SKIP(HopperDevice(),
+                         "wgmma needs an sm_90 device, this one is " << DeviceArch());
   }
 };
 
@@ -347,6 +350,8 @@ TEST_P(IndexerTest, SparseStageEqualsDenseRestrictedToSelectedBlocks) {
     const auto count = Download(view->union_count, batch);
     const auto ids = Download(view->union_ids, static_cast<size_t>(batch) * view->max_blocks);
     const auto clen = Download(view->compact_len, batch);
+    std::vector<int32_t> idx(static_cast<size_t>(batch) * K, -1);  // engine top-K, compacted
+    std::vector<std::vector<int>> want_topk(batch);
     for (int e = 0; e < batch; ++e) {
       const int nb = (ctx[e] + 63) / 64;
       if (step == 0) {
@@ -372,10 +377,30 @@ TEST_P(IndexerTest, SparseStageEqualsDenseRestrictedToSelectedBlocks) {
         std::sort(out.begin(), out.end());
         return out;
       };
+      // The engine's top-K is taken over the compacted logits (compacted indices; ties to the
+      // lower one, which is also the lower logical slot) and mapped back by the data plane's
+      // Remap below; it must be the dense top-K over the selected slots, computed here from the
+      // dense logits alone.
       std::vector<std::pair<float, int>> sv, dv;
-      for (int c = 0; c < clen[e]; ++c) sv.push_back({sparse[e * stride + c], logical[c]});
+      for (int c = 0; c < clen[e]; ++c) sv.push_back({sparse[e * stride + c], c});
       for (int i : logical) dv.push_back({dense[e * stride + i], i});
-      ASSERT_EQ(topk(sv), topk(dv)) << "entry " << e << " step " << step;
+      const std::vector<int> compact_top = topk(sv);
+      ASSERT_GT(compact_top.size(), 0u) << "entry " << e << " step " << step;
+      for (size_t k = 0; k < compact_top.size(); ++k) idx[e * K + k] = compact_top[k];
+      want_topk[e] = topk(dv);
+    }
+    int32_t* d_idx = Upload(idx);
+    ASSERT_TRUE((*dp)->Remap(d_idx, K).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<int32_t> remapped = Download(d_idx, idx.size());
+    cudaFree(d_idx);
+    for (int e = 0; e < batch; ++e) {
+      std::vector<int> got;
+      for (int k = 0; k < K; ++k) {
+        if (remapped[e * K + k] >= 0) got.push_back(remapped[e * K + k]);
+      }
+      std::sort(got.begin(), got.end());
+      ASSERT_EQ(got, want_topk[e]) << "remapped top-K, entry " << e << " step " << step;
     }
   }
   auto err = ReadDeviceError(*view);

@@ -2,7 +2,8 @@
 // CUDA graph captured once keeps working while spind is absent (dense), after it appears
 // (sparse on the daemon's VMM arena mapped at the same addresses), after it is killed (the
 // mapping stays) and after it restarts (the new session is mapped at the same addresses again).
-// spind runs as a separate process with --backend cuda. Skips without a device.
+// spind runs as a separate process with --backend cuda. Skips without a device (fails instead
+// under SPIN_REQUIRE_GPU=1, require_gpu.h).
 #include <cuda_runtime.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "require_gpu.h"
 #include "resilient_data_plane.h"
 #include "spin/cuda_data_plane.h"
 #include "spin/numerics.h"
@@ -45,7 +47,7 @@ void Kill(pid_t pid) {
 }
 
 TEST(ResilientCuda, OneCapturedGraphAcrossDaemonStartKillAndRestart) {
-  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device";
+  SPIN_REQUIRE_GPU_OR_SKIP();
   const std::string sock =
       ::testing::TempDir() + "/spind-resilient-cuda-" + std::to_string(getpid()) + ".sock";
   unlink(sock.c_str());
@@ -141,7 +143,7 @@ TEST(ResilientCuda, OneCapturedGraphAcrossDaemonStartKillAndRestart) {
 // The graph captured on the first session keeps running on the second (one data plane drives
 // the window, so its scratch buffers are never freed; memcheck in gpu-check would see it).
 TEST(ResilientCuda, GraphCapturedOnASessionSurvivesADaemonRestart) {
-  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device";
+  SPIN_REQUIRE_GPU_OR_SKIP();
   const std::string sock =
       ::testing::TempDir() + "/spind-resilient-cuda2-" + std::to_string(getpid()) + ".sock";
   unlink(sock.c_str());

@@ -4,14 +4,20 @@
 # and runs the CUDA data plane on it. Checks: replay through the daemon's GPU arena and through
 # remote mode (staged to the device by the daemon) equal offline CPU replay byte for byte;
 # SIGKILLed clients' GPU arenas are reclaimed with no device-memory growth; metrics carry the
-# GPU's UUID. Exits 77 (skipped) without a GPU.
+# GPU's UUID. Exits 77 (skipped) without a GPU, or 1 (failed) without one when
+# SPIN_REQUIRE_GPU=1 (scripts/gpu-check sets it: a GPU run must not pass with nothing run).
 # Usage: spind_cuda_test.sh SPINCTL SPIND ATTACH_HELPER
 set -uo pipefail
 spinctl="$1"
 spind="$2"
 helper="$3"
-if ! nvidia-smi -L >/dev/null 2>&1; then
-  echo "SKIP: no GPU"
+if ! smi=$(nvidia-smi -L 2>&1) || ! grep -q "^GPU " <<<"$smi"; then
+  why="nvidia-smi -L lists no GPU: $(head -c 300 <<<"$smi")"
+  if [ "${SPIN_REQUIRE_GPU:-}" = 1 ]; then
+    echo "FAIL: SPIN_REQUIRE_GPU=1 but no usable GPU ($why)"
+    exit 1
+  fi
+  echo "SKIP: no GPU ($why; set SPIN_REQUIRE_GPU=1 to make this a failure)"
   exit 77
 fi
 work="$(mktemp -d)"
@@ -41,26 +47,33 @@ gpu_mib() {  # device memory spind holds, MiB
 }
 
 "$spinctl" gen-trace "$work/t1" --layers 4 --slots 8192 --steps 64 --topk 512 --seed 31 \
-  >/dev/null 2>&1
+  >"$work/gen.log" 2>&1 || fail "gen-trace t1: $(tail -2 "$work/gen.log")"
 "$spinctl" gen-trace "$work/t3" --layers 3 --slots 6000 --steps 48 --topk 256 --rows 3 \
-  --seed 32 >/dev/null 2>&1
-for cfg in "fp32 t1" "bf16 t1" "fp32 t3" "bf16 t3"; do
+  --seed 32 >"$work/gen.log" 2>&1 || fail "gen-trace t3: $(tail -2 "$work/gen.log")"
+# The dumps have one line per (step, layer): 64 x 4 for t1, 48 x 3 for t3.
+for cfg in "fp32 t1 256" "bf16 t1 256" "fp32 t3 144" "bf16 t3 144"; do
   set -- $cfg
   args=(--trace "$work/$2" --state "$1" --sparsity 0.5 --exploration 0.1 --probe-period 8
     --quiet)
-  "$spinctl" replay "${args[@]}" --dump "$work/off" >/dev/null
+  rm -f "$work/off" "$work/loc" "$work/rem"
+  "$spinctl" replay "${args[@]}" --dump "$work/off" >/dev/null 2>"$work/off.err" \
+    || fail "$1 $2: offline replay: $(tail -2 "$work/off.err")"
+  lines=$(wc -l <"$work/off" 2>/dev/null || echo 0)
+  [ "$lines" -eq "$3" ] && pass "$1 $2: offline dump has $3 lines" \
+    || fail "$1 $2: offline dump has ${lines} lines, not $3"
   ctl replay "${args[@]}" --backend cuda --dump "$work/loc" >"$work/loc.out" 2>&1
   ctl replay "${args[@]}" --remote --dump "$work/rem" >"$work/rem.out" 2>&1
-  if cmp -s "$work/off" "$work/loc" && [ -s "$work/off" ] \
+  if [ -s "$work/off" ] && cmp -s "$work/off" "$work/loc" \
     && grep -q "mapped arena, GPU GPU-" "$work/loc.out"; then
-    pass "$cfg: replay on the daemon's GPU arena (client CUDA kernels) = offline CPU"
+    pass "$1 $2: replay on the daemon's GPU arena (client CUDA kernels) = offline CPU"
   else
-    fail "$cfg: mapped GPU arena replay: $(tail -2 "$work/loc.out")"
+    fail "$1 $2: mapped GPU arena replay: $(tail -2 "$work/loc.out")"
   fi
-  if cmp -s "$work/off" "$work/rem" && grep -q "remote mode, GPU GPU-" "$work/rem.out"; then
-    pass "$cfg: remote mode on the GPU arena = offline CPU"
+  if [ -s "$work/off" ] && cmp -s "$work/off" "$work/rem" \
+    && grep -q "remote mode, GPU GPU-" "$work/rem.out"; then
+    pass "$1 $2: remote mode on the GPU arena = offline CPU"
   else
-    fail "$cfg: remote replay: $(tail -2 "$work/rem.out")"
+    fail "$1 $2: remote replay: $(tail -2 "$work/rem.out")"
   fi
 done
 
@@ -81,14 +94,19 @@ wait $hp 2>/dev/null
 # is freed after the grace period and spind's device memory does not grow.
 sleep 1
 base=$(gpu_mib)
+attached=0
 for i in $(seq 20); do
   : >"$work/id"
   "$helper" "unix://$sock" >"$work/id" 2>>"$work/helper.err" &
   hp=$!
   for _ in $(seq 50); do [ -s "$work/id" ] && break; sleep 0.1; done
+  [ -s "$work/id" ] && attached=$((attached + 1))
   kill -9 $hp
   wait $hp 2>/dev/null
 done
+# Without this, clients that never attached would make "every arena freed" pass vacuously.
+[ "$attached" -eq 20 ] && pass "20 clients attached before being killed" \
+  || fail "only $attached of 20 clients attached: $(tail -2 "$work/helper.err")"
 for _ in $(seq 50); do
   ctl status | grep -q "serving, 0 sessions" && break
   sleep 0.1

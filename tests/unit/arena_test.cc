@@ -95,7 +95,7 @@ TEST(Arena, PolicyValidationAndWrite) {
   ASSERT_TRUE(WritePolicy(t.view(), p).ok());
   EXPECT_EQ(t.view().policy->epoch, 2u);
   EXPECT_EQ(t.view().sparsity[0], 0.3);
-  EXPECT_EQ(t.view().policy->beta, 1.0f - 0.9f);
+  EXPECT_EQ(FloatBits(t.view().policy->beta), 0x3DCCCCD0u);  // 1 - 0.9f = 0.100000024, exact
   const Policy back = ReadPolicy(t.view());
   EXPECT_EQ(back.probe_period, 8u);
   EXPECT_EQ(back.alpha, 0.9f);

@@ -161,6 +161,8 @@ TEST(NpyRead, AcceptsVersion2AndNumPyVariants) {
     absl::StatusOr<NpyArray> array = ReadNpyF32(path);
     ASSERT_TRUE(array.ok()) << c.name << ": " << array.status();
     EXPECT_EQ(array->shape(), c.shape) << c.name;
+    // The payload's every value (the loop must not run zero times on a wrong size).
+    ASSERT_EQ(array->size(), c.shape[0] * (c.shape.size() > 1 ? c.shape[1] : 1)) << c.name;
     for (int64_t i = 0; i < array->size(); ++i) EXPECT_EQ(array->data()[i], float(i)) << c.name;
   }
 }

@@ -58,10 +58,24 @@ TEST(Philox, KnownAnswers) {
   EXPECT_EQ(out.v[3], 0x24126ea1u);
 }
 
+// The key and counter layout by known answers: the key is seed ^ key * 0x9E3779B97F4A7C15
+// (mod 2^64), and a draw is Philox of (block, layer << 16 | row, step low, step high) under
+// (key low, key high), read as out[0] : out[1]; with the words of the published vectors above.
+TEST(Exploration, KeyAndCounterLayoutKnownAnswers) {
+  EXPECT_EQ(ExplorationKey(0, 1), 0x9E3779B97F4A7C15ull);
+  EXPECT_EQ(ExplorationKey(1, 1), 0x9E3779B97F4A7C14ull);
+  EXPECT_EQ(ExplorationKey(0, 2), 0x3C6EF372FE94F82Aull);
+  EXPECT_EQ(ExplorationKey(0xFF, 0), 0xFFull);
+  EXPECT_EQ(ExplorationDraw(0, 0, 0, 0, 0), 0x6627e8d5e169c58dull);
+  EXPECT_EQ(ExplorationDraw(~0ull, ~0ull, 0xFFFFu, 0xFFFFu, 0xffffffffu), 0x408f276d41c83b0eull);
+  EXPECT_EQ(ExplorationDraw(0x299f31d0a4093822ull, 0x0370734413198a2eull, 0x85a3u, 0x08d3u,
+                            0x243f6a88u),
+            0xd16cfe0994fdccebull);
+}
+
 TEST(Exploration, DrawDependsOnEveryCounterField) {
   const uint64_t key = ExplorationKey(1, 2);
   const uint64_t base = ExplorationDraw(key, 5, 3, 0, 9);
-  EXPECT_EQ(base, ExplorationDraw(key, 5, 3, 0, 9));
   EXPECT_NE(base, ExplorationDraw(ExplorationKey(1, 3), 5, 3, 0, 9));
   EXPECT_NE(base, ExplorationDraw(ExplorationKey(2, 2), 5, 3, 0, 9));
   EXPECT_NE(base, ExplorationDraw(key, 6, 3, 0, 9));
@@ -103,8 +117,12 @@ TEST(Budget, ExplorationCount) {
 TEST(Ema, UnsetTakesScoreElseFusedUpdate) {
   EXPECT_EQ(EmaUpdate(NAN, 3.0f, 0.75f, 0.25f), 3.0f);
   EXPECT_EQ(EmaUpdate(1.0f, 3.0f, 0.75f, 0.25f), 1.5f);
-  const float a = 0.9f, b = 1.0f - a, v = 1.1f, z = 0.3f;
-  EXPECT_EQ(EmaUpdate(v, z, a, b), std::fma(a, v, b * z));
+  // One rounding of alpha v + round(beta z), worked out in exact rational arithmetic: alpha
+  // 0.9f, beta (float)(1 - 0.9f) = 0x3DCCCCD0, v = 0x3F3C5FD7, z = 0x3EFDA9AA; beta z rounds to
+  // 0x3D4AEE25 and the fused sum to 0x3F363857, where rounding alpha v first gives 0x3F363856.
+  const float a = 0.9f, b = BitsFloat(0x3DCCCCD0u);
+  EXPECT_EQ(FloatBits(EmaUpdate(BitsFloat(0x3F3C5FD7u), BitsFloat(0x3EFDA9AAu), a, b)),
+            0x3F363857u);
 }
 
 TEST(Prediction, NanIgnoringMaxAndUnsetIsInfinite) {

@@ -57,7 +57,7 @@ TEST(Observe, FirstObservationSetsThenEmaBlends) {
   std::vector<float> z2(64, 0.0f);
   for (int c = 0; c < 37; ++c) z2[c] = 4.0f;
   ASSERT_TRUE(t.dp().Observe(0, z2.data(), 64).ok());
-  EXPECT_EQ(t.Get(0, 0, 0, 64), std::fma(0.75f, 64.0f, 0.25f * 4.0f));
+  EXPECT_EQ(t.Get(0, 0, 0, 64), 49.0f);  // 0.75 * 64 + 0.25 * 4, exact
   EXPECT_EQ(t.Get(0, 0, 0, 10), 10.0f);  // not scored this step: unchanged
   EXPECT_EQ(t.Get(0, 0, 0, 100), 4.0f);  // first observation of slot 100
   EXPECT_EQ(t.view().stats[0].observed, 100u + 37u);
@@ -120,6 +120,8 @@ TEST(Observe, MtpReplaysOnlyAcceptedRowsInOrder) {
   ASSERT_TRUE(u.dp().Observe(0, z.data(), stride, &none).ok());
   EXPECT_TRUE(u.Fresh(0, 0));
   EXPECT_TRUE(std::isnan(u.Get(0, 0, 0, 5)));
+  // Not a byte of the arena changed: state, summaries, statistics, curves, outputs.
+  EXPECT_TRUE(u.Snapshot() == before) << "Observe with accepted = 0 changed the arena";
 }
 
 // The probe tests' sequence: 10 blocks, K = 128 (2 blocks at least), probe period 2, target 0.5.
@@ -159,7 +161,7 @@ TEST(Observe, ProbeStepAccumulatesTheMissCurve) {
   EXPECT_EQ(t.view().stats[0].probe_topk, 128u);
   EXPECT_EQ(t.view().stats[0].probe_missed, 64u);  // rho 0.5 -> m = 5
   // The probe step also updated the state from every slot.
-  EXPECT_EQ(t.Get(0, 0, 0, 0), std::fma(0.5f, 10.0f, 0.5f * 100.0f));
+  EXPECT_EQ(t.Get(0, 0, 0, 0), 55.0f);  // 0.5 * 10 + 0.5 * 100, exact
   // Step 1 is not a probe step: the curve stays.
   ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());
   ASSERT_TRUE(t.dp().Select(0).ok());

@@ -99,16 +99,28 @@ void ExpectMatchesOracle(const Trace& trace, const Case& c, const std::string& n
   ASSERT_TRUE(sum.ok()) << sum.status();
 
   const TraceMeta& m = trace.meta();
-  Oracle oracle({m.layers, static_cast<int>(trace.n_max()), m.block_size, m.topk, m.rows, c.rho,
-                 c.gamma, c.alpha, c.period, 1234, 77, c.dtype == StateDtype::kBf16});
+  Oracle::Params op;
+  op.layers = m.layers;
+  op.seqs = 1;
+  op.n_max = static_cast<int>(trace.n_max());
+  op.block = m.block_size;
+  op.topk = m.topk;
+  op.rho = c.rho;
+  op.gamma = c.gamma;
+  op.alpha = c.alpha;
+  op.period = c.period;
+  op.seed = 1234;
+  op.bf16 = c.dtype == StateDtype::kBf16;
+  Oracle oracle(op);
+  oracle.Reset(0, 77);
   std::ifstream dump(o.dump_path);
   std::string line;
   int lines = 0;
   for (int t = 0; t < m.steps; ++t) {
-    oracle.Begin(m.ctx_len[t], m.q_pos[t]);
+    oracle.Begin({{0, m.ctx_len[t], m.q_pos[t]}}, m.rows);
     const int acc = m.accepted.empty() ? m.rows : m.accepted[t];
     for (int l = 0; l < m.layers; ++l) {
-      const std::vector<int> want = oracle.Select(l, m.rows);
+      const std::vector<int> want = oracle.Select(l)[0];
       ASSERT_TRUE(std::getline(dump, line)) << "dump ends at step " << t;
       ++lines;
       const nlohmann::json j = nlohmann::json::parse(line);
@@ -131,12 +143,24 @@ void ExpectMatchesOracle(const Trace& trace, const Case& c, const std::string& n
       ASSERT_NEAR(j["miss"].get<double>(), miss, 1e-5) << "step " << t << " layer " << l;
       std::vector<const float*> rows;
       for (int r = 0; r < m.rows; ++r) rows.push_back(trace.scores(t, l, r));
-      oracle.Observe(l, want, rows, acc);
+      oracle.Observe(l, {rows}, {acc});
     }
   }
   EXPECT_FALSE(std::getline(dump, line)) << "dump has extra lines";
   EXPECT_EQ(lines, m.steps * m.layers);
   EXPECT_EQ(sum->bad_scores, oracle.bad());
+  // The per-layer statistics the summary reports are the oracle's counts.
+  ASSERT_EQ(sum->per_layer.size(), static_cast<size_t>(m.layers));
+  uint64_t dense = 0, sparse = 0;
+  for (int l = 0; l < m.layers; ++l) {
+    const Oracle::Counters& k = oracle.counters(l);
+    EXPECT_EQ(sum->per_layer[l].probe_steps, k.probe_steps) << name << " layer " << l;
+    EXPECT_EQ(sum->per_layer[l].bad_scores, k.bad_scores) << name << " layer " << l;
+    dense += k.dense_steps;
+    sparse += k.steps - k.dense_steps;
+  }
+  EXPECT_EQ(sum->dense_steps, dense) << name;
+  EXPECT_EQ(sum->sparse_steps, sparse) << name;
 }
 
 TEST(ReplayOracle, MatchesOnIndependentRandomTraces) {
