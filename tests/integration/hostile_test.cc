@@ -125,6 +125,7 @@ TEST(Hostile, ArenaWritesByTheClientCannotCrashOrEscape) {
   ASSERT_TRUE(victim->data_plane().ResetSequence(0, 7).ok());
   const std::string victim_before = ArenaBytesOf(*victim);
   const long rss_before = RssPages(d.pid());
+  ASSERT_GT(rss_before, 0);
 
   // Per-layer mode, so the probe thread feeds the (hostile) counters to the allocator.
   pb::SetPolicyRequest sp;
@@ -252,6 +253,7 @@ TEST(Hostile, OversizeAndOutOfRangeRequestsAreRefusedBeforeAllocating) {
   ASSERT_TRUE(d.ready());
   const pb::AttachResponse a = MustAttach(d);  // 2 layers, 1024 slots, 2 sequences
   const long rss_before = RssPages(d.pid());
+  ASSERT_GT(rss_before, 0);
   pb::OpenSequencesRequest oq;
   *oq.mutable_session() = Ref(a);
   pb::OpenSequencesResponse oqr;
@@ -471,6 +473,7 @@ TEST(Hostile, ClientsKilledAtEveryPointAreReclaimed) {
   ASSERT_TRUE(d.ready());
   ASSERT_EQ(SessionCount(d), 0);
   const int fds_before = FdCount(d.pid());
+  ASSERT_GT(fds_before, 0);
   for (const char* mode : {"attach", "fetch", "step", "remote"}) {
     for (int round = 0; round < 3; ++round) {
       const pid_t child = StartAttachHelper(d, mode);
@@ -582,6 +585,7 @@ TEST(Hostile, SlowBudgetWatchersAreCoalescedNotQueued) {
   pb::GetBudgetsResponse first;
   ASSERT_TRUE(readers[0]->Read(&first));  // the streams are open
   const long rss_before = RssPages(d.pid());
+  ASSERT_GT(rss_before, 0);
   pb::SetPolicyRequest sp;
   *sp.mutable_session() = Ref(a);
   pb::SetPolicyResponse spr;

@@ -171,6 +171,18 @@ TEST(Spind, BadInputsGetPreciseCodesAndChangeNothing) {
   EXPECT_EQ(CALL(d, PredictMasks, pm, &pmr).error_code(), grpc::StatusCode::OUT_OF_RANGE);
   for (int i = 0; i < 3; ++i) pm.add_entries()->set_sequence(0);
   EXPECT_EQ(CALL(d, PredictMasks, pm, &pmr).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // None of the refused steps ran: no layer selected anything, the policy is as it was.
+  pb::GetStatsRequest gs;
+  *gs.mutable_session() = Ref(a);
+  pb::GetStatsResponse stats;
+  ASSERT_TRUE(CALL(d, GetStats, gs, &stats).ok());
+  ASSERT_EQ(stats.layers_size(), 2);
+  for (const pb::LayerStats& l : stats.layers()) {
+    EXPECT_EQ(l.steps(), 0u) << "layer " << l.layer();
+    EXPECT_EQ(l.blocks_total(), 0u) << "layer " << l.layer();
+  }
+  ASSERT_TRUE(CALL(d, GetPolicy, gp, &after).ok());
+  EXPECT_EQ(after.DebugString(), before.DebugString());
 
   // Limits: a second session fits, a third does not.
   pb::AttachResponse a2, a3;
@@ -342,6 +354,18 @@ TEST(Spind, RemoteReplayEqualsOfflineReplay) {
       ASSERT_TRUE(CALL(d, ObserveScores, ob, &obr).ok());
     }
   }
+  // Every line of the offline dump was compared, and the daemon counted every step.
+  EXPECT_FALSE(std::getline(dump, line)) << "offline replay dumped more: " << line;
+  pb::GetStatsRequest gs;
+  *gs.mutable_session() = Ref(a);
+  pb::GetStatsResponse stats;
+  ASSERT_TRUE(CALL(d, GetStats, gs, &stats).ok());
+  ASSERT_EQ(stats.layers_size(), m.layers);
+  for (const pb::LayerStats& l : stats.layers()) {
+    EXPECT_EQ(l.steps(), static_cast<uint64_t>(m.steps)) << "layer " << l.layer();
+    EXPECT_GT(l.observed(), 0u) << "layer " << l.layer();
+    EXPECT_GT(l.probe_steps(), 0u) << "layer " << l.layer();
+  }
 }
 
 // An engine attached through libspin_client runs the data plane in its own process on the
@@ -430,6 +454,8 @@ TEST(Spind, KilledClientsSessionIsReclaimed) {
       rss_after_warmup = RssPages(d.pid());
     }
   }
+  ASSERT_GT(fds_after_warmup, 0);
+  ASSERT_GT(rss_after_warmup, 0);
   // A leak would grow by one or more per cycle (45 more cycles); allow two transient sockets.
   EXPECT_LE(FdCount(d.pid()), fds_after_warmup + 2);
   // Arenas are 128 KiB each here: 45 leaked ones would add ~1400 pages.
@@ -780,6 +806,7 @@ TEST(Spind, ProbeThreadPublishesPerLayerBudgets) {
   pb::GetBudgetsResponse first;
   ASSERT_TRUE(reader->Read(&first));
   EXPECT_EQ(first.recomputes(), 0u);
+  ASSERT_EQ(first.layer_sparsity_size(), 4);
   for (double x : first.layer_sparsity()) EXPECT_EQ(x, 0.5) << "uniform until probes arrive";
 
   ReplayOptions o;
@@ -835,6 +862,7 @@ TEST(Spind, ProbeThreadPublishesPerLayerBudgets) {
   un.set_budget_mode(pb::BUDGET_MODE_UNIFORM);
   ASSERT_TRUE(CALL(d, SetPolicy, un, &spr).ok());
   ASSERT_TRUE(CALL(d, GetBudgets, w, &now).ok());
+  ASSERT_EQ(now.layer_sparsity_size(), 4);
   for (double x : now.layer_sparsity()) EXPECT_EQ(x, 0.7);
   wctx.TryCancel();
 }
