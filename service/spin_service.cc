@@ -1,6 +1,7 @@
 #include "spin_service.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <deque>
@@ -38,10 +39,19 @@ pb::GetBudgetsResponse Budgets(const Session& s) {
 
 // One WatchBudgets stream. Holds at most the message being written and the latest one not yet
 // written: a reader slower than the updates sees the newest table, never a backlog (the latest
-// table is what matters). Deletes itself when done.
+// table is what matters). Reference-counted: gRPC holds one reference until OnDone, and the
+// task that sends the first table (on the session's strand) holds another, so a stream that the
+// client cancels before that task runs is not deleted under it.
 class BudgetWatcher final : public grpc::ServerWriteReactor<pb::GetBudgetsResponse> {
  public:
   explicit BudgetWatcher(BudgetHub* hub) : hub_(hub) {}
+
+  void Ref() { refs_.fetch_add(1); }
+  void Unref() {
+    if (refs_.fetch_sub(1) == 1) delete this;
+  }
+  /// Set before OnDone leaves the hub: BudgetHub::Add refuses a watcher that is done.
+  bool done() const { return done_.load(); }
 
   void Push(const pb::GetBudgetsResponse& update) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -87,12 +97,15 @@ class BudgetWatcher final : public grpc::ServerWriteReactor<pb::GetBudgetsRespon
   void OnCancel() override { End(grpc::Status::CANCELLED); }
 
   void OnDone() override {
+    done_.store(true);
     hub_->Remove(this);
-    delete this;
+    Unref();
   }
 
  private:
   BudgetHub* hub_;
+  std::atomic<int> refs_{1};
+  std::atomic<bool> done_{false};
   std::mutex mu_;
   pb::GetBudgetsResponse current_, next_;
   bool has_next_ = false;
@@ -102,6 +115,9 @@ class BudgetWatcher final : public grpc::ServerWriteReactor<pb::GetBudgetsRespon
 
 bool BudgetHub::Add(const std::string& session, BudgetWatcher* w, size_t max_per_session) {
   std::lock_guard<std::mutex> lock(mu_);
+  // A watcher whose OnDone already ran (it sets done before taking this lock to leave) is not
+  // added: it would stay here after being deleted.
+  if (w->done()) return true;
   if (watchers_.count(session) >= max_per_session) return false;
   watchers_.emplace(session, w);
   return true;
@@ -155,34 +171,34 @@ grpc::ServerWriteReactor<pb::GetBudgetsResponse>* SpinService::WatchBudgets(
     return w;
   }
   std::shared_ptr<Session> session = *s;
+  w->Ref();  // released when `start` has run (or was not queued)
   auto start = [this, w, session] {
-    std::lock_guard<std::mutex> lock(session->mu);
-    if (session->freed) {  // freed since Get: its streams were already ended
-      w->End(grpc::Status::OK);
-      return;
+    {
+      std::lock_guard<std::mutex> lock(session->mu);
+      if (session->freed) {  // freed since Get: its streams were already ended
+        w->End(grpc::Status::OK);
+      } else if (absl::Status st = session->arena->PullControl(); !st.ok()) {
+        w->End(ToGrpc(st));
+      } else if (!hub_.Add(session->id, w, options_.max_watchers_per_session)) {
+        // Under the session lock: the first message is queued before any update can be, and a
+        // Free (which marks the session under this lock before ending its streams) cannot slip
+        // in.
+        w->End(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                            absl::StrCat("session ", session->id, " already has ",
+                                         options_.max_watchers_per_session,
+                                         " WatchBudgets streams open: close one first")));
+      } else {
+        w->Push(Budgets(*session));
+      }
     }
-    if (absl::Status st = session->arena->PullControl(); !st.ok()) {
-      w->End(ToGrpc(st));
-      return;
-    }
-    // Under the session lock: the first message is queued before any update can be, and a
-    // Free (which marks the session under this lock before ending its streams) cannot slip in.
-    if (!hub_.Add(session->id, w, options_.max_watchers_per_session)) {
-      w->End(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          absl::StrCat("session ", session->id, " already has ",
-                                       options_.max_watchers_per_session,
-                                       " WatchBudgets streams open: close one first")));
-      return;
-    }
-    w->Push(Budgets(*session));
+    w->Unref();
   };
-  if (!session->strand || !session->strand->Post(start, options_.max_queued_per_session)) {
-    if (session->strand) {
-      w->End(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          "too many calls queued on this session: retry later"));
-    } else {
-      start();
-    }
+  if (!session->strand) {
+    start();
+  } else if (!session->strand->Post(start, options_.max_queued_per_session)) {
+    w->End(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        "too many calls queued on this session: retry later"));
+    w->Unref();
   }
   return w;
 }

@@ -608,6 +608,28 @@ TEST(Hostile, SlowBudgetWatchersAreCoalescedNotQueued) {
   EXPECT_NEAR(last, 0.1 + 0.0001 * 2999, 1e-12);
   EXPECT_LT(reads, 3000) << "the stream replayed a backlog";
   for (auto& c : ctxs) c->TryCancel();
+  // Streams cancelled at once, while policy changes keep the session busy: each may end before
+  // its first table is sent (a race with the task that sends it).
+  std::atomic<bool> stop{false};
+  std::thread churn([&] {
+    pb::SetPolicyResponse r;
+    for (int i = 0; !stop; ++i) {
+      sp.set_target_sparsity(0.2 + 0.001 * (i % 100));
+      (void)CALL(d, SetPolicy, sp, &r);
+    }
+  });
+  for (int i = 0; i < 300; ++i) {
+    grpc::ClientContext c;
+    auto r = stub->WatchBudgets(&c, w);
+    c.TryCancel();
+    pb::GetBudgetsResponse ignored;
+    while (r->Read(&ignored)) {
+    }
+    (void)r->Finish();
+  }
+  stop = true;
+  churn.join();
+  EXPECT_EQ(SessionCount(d), 1);
 }
 
 // Defect 4d: idle TCP peers and malformed HTTP on the metrics port do not starve a scrape.
