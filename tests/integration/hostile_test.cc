@@ -503,10 +503,15 @@ TEST(Hostile, SessionAndArenaExhaustionRecoverWhenSessionsGo) {
   EXPECT_TRUE(WaitFor([&] { return SessionCount(d) == 0; }, milliseconds(3000)));
   EXPECT_TRUE(CALL(d, Attach, AttachReq(), &a).ok());
 
-  pb::AttachRequest big = AttachReq(2, 1 << 24, 64);  // 2 x 64 x 16M slots: 16 GiB of state
+  // The default arena limit is half the memory there (never more than the host has): an arena
+  // larger than any host is refused before anything is allocated.
+  const std::string log = d.log();
+  EXPECT_NE(log.find("(half of the host's memory; set it to change)"), std::string::npos) << log;
+  pb::AttachRequest big = AttachReq(1024, 1 << 24, 4096);
   st = CALL(d, Attach, big, &a);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
   EXPECT_NE(st.error_message().find("--max-arena-bytes"), std::string::npos);
+  EXPECT_EQ(SessionCount(d), 1);
 }
 
 // Defect 6: over TCP with no admin token, state-changing calls are refused by default.
