@@ -567,18 +567,19 @@ TEST(Spind, ClientDegradesToDenseAndReattaches) {
   int ctx = 64 * 40;
   std::vector<float> logits(64 * 64);
   for (size_t i = 0; i < logits.size(); ++i) logits[i] = static_cast<float>((i * 37) % 101);
-  // One decode step; returns the number of selected blocks.
+  // One decode step; returns how many of the step's blocks it did not select (0 = dense). The
+  // step's block count is taken inside, so no caller evaluates ctx before or after it changes.
   auto step = [&]() {
     const int32_t seq = 0, c = ctx, q = ctx - 1;
     EXPECT_TRUE(dp.BeginStep(StepBatch{&seq, &c, &q, 1, 1}).ok());
     EXPECT_TRUE(dp.Select(0).ok());
-    const int count = dp.arena().union_count[0];
+    const int skipped = (c + 63) / 64 - dp.arena().union_count[0];
     EXPECT_TRUE(dp.Observe(0, logits.data(), 64 * 64).ok());
     ++ctx;
-    return count;
+    return skipped;
   };
   // No daemon: dense.
-  for (int i = 0; i < 3; ++i) EXPECT_EQ(step(), (ctx + 63) / 64) << "dense while degraded";
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(step(), 0) << "dense while degraded";
   EXPECT_FALSE(dp.attached());
   {
     Daemon d({}, sock);
@@ -590,10 +591,10 @@ TEST(Spind, ClientDegradesToDenseAndReattaches) {
     ASSERT_TRUE(dp.attached());
     const std::string first = dp.session_id();
     step();  // the reopened sequence is fresh: dense once
-    EXPECT_LT(step(), (ctx + 63) / 64) << "sparse once attached";
+    EXPECT_GT(step(), 0) << "sparse once attached";
     d.Kill();
     // The daemon is gone: the mapped arena keeps working, still sparse.
-    for (int i = 0; i < 5; ++i) EXPECT_LT(step(), (ctx + 63) / 64);
+    for (int i = 0; i < 5; ++i) EXPECT_GT(step(), 0);
     Daemon again({}, sock);
     ASSERT_TRUE(again.ready());
     for (int i = 0; i < 200 && dp.session_id() == first; ++i) {
@@ -603,7 +604,7 @@ TEST(Spind, ClientDegradesToDenseAndReattaches) {
     EXPECT_NE(dp.session_id(), first) << "did not reattach after the restart";
     EXPECT_EQ(SessionCount(again), 1);
     step();
-    EXPECT_LT(step(), (ctx + 63) / 64);
+    EXPECT_GT(step(), 0);
   }
 }
 
