@@ -26,6 +26,8 @@ constexpr char kMagic[] = "\x93NUMPY";
 constexpr size_t kMagicLen = 6;
 constexpr size_t kAlign = 64;
 
+struct DictEntry;
+
 // A value of the Python literal subset that .npy headers use. Only what the checks below need
 // is kept: the raw text (for error messages), strings, booleans and integer tuples.
 struct PyValue {
@@ -34,8 +36,15 @@ struct PyValue {
   std::string str;
   bool boolean = false;
   int64_t integer = 0;
-  std::vector<PyValue> items;                            // tuple and list elements
-  std::vector<std::pair<std::string, PyValue>> entries;  // dict entries in file order
+  std::vector<PyValue> items;      // tuple and list elements
+  std::vector<DictEntry> entries;  // dict entries in file order
+};
+
+// A vector of pair<string, PyValue> would need PyValue complete inside its own definition,
+// which libstdc++ allows under GCC but not under clang; a named entry type declared first does.
+struct DictEntry {
+  std::string key;
+  PyValue value;
 };
 
 // Recursive-descent parser for the header dict. Depth is bounded so a hostile header cannot
@@ -167,7 +176,7 @@ class HeaderParser {
       return Fail("has a tuple or list without a closing bracket");
     }
   }
-  bool ParseDict(std::vector<std::pair<std::string, PyValue>>* entries, int depth) {
+  bool ParseDict(std::vector<DictEntry>* entries, int depth) {
     ++pos_;
     while (true) {
       if (Consume('}')) return true;
@@ -180,7 +189,7 @@ class HeaderParser {
       if (!Consume(':')) return Fail("has a dict key without ':'");
       PyValue value;
       if (!ParseValue(&value, depth + 1)) return false;
-      entries->emplace_back(std::move(key), std::move(value));
+      entries->push_back(DictEntry{std::move(key), std::move(value)});
       if (Consume(',')) continue;
       if (Consume('}')) return true;
       return Fail("has a dict without a closing brace");
@@ -196,8 +205,31 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
+// Header text echoed in a message: printable ASCII as is, anything else as \xNN, at most 80
+// characters, so that an error stays one readable line whatever the file holds.
+std::string Quote(std::string_view text) {
+  constexpr size_t kMax = 80;
+  std::string out;
+  for (size_t i = 0; i < text.size() && i < kMax; ++i) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    if (c >= 0x20 && c < 0x7f) {
+      out.push_back(static_cast<char>(c));
+    } else {
+      absl::StrAppend(&out, "\\x", absl::Hex(c, absl::kZeroPad2));
+    }
+  }
+  if (text.size() > kMax) absl::StrAppend(&out, "... (", text.size(), " bytes)");
+  return out;
+}
+
 absl::Status Invalid(const std::string& path, const std::string& problem) {
   return absl::InvalidArgumentError(absl::StrCat(path, " ", problem));
+}
+
+absl::Status TooShort(const std::string& path, size_t len) {
+  return Invalid(path, absl::StrCat("is not a .npy file (", len,
+                                    " bytes, too short for the \\x93NUMPY magic); write it "
+                                    "with numpy.save"));
 }
 
 // Validates the bytes of a mapped file; on success fills shape, element count and data offset.
@@ -262,17 +294,17 @@ absl::Status ParseNpy(const std::string& path, const unsigned char* bytes, size_
     }
   }
   if (descr->kind != PyValue::kString) {
-    return Invalid(path, absl::StrCat("has dtype ", descr->raw,
+    return Invalid(path, absl::StrCat("has dtype ", Quote(descr->raw),
                                       " (a structured dtype); expected float32 '<f4'"));
   }
   if (descr->str != "<f4") {
-    return Invalid(path, absl::StrCat("has dtype '", descr->str,
+    return Invalid(path, absl::StrCat("has dtype '", Quote(descr->str),
                                       "'; expected float32 '<f4' (convert with "
                                       "arr.astype('<f4'))"));
   }
   if (fortran->kind != PyValue::kBool) {
-    return Invalid(path,
-                   absl::StrCat("has fortran_order ", fortran->raw, "; expected True or False"));
+    return Invalid(
+        path, absl::StrCat("has fortran_order ", Quote(fortran->raw), "; expected True or False"));
   }
   if (fortran->boolean) {
     return Invalid(path,
@@ -280,7 +312,7 @@ absl::Status ParseNpy(const std::string& path, const unsigned char* bytes, size_
                    "(numpy.ascontiguousarray(arr))");
   }
   if (shape_value->kind != PyValue::kTuple) {
-    return Invalid(path, absl::StrCat("has malformed shape ", shape_value->raw,
+    return Invalid(path, absl::StrCat("has malformed shape ", Quote(shape_value->raw),
                                       "; expected a tuple of non-negative integers"));
   }
   shape->clear();
@@ -288,7 +320,7 @@ absl::Status ParseNpy(const std::string& path, const unsigned char* bytes, size_
   bool overflow = false;
   for (const PyValue& dim : shape_value->items) {
     if (dim.kind != PyValue::kInt || dim.integer < 0) {
-      return Invalid(path, absl::StrCat("has malformed shape ", shape_value->raw,
+      return Invalid(path, absl::StrCat("has malformed shape ", Quote(shape_value->raw),
                                         "; expected a tuple of non-negative integers"));
     }
     shape->push_back(dim.integer);
@@ -296,8 +328,8 @@ absl::Status ParseNpy(const std::string& path, const unsigned char* bytes, size_
   }
   int64_t data_bytes = 0;
   if (overflow || __builtin_mul_overflow(n, int64_t{4}, &data_bytes)) {
-    return Invalid(
-        path, absl::StrCat("has shape ", shape_value->raw, " whose size does not fit in 64 bits"));
+    return Invalid(path, absl::StrCat("has shape ", Quote(shape_value->raw),
+                                      " whose size does not fit in 64 bits"));
   }
   *count = n;
 
@@ -378,46 +410,94 @@ void NpyArray::Reset() {
   path_.clear();
 }
 
-absl::StatusOr<NpyArray> ReadNpyF32(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+RegularFile::~RegularFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+RegularFile::RegularFile(RegularFile&& other) noexcept
+    : fd_(std::exchange(other.fd_, -1)), size_(std::exchange(other.size_, 0)) {}
+
+RegularFile& RegularFile::operator=(RegularFile&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(other.fd_, -1);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+absl::StatusOr<RegularFile> OpenRegularFile(const std::string& path, const char* missing_hint) {
+  // O_NONBLOCK: opening a FIFO for reading otherwise waits for a writer, forever if none
+  // comes. O_NOCTTY: a terminal named like a trace file must not become our controlling tty.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   if (fd < 0) {
     const int err = errno;
     if (err == ENOENT) {
-      return absl::NotFoundError(
-          absl::StrCat(path, " does not exist; check the path (a trace needs scores.npy)"));
+      return absl::NotFoundError(absl::StrCat(path, " does not exist; ", missing_hint));
     }
-    return absl::ErrnoToStatus(err, absl::StrCat("cannot open ", path));
+    struct stat st;
+    if (err == ENXIO && ::stat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
+      return Invalid(path, "is not a regular file (it is a socket); point at a regular file");
+    }
+    return absl::ErrnoToStatus(
+        err, absl::StrCat("cannot open ", path, " (check that it exists and is readable)"));
   }
+  RegularFile file;
+  file.fd_ = fd;  // closed by `file` on every return below
   struct stat st;
   if (::fstat(fd, &st) != 0) {
     const int err = errno;
-    ::close(fd);
     return absl::ErrnoToStatus(err, absl::StrCat("cannot stat ", path));
   }
   if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return Invalid(path, "is not a regular file; expected a .npy file");
+    const char* kind = S_ISDIR(st.st_mode)    ? "a directory"
+                       : S_ISFIFO(st.st_mode) ? "a FIFO (named pipe)"
+                       : S_ISCHR(st.st_mode)  ? "a character device"
+                       : S_ISBLK(st.st_mode)  ? "a block device"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                                              : "not a file";
+    return Invalid(path, absl::StrCat("is not a regular file (it is ", kind,
+                                      "); only regular files are read, so that a pipe or a "
+                                      "device cannot block the reader: write the data to a "
+                                      "regular file and point at that"));
   }
-  const size_t len = static_cast<size_t>(st.st_size);
-  if (len < kMagicLen + 2) {
-    ::close(fd);
-    return Invalid(path, absl::StrCat("is not a .npy file (", len,
-                                      " bytes, too short for the \\x93NUMPY magic); write it "
-                                      "with numpy.save"));
+  // Back to blocking reads (O_NONBLOCK means nothing for a regular file, but say so).
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    const int err = errno;
+    return absl::ErrnoToStatus(err, absl::StrCat("cannot set up reading ", path));
   }
-  // MAP_PRIVATE + PROT_READ: pages come from the page cache and nothing is ever copied.
-  void* map = ::mmap(nullptr, len, PROT_READ, MAP_PRIVATE, fd, 0);
-  const int map_err = errno;
-  ::close(fd);  // the mapping keeps the file alive
-  if (map == MAP_FAILED) return absl::ErrnoToStatus(map_err, absl::StrCat("cannot mmap ", path));
+  file.size_ = static_cast<uint64_t>(st.st_size);
+  return file;
+}
+
+absl::Status ParseNpyF32(const std::string& path, const unsigned char* bytes, size_t len,
+                         std::vector<int64_t>* shape, int64_t* count, size_t* data_offset) {
+  if (len < kMagicLen + 2) return TooShort(path, len);
+  return ParseNpy(path, bytes, len, shape, count, data_offset);
+}
+
+absl::StatusOr<NpyArray> ReadNpyF32(const std::string& path) {
+  absl::StatusOr<RegularFile> file =
+      OpenRegularFile(path, "check the path (a trace needs scores.npy)");
+  if (!file.ok()) return file.status();
+  const size_t len = static_cast<size_t>(file->size());
+  if (len < kMagicLen + 2) return TooShort(path, len);  // and mmap cannot map 0 bytes
+  // MAP_PRIVATE + PROT_READ: pages come from the page cache and nothing is ever copied. The
+  // mapping keeps the file alive after `file` closes the descriptor.
+  void* map = ::mmap(nullptr, len, PROT_READ, MAP_PRIVATE, file->fd(), 0);
+  if (map == MAP_FAILED) {
+    const int err = errno;
+    return absl::ErrnoToStatus(err, absl::StrCat("cannot mmap ", path));
+  }
 
   NpyArray array;
   array.map_ = map;
   array.map_len_ = len;
   array.path_ = path;
   size_t offset = 0;
-  absl::Status status = ParseNpy(path, static_cast<const unsigned char*>(map), len, &array.shape_,
-                                 &array.size_, &offset);
+  absl::Status status = ParseNpyF32(path, static_cast<const unsigned char*>(map), len,
+                                    &array.shape_, &array.size_, &offset);
   if (!status.ok()) return status;  // array's destructor unmaps
   array.data_ = reinterpret_cast<const float*>(static_cast<const char*>(map) + offset);
   return array;

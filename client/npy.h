@@ -55,9 +55,54 @@ class NpyArray {
   std::string path_;
 };
 
+/// A read-only descriptor of a regular file and the file's size when it was opened; closes the
+/// descriptor (move-only).
+class RegularFile {
+ public:
+  /// Holds nothing.
+  RegularFile() = default;
+  /// Closes the descriptor.
+  ~RegularFile();
+  /// Takes over `other`'s descriptor.
+  RegularFile(RegularFile&& other) noexcept;
+  /// Closes this descriptor and takes over `other`'s.
+  RegularFile& operator=(RegularFile&& other) noexcept;
+  /// Not copyable: the descriptor has a single owner.
+  RegularFile(const RegularFile&) = delete;
+  /// Not copyable: the descriptor has a single owner.
+  RegularFile& operator=(const RegularFile&) = delete;
+
+  /// The descriptor (blocking reads; -1 when empty).
+  int fd() const { return fd_; }
+  /// st_size from fstat at open.
+  uint64_t size() const { return size_; }
+
+ private:
+  friend absl::StatusOr<RegularFile> OpenRegularFile(const std::string& path,
+                                                     const char* missing_hint);
+  int fd_ = -1;
+  uint64_t size_ = 0;
+};
+
+/// Opens `path` (symlinks followed) for reading if and only if it is a regular file. The one
+/// way trace files are opened: the open itself uses O_NONBLOCK, so a FIFO (or a device) named
+/// like a trace file is opened without waiting for a writer, then fstat on the opened
+/// descriptor (not a stat of the name before the open, which a rename could race) rejects
+/// anything that is not a regular file; O_NONBLOCK is cleared again for the reads. Errors:
+/// NotFound ("PATH does not exist; " + `missing_hint`), InvalidArgument naming the kind of file
+/// found and what to do, and the errno's code (with the path) for other open failures.
+absl::StatusOr<RegularFile> OpenRegularFile(const std::string& path, const char* missing_hint);
+
 /// Maps `path` read-only and validates its header and length. Errors: NotFound for a missing
-/// file, InvalidArgument (one line naming the file and the problem) for anything malformed.
+/// file, InvalidArgument (one line naming the file and the problem) for anything malformed or
+/// not a regular file (opened with OpenRegularFile: a FIFO is refused, never waited on).
 absl::StatusOr<NpyArray> ReadNpyF32(const std::string& path);
+
+/// Validates the bytes of a whole .npy file held in memory exactly as ReadNpyF32 validates a
+/// mapped file (the fuzz target's entry point); on success fills the shape, the element count
+/// and the offset of the first data byte. `path` only names the file in messages.
+absl::Status ParseNpyF32(const std::string& path, const unsigned char* bytes, size_t len,
+                         std::vector<int64_t>* shape, int64_t* count, size_t* data_offset);
 
 /// Writes `data` (product of `shape` floats, C order) to `path` via a temporary file and a
 /// rename, so readers see either the old file or the complete new one.

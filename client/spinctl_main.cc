@@ -26,6 +26,28 @@ int Fail(const absl::Status& s) {
   return 1;
 }
 
+// LoadTrace's limits are the data plane's: a trace that loads is one replay can run.
+static_assert(kTraceMaxLayers == kMaxLayers && kTraceMaxRows == kMaxRows &&
+                  kTraceMaxSlots == kMaxSlots,
+              "trace.h's limits must equal spin/arena.h's (ValidateGeometry)");
+
+// Every command that reads a trace (gen-trace's report, trace-stats, replay local or through
+// spind) reads it here and nowhere else: LoadTrace validates meta.json and scores.npy (regular
+// files only, so a FIFO fails at once; geometry within the data plane's limits), then the data
+// plane's own geometry check runs on the result whatever the command, so trace-stats can never
+// accept a trace that replay would reject.
+absl::StatusOr<Trace> OpenTrace(const std::string& dir) {
+  absl::StatusOr<Trace> t = LoadTrace(dir);
+  if (!t.ok()) return t;
+  if (absl::Status s = ValidateGeometry(TraceGeometry(t->meta(), t->n_max(), StateDtype::kFp32));
+      !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("trace ", dir, " does not fit the data plane: ", s.message(),
+                     "; fix meta.json or regenerate the trace (spinctl gen-trace)"));
+  }
+  return t;
+}
+
 // Rate-limited progress on stderr: rewritten in place on a terminal, a line every few seconds
 // otherwise (logs), nothing for runs that finish quickly.
 class Progress {
@@ -285,7 +307,7 @@ int main(int argc, char** argv) {
 
   if (g->parsed()) {
     if (absl::Status s = GenerateTrace(gen_out, gen); !s.ok()) return Fail(s);
-    absl::StatusOr<Trace> t = LoadTrace(gen_out);
+    absl::StatusOr<Trace> t = OpenTrace(gen_out);
     if (!t.ok()) return Fail(t.status());
     absl::StatusOr<TraceStats> st = ComputeTraceStats(*t);
     if (!st.ok()) return Fail(st.status());
@@ -301,7 +323,7 @@ int main(int argc, char** argv) {
   }
   if (ev->parsed()) return CmdEval(eo, eval_out, eval_quiet);
   if (ts->parsed()) {
-    absl::StatusOr<Trace> t = LoadTrace(stats_dir);
+    absl::StatusOr<Trace> t = OpenTrace(stats_dir);
     if (!t.ok()) return Fail(t.status());
     absl::StatusOr<TraceStats> st = ComputeTraceStats(*t);
     if (!st.ok()) return Fail(st.status());
@@ -322,7 +344,7 @@ int main(int argc, char** argv) {
   }
   // Through spind the daemon's probe thread owns the table.
   ro.local_budgets = target.empty();
-  absl::StatusOr<Trace> t = LoadTrace(trace_dir);
+  absl::StatusOr<Trace> t = OpenTrace(trace_dir);
   if (!t.ok()) return Fail(t.status());
   Progress progress("replay", quiet);
   ro.progress = [&progress](int done, int total) { progress.Update(done, total); };

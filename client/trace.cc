@@ -7,10 +7,9 @@
 #include <cerrno>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
-#include <sstream>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -104,12 +103,22 @@ absl::Status ValidateGeometry(const TraceMeta& m, bool check_arrays) {
     return absl::InvalidArgumentError(
         absl::StrCat("unsupported version ", m.version, "; this build reads version 1"));
   }
-  for (const auto& [name, value] :
-       {std::pair{"layers", m.layers}, std::pair{"block_size", m.block_size},
-        std::pair{"topk", m.topk}, std::pair{"steps", m.steps}, std::pair{"rows", m.rows}}) {
+  // The upper limits are the data plane's (trace.h), so that every command that loads a trace
+  // can use it; `steps` is bounded by N_max because q_pos is strictly increasing below it.
+  for (const auto& [name, value, limit, what] :
+       {std::tuple{"layers", m.layers, kTraceMaxLayers, "indexer layers"},
+        std::tuple{"block_size", m.block_size, kTraceMaxBlockSize, "slots per KV block"},
+        std::tuple{"topk", m.topk, kTraceMaxSlots, "top-K"},
+        std::tuple{"steps", m.steps, kTraceMaxSlots, "decode steps"},
+        std::tuple{"rows", m.rows, kTraceMaxRows, "query rows per step"}}) {
     if (value <= 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("'", name, "' is ", value, "; it must be > 0"));
+    }
+    if (value > limit) {
+      return absl::InvalidArgumentError(absl::StrCat("'", name, "' is ", value,
+                                                     "; it must be at most ", limit, " (the most ",
+                                                     what, " the data plane supports)"));
     }
   }
   if (!check_arrays) return absl::OkStatus();
@@ -127,9 +136,10 @@ absl::Status ValidateGeometry(const TraceMeta& m, bool check_arrays) {
 
 // The per-step checks against the scores' last axis.
 absl::Status ValidateSteps(const TraceMeta& m, int64_t n_max) {
-  if (n_max < 1) {
+  if (n_max < 1 || n_max > kTraceMaxSlots) {
     return absl::InvalidArgumentError(
-        absl::StrCat("the scores' last axis is ", n_max, "; it must be at least 1"));
+        absl::StrCat("the scores' last axis is ", n_max, "; it must be in [1, ", kTraceMaxSlots,
+                     "] (the most slots per sequence the data plane supports)"));
   }
   const std::string with_rows = m.rows > 1 ? absl::StrCat(" with rows=", m.rows) : "";
   for (int t = 0; t < m.steps; ++t) {
@@ -195,6 +205,43 @@ absl::Status WriteFileAtomically(const std::string& path, const std::string& con
   return absl::OkStatus();
 }
 
+// meta.json, whole: opened only as a regular file (a FIFO is refused at once rather than
+// waited on) and at most kTraceMaxMetaBytes.
+absl::StatusOr<std::string> ReadMetaJson(const std::string& path) {
+  absl::StatusOr<RegularFile> file =
+      OpenRegularFile(path, "a trace directory holds meta.json and scores.npy");
+  if (!file.ok()) return file.status();
+  if (file->size() > kTraceMaxMetaBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, " is ", file->size(), " bytes; a trace's meta.json is at most ", kTraceMaxMetaBytes,
+        " bytes (it holds a few numbers per step): check that it is the right file"));
+  }
+  std::string text;
+  char buf[1 << 16];
+  while (true) {
+    const ssize_t n = ::read(file->fd(), buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      return absl::ErrnoToStatus(err, absl::StrCat("error reading ", path));
+    }
+    if (n == 0) break;
+    text.append(buf, static_cast<size_t>(n));
+    if (text.size() > kTraceMaxMetaBytes) {  // grew while we read it
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, " grew past ", kTraceMaxMetaBytes, " bytes while it was read"));
+    }
+  }
+  return text;
+}
+
+// A meta.json problem, with what to do about it.
+absl::Status FixHint(const absl::Status& s) {
+  return absl::Status(s.code(), absl::StrCat(s.message(),
+                                             "; fix meta.json or regenerate the trace "
+                                             "(spinctl gen-trace)"));
+}
+
 }  // namespace
 
 absl::Status ValidateTraceMeta(const TraceMeta& meta, int64_t n_max) {
@@ -255,35 +302,24 @@ std::string TraceMetaToJson(const TraceMeta& meta) {
 absl::StatusOr<Trace> LoadTrace(const std::string& dir) {
   struct stat st;
   if (::stat(dir.c_str(), &st) != 0) {
-    if (errno == ENOENT) {
+    const int err = errno;
+    if (err == ENOENT) {
       return absl::NotFoundError(absl::StrCat("trace directory ", dir, " does not exist"));
     }
-    return absl::ErrnoToStatus(errno, absl::StrCat("cannot access trace directory ", dir));
+    return absl::ErrnoToStatus(err, absl::StrCat("cannot access trace directory ", dir));
   }
   if (!S_ISDIR(st.st_mode)) {
     return absl::InvalidArgumentError(absl::StrCat(
         dir, " is not a directory; a trace is a directory holding meta.json and scores.npy"));
   }
   const std::string meta_path = JoinPath(dir, "meta.json");
-  if (::stat(meta_path.c_str(), &st) != 0) {
-    if (errno == ENOENT) {
-      return absl::NotFoundError(absl::StrCat(
-          meta_path, " does not exist; a trace directory holds meta.json and scores.npy"));
-    }
-    return absl::ErrnoToStatus(errno, absl::StrCat("cannot access ", meta_path));
+  absl::StatusOr<std::string> text = ReadMetaJson(meta_path);
+  if (!text.ok()) return text.status();
+  absl::StatusOr<TraceMeta> meta = ParseTraceMeta(*text, meta_path);
+  if (!meta.ok()) return FixHint(meta.status());
+  if (absl::Status s = ValidateGeometry(*meta, true); !s.ok()) {
+    return FixHint(WithContext(s, meta_path));
   }
-  if (!S_ISREG(st.st_mode)) {
-    return absl::InvalidArgumentError(absl::StrCat(meta_path, " is not a regular file"));
-  }
-  std::ifstream in(meta_path, std::ios::binary);
-  if (!in) return absl::PermissionDeniedError(absl::StrCat("cannot read ", meta_path));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) return absl::DataLossError(absl::StrCat("error reading ", meta_path));
-
-  absl::StatusOr<TraceMeta> meta = ParseTraceMeta(text.str(), meta_path);
-  if (!meta.ok()) return meta.status();
-  if (absl::Status s = ValidateGeometry(*meta, true); !s.ok()) return WithContext(s, meta_path);
 
   const std::string scores_path = JoinPath(dir, "scores.npy");
   absl::StatusOr<NpyArray> scores = ReadNpyF32(scores_path);
@@ -291,12 +327,20 @@ absl::StatusOr<Trace> LoadTrace(const std::string& dir) {
   const std::vector<int64_t>& shape = scores->shape();
   if (shape.size() != 4 || shape[0] != meta->steps || shape[1] != meta->layers ||
       shape[2] != meta->rows) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(scores_path, " has shape [", absl::StrJoin(shape, ", "),
-                     "]; meta.json expects [", meta->steps, ", ", meta->layers, ", ", meta->rows,
-                     ", N_max] (steps, layers, rows, slots)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        scores_path, " has shape [", absl::StrJoin(shape, ", "), "]; meta.json expects [",
+        meta->steps, ", ", meta->layers, ", ", meta->rows,
+        ", N_max] (steps, layers, rows, slots): the two files are not from the same trace, "
+        "regenerate or re-copy it"));
   }
-  if (absl::Status s = ValidateSteps(*meta, shape[3]); !s.ok()) return WithContext(s, meta_path);
+  if (shape[3] < 1 || shape[3] > kTraceMaxSlots) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        scores_path, ": the scores' last axis is ", shape[3], "; a trace has 1 to ", kTraceMaxSlots,
+        " slots per row (the most the data plane supports): regenerate it"));
+  }
+  if (absl::Status s = ValidateSteps(*meta, shape[3]); !s.ok()) {
+    return FixHint(WithContext(s, meta_path));
+  }
 
   Trace trace;
   trace.meta_ = *std::move(meta);

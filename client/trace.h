@@ -17,6 +17,19 @@
 
 namespace spin {
 
+/// The largest geometry a trace may have: the data plane's limits (spin/arena.h kMaxLayers,
+/// kMaxRows, kMaxSlots, and ValidateGeometry's block size), so that a trace that loads is one
+/// every command can use: trace-stats, replay (a private arena or a session in spind) and eval
+/// all read traces through LoadTrace and nothing else. spinctl checks at compile time that these
+/// equal the kernels' constants; the trace fuzz target checks that every trace LoadTrace accepts
+/// passes the kernels' ValidateGeometry.
+inline constexpr int kTraceMaxLayers = 1024;
+inline constexpr int kTraceMaxBlockSize = 4096;
+inline constexpr int kTraceMaxRows = 16;
+inline constexpr int kTraceMaxSlots = 1 << 24;  ///< the scores' last axis N_max, and topk
+/// meta.json is read whole into memory; a larger one is refused (a real one is kilobytes).
+inline constexpr uint64_t kTraceMaxMetaBytes = 64ull << 20;
+
 /// The contents of meta.json.
 struct TraceMeta {
   int version = 1;                ///< format version; only 1 exists
@@ -30,8 +43,9 @@ struct TraceMeta {
   std::vector<int32_t> accepted;  ///< [T] rows accepted by verification, or empty if absent
 };
 
-/// Checks `meta` against itself and against the scores' last axis `n_max` (everything LoadTrace
-/// checks except the scores' leading dimensions). The message names the offending key/index.
+/// Checks `meta` against itself, the limits above and the scores' last axis `n_max` (everything
+/// LoadTrace checks except the scores' leading dimensions). The message names the offending
+/// key/index.
 absl::Status ValidateTraceMeta(const TraceMeta& meta, int64_t n_max);
 
 /// A loaded trace: validated metadata plus the mapped scores (move-only).
@@ -70,8 +84,10 @@ class Trace {
   std::string dir_;
 };
 
-/// Loads and validates the trace in directory `dir`. NotFound for a missing directory or file,
-/// InvalidArgument for malformed content.
+/// Loads and validates the trace in directory `dir`: the one validation path of every command
+/// that reads a trace. NotFound for a missing directory or file, InvalidArgument for malformed
+/// content, geometry beyond the limits above, or a meta.json / scores.npy that is not a regular
+/// file (a FIFO is refused at once, never waited on; see OpenRegularFile).
 absl::StatusOr<Trace> LoadTrace(const std::string& dir);
 
 /// Parses meta.json text: JSON syntax, required keys and their types (values are checked by

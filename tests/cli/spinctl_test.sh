@@ -102,6 +102,90 @@ printf '{"version":1,"layers":3,"block_size":64,"topk":64,"steps":6,"rows":1,"q_
   >"$work/shape/meta.json"
 expect_error "shape mismatch" "shape" "$spinctl" replay --trace "$work/shape"
 
+# Every command that reads a trace validates it the same way (LoadTrace): a trace that
+# replay rejects is rejected by trace-stats with the same one line, never a crash, and a
+# FIFO (or any non-regular file) in place of a trace file fails at once instead of hanging.
+# Each run has a timeout, so a hang fails the test instead of stalling it.
+# expect_same_error NAME PATTERN TRACE: trace-stats and replay fail with the same line.
+expect_same_error() {
+  local name="$1" pattern="$2" trace="$3"
+  expect_error "trace-stats: $name" "$pattern" timeout 20 "$spinctl" trace-stats "$trace"
+  cp "$work/err" "$work/err.stats"
+  expect_error "replay: $name" "$pattern" timeout 20 "$spinctl" replay --trace "$trace" --quiet
+  if cmp -s "$work/err" "$work/err.stats"; then
+    pass "same error from trace-stats and replay: $name"
+  else
+    fail "different errors for $name: $(cat "$work/err.stats" "$work/err")"
+  fi
+}
+# npy_header SHAPE: a version 1.0 float32 header for the Python tuple SHAPE (128 bytes).
+npy_header() {
+  local dict="{'descr': '<f4', 'fortran_order': False, 'shape': $1, }"
+  printf '\x93NUMPY\x01\x00\x76\x00%s' "$dict"
+  printf '%*s\n' $((117 - ${#dict})) ''
+}
+# geometry_trace NAME LAYERS BLOCK_SIZE: 6 steps x LAYERS layers x 1 row x 512 slots, scores
+# all zero (a sparse file), so that only the geometry can be wrong.
+geometry_trace() {
+  rm -rf "${work:?}/$1"
+  mkdir -p "$work/$1"
+  npy_header "(6, $2, 1, 512)" >"$work/$1/scores.npy"
+  truncate -s $((128 + 6 * $2 * 512 * 4)) "$work/$1/scores.npy"
+  printf '{"version":1,"layers":%d,"block_size":%d,"topk":64,"steps":6,"rows":1,"q_pos":[299,300,301,302,303,304],"ctx_len":[300,301,302,303,304,305]}' \
+    "$2" "$3" >"$work/$1/meta.json"
+}
+geometry_trace maxgeo 1024 4096
+timeout 60 "$spinctl" trace-stats "$work/maxgeo" >"$work/out" 2>&1 \
+  && grep -q "prev-iter pearson" "$work/out" && pass "trace-stats at the largest geometry" \
+  || fail "trace-stats at the largest geometry: $(head -c 300 "$work/out")"
+geometry_trace bigblock 2 4097
+expect_same_error "block_size above 4096" \
+  "bigblock/meta.json: 'block_size' is 4097; it must be at most 4096 .*fix meta.json" \
+  "$work/bigblock"
+geometry_trace hugeblock 2 2147483647
+expect_same_error "block_size 2^31-1" "'block_size' is 2147483647; it must be at most 4096" \
+  "$work/hugeblock"
+geometry_trace manylayers 1025 64
+expect_same_error "1025 layers" "manylayers/meta.json: 'layers' is 1025; it must be at most 1024" \
+  "$work/manylayers"
+# 2^31-1 layers with scores of that shape (2 steps x 2 slots, a 32 GiB sparse file): before
+# the fix trace-stats tried to allocate per-layer state for all of them and aborted.
+mkdir -p "$work/hugelayers"
+npy_header "(2, 2147483647, 1, 2)" >"$work/hugelayers/scores.npy"
+truncate -s $((128 + 2 * 2147483647 * 2 * 4)) "$work/hugelayers/scores.npy" 2>/dev/null \
+  || truncate -s 128 "$work/hugelayers/scores.npy"  # no sparse files here: the shape is enough
+printf '{"version":1,"layers":2147483647,"block_size":1,"topk":1,"steps":2,"rows":1,"q_pos":[0,1],"ctx_len":[1,2]}' \
+  >"$work/hugelayers/meta.json"
+expect_same_error "2^31-1 layers" "'layers' is 2147483647; it must be at most 1024" \
+  "$work/hugelayers"
+rm -rf "${work:?}/hugelayers"
+broken manyrows
+sed -i 's/"rows":1,/"rows":17,/' "$work/manyrows/meta.json"
+expect_same_error "17 rows" "'rows' is 17; it must be at most 16" "$work/manyrows"
+broken fifo
+rm "$work/fifo/scores.npy"
+mkfifo "$work/fifo/scores.npy"
+expect_same_error "FIFO scores.npy" \
+  "fifo/scores.npy is not a regular file \(it is a FIFO \(named pipe\)\).*regular file" \
+  "$work/fifo"
+broken fifometa
+rm "$work/fifometa/meta.json"
+mkfifo "$work/fifometa/meta.json"
+expect_same_error "FIFO meta.json" "fifometa/meta.json is not a regular file \(it is a FIFO" \
+  "$work/fifometa"
+broken dirscores
+rm "$work/dirscores/scores.npy"
+mkdir "$work/dirscores/scores.npy"
+expect_same_error "directory scores.npy" "scores.npy is not a regular file \(it is a directory\)" \
+  "$work/dirscores"
+broken devscores
+ln -sf /dev/zero "$work/devscores/scores.npy"
+expect_same_error "device scores.npy" "scores.npy is not a regular file \(it is a character device" \
+  "$work/devscores"
+expect_error "gen-trace beyond the layer limit" "'layers' is 1025; it must be at most 1024" \
+  timeout 20 "$spinctl" gen-trace "$work/g1025" --layers 1025 --slots 512 --steps 6 --topk 64 \
+  --prompt-len 300
+
 # Non-finite scores are skipped and counted, never fatal.
 "$spinctl" gen-trace "$work/nan" --layers 2 --slots 512 --steps 6 --topk 64 --prompt-len 300 \
   --nonfinite-rate 0.01 >/dev/null 2>&1
