@@ -47,10 +47,11 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const Geometry& 
   const uint64_t bytes = ArenaBytes(g);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (sessions_.size() >= limits_.max_sessions) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("spind already holds ", sessions_.size(), " sessions (--max-sessions ",
-                       limits_.max_sessions, "): detach one first"));
+    // Attaches in progress count: their arenas are built outside the lock, concurrently.
+    if (sessions_.size() + attaching_ >= limits_.max_sessions) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "spind already holds ", sessions_.size(), " sessions and attaches ", attaching_,
+          " (--max-sessions ", limits_.max_sessions, "): detach one first"));
     }
     if (bytes_ + bytes > limits_.max_arena_bytes) {
       return absl::ResourceExhaustedError(
@@ -58,10 +59,12 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const Geometry& 
                        limits_.max_arena_bytes, " (", bytes_, " in use)"));
     }
     bytes_ += bytes;  // reserved now so concurrent attaches cannot overshoot
+    attaching_ += 1;
   }
   auto release = [this, bytes] {
     std::lock_guard<std::mutex> lock(mu_);
     bytes_ -= bytes;
+    attaching_ -= 1;
   };
   auto s = std::make_shared<Session>();
   s->geometry = g;
@@ -90,6 +93,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const Geometry& 
   // stay within the limit with it.
   s->bytes = s->arena->mapping_bytes();
   std::lock_guard<std::mutex> lock(mu_);
+  attaching_ -= 1;
   if (bytes_ - bytes + s->bytes > limits_.max_arena_bytes) {
     bytes_ -= bytes;
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -207,13 +211,14 @@ std::vector<std::string> SessionManager::ReapExpired(std::chrono::steady_clock::
 }
 
 void SessionManager::StartReaper(std::chrono::milliseconds period,
-                                 std::function<void(const std::string&)> log) {
+                                 std::function<void(const std::string&)> log,
+                                 std::function<void()> after_pass) {
   StopReaper();
   {
     std::lock_guard<std::mutex> lock(reaper_mu_);
     reaper_stop_ = false;
   }
-  reaper_ = std::thread([this, period, log = std::move(log)] {
+  reaper_ = std::thread([this, period, log = std::move(log), after_pass = std::move(after_pass)] {
     std::unique_lock<std::mutex> lock(reaper_mu_);
     while (!reaper_cv_.wait_for(lock, period, [this] { return reaper_stop_; })) {
       lock.unlock();
@@ -223,6 +228,7 @@ void SessionManager::StartReaper(std::chrono::milliseconds period,
                            limits_.grace.count(), " ms (its client went away)"));
         }
       }
+      if (after_pass) after_pass();
       lock.lock();
     }
   });

@@ -114,9 +114,11 @@ class SessionManager {
   /// Frees every session whose lease lapsed (no holder, no call for Limits::grace) and
   /// returns their ids. The reaper thread calls it; tests may call it directly.
   std::vector<std::string> ReapExpired(std::chrono::steady_clock::time_point now);
-  /// Starts the reaper thread (every `period`); `log` gets each reaped session's line.
+  /// Starts the reaper thread (every `period`); `log` gets each reaped session's line, and
+  /// `after_pass` (if set) runs after every pass (spind returns freed heap memory there).
   void StartReaper(std::chrono::milliseconds period,
-                   std::function<void(const std::string&)> log = nullptr);
+                   std::function<void(const std::string&)> log = nullptr,
+                   std::function<void()> after_pass = nullptr);
   /// Stops the reaper thread (also done by the destructor).
   void StopReaper();
 
@@ -156,6 +158,7 @@ class SessionManager {
   std::map<std::string, std::shared_ptr<Session>> sessions_;
   std::vector<std::string> order_;
   uint64_t bytes_ = 0;
+  uint32_t attaching_ = 0;  ///< attaches between their limit check and their insertion
   std::function<void(const std::string&)> on_free_;
 };
 

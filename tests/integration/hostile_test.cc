@@ -514,6 +514,27 @@ TEST(Hostile, SessionAndArenaExhaustionRecoverWhenSessionsGo) {
   EXPECT_EQ(SessionCount(d), 1);
 }
 
+// Concurrent attaches cannot overshoot --max-sessions: the arenas are built outside the
+// manager's lock, on several workers at once, and an attach in progress holds its slot.
+TEST(Hostile, ConcurrentAttachesDoNotOvershootTheSessionLimit) {
+  Daemon d({"--max-sessions", "3", "--workers", "8"});
+  ASSERT_TRUE(d.ready());
+  std::atomic<int> ok{0}, exhausted{0}, other{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 24; ++i) {
+    threads.emplace_back([&] {
+      pb::AttachResponse a;
+      const grpc::Status s = CALL(d, Attach, AttachReq(2, 1 << 18, 4), &a);  // 16 MiB arenas
+      (s.ok() ? ok : s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED ? exhausted : other)++;
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(ok.load(), 3);
+  EXPECT_EQ(exhausted.load(), 21);
+  EXPECT_EQ(other.load(), 0);
+  EXPECT_EQ(SessionCount(d), 3);
+}
+
 // Defect 6: over TCP with no admin token, state-changing calls are refused by default.
 TEST(Hostile, TcpWithoutAnAdminTokenRefusesStateChangingCalls) {
   for (bool allow : {false, true}) {
