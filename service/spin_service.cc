@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "google/protobuf/arena.h"
+#include "grpcpp/support/message_allocator.h"
 #include "budget_probe.h"
 #include "convert.h"
 
@@ -36,6 +38,36 @@ pb::GetBudgetsResponse Budgets(const Session& s) {
 }
 
 }  // namespace
+
+// Request and response of one call in one protobuf arena of large blocks. gRPC parses a request
+// completely before a handler can refuse it, and a few MB of repeated fields become tens of MB
+// of small objects; in an arena they live in a few blocks of up to 1 MiB, which glibc maps and
+// unmaps as a whole (main() fixes the mmap threshold below that size), so nothing of a refused
+// request stays in spind's resident memory.
+template <typename Req, typename Resp>
+class ArenaMessages final : public grpc::MessageAllocator<Req, Resp> {
+ public:
+  grpc::MessageHolder<Req, Resp>* AllocateMessages() override { return new Holder(); }
+
+ private:
+  class Holder final : public grpc::MessageHolder<Req, Resp> {
+   public:
+    Holder() : arena_(Options()) {
+      this->set_request(google::protobuf::Arena::CreateMessage<Req>(&arena_));
+      this->set_response(google::protobuf::Arena::CreateMessage<Resp>(&arena_));
+    }
+    void Release() override { delete this; }
+
+   private:
+    static google::protobuf::ArenaOptions Options() {
+      google::protobuf::ArenaOptions o;
+      o.start_block_size = 4096;
+      o.max_block_size = 1 << 20;
+      return o;
+    }
+    google::protobuf::Arena arena_;
+  };
+};
 
 // One WatchBudgets stream. Holds at most the message being written and the latest one not yet
 // written: a reader slower than the updates sees the newest table, never a backlog (the latest
@@ -153,6 +185,15 @@ SpinService::SpinService(SessionManager* sessions, std::string fd_socket, Metric
       options_(std::move(options)),
       executor_(options_.workers) {
   sessions_->SetExecutor(&executor_);
+  // The calls whose requests carry repeated fields a client sizes.
+  static ArenaMessages<pb::ObserveScoresRequest, pb::ObserveScoresResponse> observe_messages;
+  static ArenaMessages<pb::PredictMasksRequest, pb::PredictMasksResponse> predict_messages;
+  static ArenaMessages<pb::OpenSequencesRequest, pb::OpenSequencesResponse> open_messages;
+  static ArenaMessages<pb::AttachRequest, pb::AttachResponse> attach_messages;
+  SetMessageAllocatorFor_ObserveScores(&observe_messages);
+  SetMessageAllocatorFor_PredictMasks(&predict_messages);
+  SetMessageAllocatorFor_OpenSequences(&open_messages);
+  SetMessageAllocatorFor_Attach(&attach_messages);
   // A freed session (Detach, or its lease lapsed) ends its budget streams.
   sessions_->SetOnFree([this](const std::string& id) { hub_.EndAll(id, grpc::Status::OK); });
 }
