@@ -29,15 +29,14 @@ absl::StatusOr<std::string> RandomHex(size_t bytes) {
   return out;
 }
 
-// Compares tokens in time independent of where they differ.
-bool TokensEqual(const std::string& a, const std::string& b) {
+}  // namespace
+
+bool ConstantTimeEquals(std::string_view a, std::string_view b) {
   if (a.size() != b.size()) return false;
   unsigned char diff = 0;
   for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
   return diff == 0;
 }
-
-}  // namespace
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const Geometry& g, uint64_t seed,
                                                                 const Policy& policy,
@@ -114,7 +113,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Get(const std::string& 
   std::lock_guard<std::mutex> lock(mu_);
   absl::StatusOr<std::shared_ptr<Session>> s = FindLocked(id);
   if (!s.ok()) return s;
-  if (!TokensEqual((*s)->token, token)) {
+  if (!ConstantTimeEquals((*s)->token, token)) {
     return absl::PermissionDeniedError(absl::StrCat("wrong token for session '", id, "'"));
   }
   (*s)->last_seen = std::chrono::steady_clock::now();

@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -73,6 +74,9 @@ struct Limits {
   /// fd connections one session may hold at once.
   int max_holders = 8;
 };
+
+/// Compares secrets (session and admin tokens) in time independent of where they differ.
+bool ConstantTimeEquals(std::string_view a, std::string_view b);
 
 /// Session ids are "s-" and 16 hex digits; longer ones are refused before any lookup.
 inline constexpr size_t kMaxSessionIdBytes = 64;

@@ -257,29 +257,31 @@ absl::Status SpinService::CheckAdmin(grpc::CallbackServerContext* ctx) const {
   }
   const auto& md = ctx->client_metadata();
   auto it = md.find("authorization");
-  const std::string want = "Bearer " + options_.admin_token;
-  if (it != md.end() && it->second.size() == want.size()) {
-    unsigned char diff = 0;
-    for (size_t i = 0; i < want.size(); ++i) {
-      diff |= static_cast<unsigned char>(it->second.data()[i] ^ want[i]);
-    }
-    if (diff == 0) return absl::OkStatus();
+  if (it != md.end() &&
+      ConstantTimeEquals(std::string_view(it->second.data(), it->second.size()),
+                         "Bearer " + options_.admin_token)) {
+    return absl::OkStatus();
   }
   return absl::PermissionDeniedError(
       "state-changing calls over TCP need spind's admin token: send metadata 'authorization: "
       "Bearer <token>' (spinctl --admin-token-file)");
 }
 
-grpc::ServerUnaryReactor* SpinService::Done(grpc::CallbackServerContext* ctx, const char* method,
-                                            std::chrono::steady_clock::time_point t0,
-                                            const absl::Status& s) {
+void SpinService::Finish(grpc::ServerUnaryReactor* reactor, const char* method,
+                         std::chrono::steady_clock::time_point t0, const absl::Status& s) {
   const grpc::Status g = ToGrpc(s);
   if (metrics_ != nullptr) {
     metrics_->ObserveRpc(method, g.error_code(),
                          std::chrono::duration<double>(Clock::now() - t0).count());
   }
+  reactor->Finish(g);
+}
+
+grpc::ServerUnaryReactor* SpinService::Done(grpc::CallbackServerContext* ctx, const char* method,
+                                            std::chrono::steady_clock::time_point t0,
+                                            const absl::Status& s) {
   grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
-  r->Finish(g);
+  Finish(r, method, t0, s);
   return r;
 }
 
@@ -308,21 +310,15 @@ grpc::ServerUnaryReactor* SpinService::OnSession(grpc::CallbackServerContext* ct
                                                              "' was detached during the call"))
                           : body(*session);
     }
-    const grpc::Status g = ToGrpc(st);
-    if (metrics_ != nullptr) {
-      metrics_->ObserveRpc(method, g.error_code(),
-                           std::chrono::duration<double>(Clock::now() - t0).count());
-    }
-    reactor->Finish(g);
+    Finish(reactor, method, t0, st);
   };
   if (!session->strand) {
     run();
   } else if (!session->strand->Post(run, options_.max_queued_per_session)) {
-    const grpc::Status g(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                         absl::StrCat(options_.max_queued_per_session, " calls already wait on session ",
-                                      session->id, ": retry later"));
-    if (metrics_ != nullptr) metrics_->ObserveRpc(method, g.error_code(), 0.0);
-    reactor->Finish(g);
+    Finish(reactor, method, t0,
+           absl::ResourceExhaustedError(absl::StrCat(options_.max_queued_per_session,
+                                                     " calls already wait on session ",
+                                                     session->id, ": retry later")));
   }
   return reactor;
 }
@@ -380,12 +376,7 @@ grpc::ServerUnaryReactor* SpinService::Attach(grpc::CallbackServerContext* ctx,
       *resp->mutable_policy() = ToProto(p);
       resp->set_fd_socket(fd_socket_);
     }
-    const grpc::Status gs = ToGrpc(st);
-    if (metrics_ != nullptr) {
-      metrics_->ObserveRpc("Attach", gs.error_code(),
-                           std::chrono::duration<double>(Clock::now() - t0).count());
-    }
-    reactor->Finish(gs);
+    Finish(reactor, "Attach", t0, st);
   });
   return reactor;
 }
@@ -402,11 +393,7 @@ grpc::ServerUnaryReactor* SpinService::Detach(grpc::CallbackServerContext* ctx,
   std::shared_ptr<Session> session = *s;
   auto run = [this, reactor, session, t0] {
     sessions_->Free(session->id);
-    if (metrics_ != nullptr) {
-      metrics_->ObserveRpc("Detach", grpc::StatusCode::OK,
-                           std::chrono::duration<double>(Clock::now() - t0).count());
-    }
-    reactor->Finish(grpc::Status::OK);
+    Finish(reactor, "Detach", t0, absl::OkStatus());
   };
   // Detach is never refused for a full queue: it goes to the pool when the strand is full.
   if (!session->strand || !session->strand->Post(run, options_.max_queued_per_session)) {

@@ -116,7 +116,10 @@ class SpinService final : public spin::v1::Spin::CallbackService {
                                       spin::v1::KeepAliveResponse* resp) override;
 
  private:
-  // Finishes an RPC: records its metrics and completes the reactor.
+  // Records an RPC's metrics and completes its reactor.
+  void Finish(grpc::ServerUnaryReactor* reactor, const char* method,
+              std::chrono::steady_clock::time_point t0, const absl::Status& s);
+  // Finishes an RPC on its default reactor (Finish above).
   grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const char* method,
                                  std::chrono::steady_clock::time_point t0, const absl::Status& s);
 
