@@ -34,7 +34,9 @@ void Log(LogLevel level, const std::string& line) {
     (*h)(level, line);
     return;
   }
-  const char* tag = level == LogLevel::kError ? "error: " : level == LogLevel::kWarning ? "warning: " : "";
+  const char* tag = level == LogLevel::kError     ? "error: "
+                    : level == LogLevel::kWarning ? "warning: "
+                                                  : "";
   std::fprintf(stderr, "spin_client: %s%s\n", tag, line.c_str());
 }
 

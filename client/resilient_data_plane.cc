@@ -174,8 +174,8 @@ absl::Status ResilientDataPlane::Refresh() {
                                "the session's arena layout differs from the "
                                "engine's (geometry or seed)");
     if (!s.ok()) {
-      Log(LogLevel::kWarning, absl::StrCat("cannot use spind session ", next->id(), ": ",
-                                           s.message(), "; retrying"));
+      Log(LogLevel::kWarning,
+          absl::StrCat("cannot use spind session ", next->id(), ": ", s.message(), "; retrying"));
       std::lock_guard<std::mutex> lock(mu_);
       to_detach_.push_back(std::move(next));  // detached by the retry thread, not here
       want_session_ = true;

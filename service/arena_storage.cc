@@ -95,7 +95,8 @@ uint64_t HostMemoryBytes() {
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
   uint64_t bytes = pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * page : 0;
   // cgroup v2, then v1: "max" or an absurd v1 value means no limit.
-  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+  for (const char* path :
+       {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
     std::ifstream f(path);
     unsigned long long limit = 0;
     if (f >> limit && limit > 0 && (bytes == 0 || limit < bytes)) bytes = limit;

@@ -156,12 +156,12 @@ absl::Status Metrics::Start(const std::string& address, int threads, int request
   // both workers for 30 s. Each worker now drops a silent peer after the timeout, connections
   // are not kept alive between scrapes, and more workers than a scrape needs serve at once.
   const std::vector<std::string> options = {
-      "listening_ports",   address,
-      "num_threads",       std::to_string(threads),
+      "listening_ports",    address,
+      "num_threads",        std::to_string(threads),
       "request_timeout_ms", std::to_string(request_timeout_ms),
-      "linger_timeout_ms", "0",
-      "enable_keep_alive", "no",
-      "max_request_size",  "16384",
+      "linger_timeout_ms",  "0",
+      "enable_keep_alive",  "no",
+      "max_request_size",   "16384",
   };
   try {
     exposer_ = std::make_unique<prometheus::Exposer>(options);

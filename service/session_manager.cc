@@ -173,10 +173,9 @@ absl::Status SessionManager::Hold(const std::string& id) {
   }
   Session& s = *it->second;
   if (s.holders >= limits_.max_holders) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("session '", id, "' already has ", s.holders,
-                     " fd connections (the limit per session is ", limits_.max_holders,
-                     "): close one first"));
+    return absl::ResourceExhaustedError(absl::StrCat("session '", id, "' already has ", s.holders,
+                                                     " fd connections (the limit per session is ",
+                                                     limits_.max_holders, "): close one first"));
   }
   s.holders += 1;
   s.last_seen = std::chrono::steady_clock::now();

@@ -59,7 +59,7 @@ struct Session {
   // Guarded by the manager's lock, not `mu` (the lease must be readable without waiting on a
   // busy session).
   DriveMode mode = DriveMode::kUnbound;
-  int holders = 0;  ///< open fd connections holding the session
+  int holders = 0;                                  ///< open fd connections holding the session
   std::chrono::steady_clock::time_point last_seen;  ///< last call, fetch or holder release
 };
 

@@ -8,10 +8,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "google/protobuf/arena.h"
-#include "grpcpp/support/message_allocator.h"
 #include "budget_probe.h"
 #include "convert.h"
+#include "google/protobuf/arena.h"
+#include "grpcpp/support/message_allocator.h"
 
 namespace spin::service {
 namespace {
@@ -257,9 +257,8 @@ absl::Status SpinService::CheckAdmin(grpc::CallbackServerContext* ctx) const {
   }
   const auto& md = ctx->client_metadata();
   auto it = md.find("authorization");
-  if (it != md.end() &&
-      ConstantTimeEquals(std::string_view(it->second.data(), it->second.size()),
-                         "Bearer " + options_.admin_token)) {
+  if (it != md.end() && ConstantTimeEquals(std::string_view(it->second.data(), it->second.size()),
+                                           "Bearer " + options_.admin_token)) {
     return absl::OkStatus();
   }
   return absl::PermissionDeniedError(
@@ -317,8 +316,8 @@ grpc::ServerUnaryReactor* SpinService::OnSession(grpc::CallbackServerContext* ct
   } else if (!session->strand->Post(run, options_.max_queued_per_session)) {
     Finish(reactor, method, t0,
            absl::ResourceExhaustedError(absl::StrCat(options_.max_queued_per_session,
-                                                     " calls already wait on session ",
-                                                     session->id, ": retry later")));
+                                                     " calls already wait on session ", session->id,
+                                                     ": retry later")));
   }
   return reactor;
 }
@@ -331,9 +330,10 @@ grpc::ServerUnaryReactor* SpinService::Attach(grpc::CallbackServerContext* ctx,
   absl::StatusOr<Geometry> g = FromProto(req->geometry());
   if (!g.ok()) return Done(ctx, "Attach", t0, g.status());
   if (req->client_name().size() > kMaxClientName) {
-    return Done(ctx, "Attach", t0,
-                absl::InvalidArgumentError(absl::StrCat("client_name has ", req->client_name().size(),
-                                                        " bytes; the limit is ", kMaxClientName)));
+    return Done(
+        ctx, "Attach", t0,
+        absl::InvalidArgumentError(absl::StrCat("client_name has ", req->client_name().size(),
+                                                " bytes; the limit is ", kMaxClientName)));
   }
   for (size_t i = 0; i < req->client_name().size(); ++i) {
     const unsigned char ch = static_cast<unsigned char>(req->client_name()[i]);
@@ -470,9 +470,8 @@ grpc::ServerUnaryReactor* SpinService::OpenSequences(grpc::CallbackServerContext
     if (absl::Status b = sessions_->CheckBind(s, DriveMode::kRemote); !b.ok()) return b;
     const uint32_t max = s.geometry.max_seqs;
     if (static_cast<uint64_t>(req->sequences_size()) > max) {
-      return absl::InvalidArgumentError(absl::StrCat(req->sequences_size(),
-                                                     " sequences exceed the session's max_sequences ",
-                                                     max));
+      return absl::InvalidArgumentError(absl::StrCat(
+          req->sequences_size(), " sequences exceed the session's max_sequences ", max));
     }
     std::vector<uint8_t> seen(max, 0);
     for (const pb::SequenceOpen& o : req->sequences()) {
@@ -501,10 +500,10 @@ absl::Status CheckRemoteOutputs(const Session& s) {
   const ArenaView& v = s.arena->host();
   const Geometry& g = s.geometry;
   if (v.batch->n != s.remote_n || v.batch->rows != s.remote_rows) {
-    return absl::InternalError(absl::StrCat(
-        "session ", s.id, ": the arena's step (", v.batch->n, " entries x ", v.batch->rows,
-        " rows) is not the one spind began (", s.remote_n, " x ", s.remote_rows,
-        "); detach and attach again"));
+    return absl::InternalError(absl::StrCat("session ", s.id, ": the arena's step (", v.batch->n,
+                                            " entries x ", v.batch->rows,
+                                            " rows) is not the one spind began (", s.remote_n,
+                                            " x ", s.remote_rows, "); detach and attach again"));
   }
   const int64_t max_len = static_cast<int64_t>(v.max_blocks) * g.block_size;
   for (int32_t e = 0; e < s.remote_n; ++e) {
@@ -517,9 +516,9 @@ absl::Status CheckRemoteOutputs(const Session& s) {
     const int32_t* ids = v.union_ids + static_cast<int64_t>(e) * v.max_blocks;
     for (int64_t k = 0; k < count; ++k) {
       if (ids[k] < 0 || static_cast<uint32_t>(ids[k]) >= v.max_blocks) {
-        return absl::InternalError(absl::StrCat("session ", s.id, ": entry ", e,
-                                                " selects block ", ids[k], ", outside [0, ",
-                                                v.max_blocks, "); detach and attach again"));
+        return absl::InternalError(absl::StrCat("session ", s.id, ": entry ", e, " selects block ",
+                                                ids[k], ", outside [0, ", v.max_blocks,
+                                                "); detach and attach again"));
       }
     }
     for (int32_t r = 0; r < s.remote_rows; ++r) {
@@ -620,8 +619,8 @@ grpc::ServerUnaryReactor* SpinService::ObserveScores(grpc::CallbackServerContext
     const int64_t n = s.remote_n, rows = s.remote_rows;
     if (req->scores_size() != n * rows) {
       return absl::InvalidArgumentError(absl::StrCat("scores has ", req->scores_size(),
-                                                     " rows; the step has ", n, " entries x ",
-                                                     rows, " rows"));
+                                                     " rows; the step has ", n, " entries x ", rows,
+                                                     " rows"));
     }
     if (req->accepted_size() != 0 && req->accepted_size() != n) {
       return absl::InvalidArgumentError(
@@ -634,9 +633,9 @@ grpc::ServerUnaryReactor* SpinService::ObserveScores(grpc::CallbackServerContext
       const bool live = v.entries[x / rows].seq >= 0;
       const int64_t need = live ? v.compact_len[(x / rows) * g.max_rows + x % rows] : 0;
       if (have < need) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("scores of entry ", x / rows, " row ", x % rows, " have ", have,
-                         " values; its compacted length is ", need));
+        return absl::InvalidArgumentError(absl::StrCat("scores of entry ", x / rows, " row ",
+                                                       x % rows, " have ", have,
+                                                       " values; its compacted length is ", need));
       }
       if (have > max_len) {
         return absl::InvalidArgumentError(

@@ -26,9 +26,7 @@ namespace {
 
 class CudaTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    SPIN_REQUIRE_GPU_OR_SKIP();
-  }
+  void SetUp() override { SPIN_REQUIRE_GPU_OR_SKIP(); }
 };
 
 // A device buffer that frees itself.

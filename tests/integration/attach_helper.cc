@@ -56,8 +56,8 @@ int main(int argc, char** argv) {
   }
   if (mode == "step") return StepForever((*s)->data_plane(), o.geometry, (*s)->id());
   if (mode == "remote") {
-    auto r = spin::client::RemoteDataPlane::Create(&(*s)->stub(), (*s)->id(), (*s)->token(),
-                                                   o.geometry);
+    auto r =
+        spin::client::RemoteDataPlane::Create(&(*s)->stub(), (*s)->id(), (*s)->token(), o.geometry);
     if (!r.ok()) return 1;
     return StepForever(**r, o.geometry, (*s)->id());
   }

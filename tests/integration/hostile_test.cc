@@ -31,8 +31,6 @@ namespace {
 using std::chrono::milliseconds;
 using Clock = std::chrono::steady_clock;
 
-pb::Geometry SmallGeometry() { return AttachReq().geometry(); }
-
 // Attaches over the Unix socket; fails the test on error.
 pb::AttachResponse MustAttach(Daemon& d, pb::AttachRequest req = AttachReq()) {
   pb::AttachResponse a;
@@ -109,7 +107,8 @@ std::unique_ptr<client::Session> MustAttachLocal(Daemon& d, uint32_t layers = 2)
 
 // The arena's bytes as the mapping sees them.
 std::string ArenaBytesOf(const client::Session& s) {
-  return std::string(reinterpret_cast<const char*>(s.arena().header), s.arena().header->total_bytes);
+  return std::string(reinterpret_cast<const char*>(s.arena().header),
+                     s.arena().header->total_bytes);
 }
 
 // Defect 0: a client that maps its arena read-write and writes hostile values there cannot crash
@@ -459,8 +458,7 @@ TEST(Hostile, SessionsWithoutAHolderOrCallsAreFreedAfterTheGracePeriod) {
   EXPECT_EQ(ids.count(idle.session_id()), 0u) << "an idle, never-fetched session was not freed";
   EXPECT_EQ(ids.count(kept.session_id()), 1u);
   EXPECT_EQ(ids.count(local->id()), 1u);
-  EXPECT_NE(d.log().find("session " + idle.session_id() + " freed"), std::string::npos)
-      << d.log();
+  EXPECT_NE(d.log().find("session " + idle.session_id() + " freed"), std::string::npos) << d.log();
   // Once the keep-alives stop, that one goes too; the holder's stays.
   EXPECT_TRUE(WaitFor([&] { return SessionCount(d) == 1; }, milliseconds(3000)));
   EXPECT_TRUE(local->alive());
@@ -545,9 +543,9 @@ TEST(Hostile, TcpWithoutAnAdminTokenRefusesStateChangingCalls) {
     const std::string log = d.log();
     const size_t at = log.find("tcp port ");
     ASSERT_NE(at, std::string::npos) << log;
-    auto tcp = pb::Spin::NewStub(grpc::CreateChannel(
-        "127.0.0.1:" + std::to_string(std::atoi(log.c_str() + at + 9)),
-        grpc::InsecureChannelCredentials()));
+    auto tcp = pb::Spin::NewStub(
+        grpc::CreateChannel("127.0.0.1:" + std::to_string(std::atoi(log.c_str() + at + 9)),
+                            grpc::InsecureChannelCredentials()));
     pb::AttachResponse a;
     grpc::ClientContext c1;
     const grpc::Status st = tcp->Attach(&c1, AttachReq(), &a);
@@ -677,7 +675,8 @@ TEST(Hostile, IdleAndMalformedMetricsPeersDoNotStarveScrapes) {
   std::vector<int> idle;
   for (int i = 0; i < 6; ++i) idle.push_back(dial());
   const int garbage = dial();
-  const std::string junk = "\x16\x03\x01 not http at all\r\n\r\nGET /../../etc/passwd HTTP/9\r\n\r\n";
+  const std::string junk =
+      "\x16\x03\x01 not http at all\r\n\r\nGET /../../etc/passwd HTTP/9\r\n\r\n";
   (void)!send(garbage, junk.data(), junk.size(), MSG_NOSIGNAL);
   const auto t0 = Clock::now();
   const int s = dial();

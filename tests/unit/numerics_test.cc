@@ -68,9 +68,9 @@ TEST(Exploration, KeyAndCounterLayoutKnownAnswers) {
   EXPECT_EQ(ExplorationKey(0xFF, 0), 0xFFull);
   EXPECT_EQ(ExplorationDraw(0, 0, 0, 0, 0), 0x6627e8d5e169c58dull);
   EXPECT_EQ(ExplorationDraw(~0ull, ~0ull, 0xFFFFu, 0xFFFFu, 0xffffffffu), 0x408f276d41c83b0eull);
-  EXPECT_EQ(ExplorationDraw(0x299f31d0a4093822ull, 0x0370734413198a2eull, 0x85a3u, 0x08d3u,
-                            0x243f6a88u),
-            0xd16cfe0994fdccebull);
+  EXPECT_EQ(
+      ExplorationDraw(0x299f31d0a4093822ull, 0x0370734413198a2eull, 0x85a3u, 0x08d3u, 0x243f6a88u),
+      0xd16cfe0994fdccebull);
 }
 
 TEST(Exploration, DrawDependsOnEveryCounterField) {
