@@ -1,4 +1,4 @@
-// libFuzzer target: meta.json parsing and validation (client/trace.cc). The input is the text
+// libFuzzer target: meta.json parsing and validation (tools/trace/trace.cc). The input is the text
 // of a meta.json.
 //
 // Properties checked, besides "no crash, no sanitizer report":

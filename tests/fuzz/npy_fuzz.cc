@@ -1,4 +1,4 @@
-// libFuzzer target: the .npy reader (client/npy.cc). The input is a whole .npy file.
+// libFuzzer target: the .npy reader (tools/trace/npy.cc). The input is a whole .npy file.
 //
 // Properties checked, besides "no crash, no sanitizer report":
 //  - ReadNpyF32 on the input written to a file agrees with ParseNpyF32 on the bytes in memory
