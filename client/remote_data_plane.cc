@@ -7,6 +7,7 @@
 #include "convert.h"
 #include "grpc_status.h"
 #include "grpcpp/grpcpp.h"
+#include "spin/status_macros.h"
 
 namespace spin::client {
 namespace {
@@ -33,9 +34,8 @@ absl::StatusOr<std::unique_ptr<RemoteDataPlane>> RemoteDataPlane::Create(pb::Spi
   const uint64_t bytes = ArenaBytes(g);
   r->mem_ = std::aligned_alloc(kArenaAlign, (bytes + kArenaAlign - 1) / kArenaAlign * kArenaAlign);
   if (r->mem_ == nullptr) return absl::ResourceExhaustedError("cannot allocate the mirror arena");
-  absl::StatusOr<ArenaView> v = InitArena(r->mem_, bytes, g, 0, Policy{});
-  if (!v.ok()) return v.status();
-  r->mirror_ = *v;
+  SPIN_ASSIGN_OR_RETURN(ArenaView v, InitArena(r->mem_, bytes, g, 0, Policy{}));
+  r->mirror_ = v;
   r->local_ = MakeCpuDataPlane(r->mirror_);
   return r;
 }
@@ -76,10 +76,9 @@ absl::Status RemoteDataPlane::RefreshStats() {
   pb::GetStatsRequest req;
   *req.mutable_session() = Ref();
   pb::GetStatsResponse resp;
-  absl::Status s =
+  SPIN_RETURN_IF_ERROR(
       Call([this](auto* c, const auto& q, auto* p) { return stub_->GetStats(c, q, p); }, req, &resp,
-           "GetStats");
-  if (!s.ok()) return s;
+           "GetStats"));
   for (const pb::LayerStats& l : resp.layers()) {
     if (l.layer() >= mirror_.geometry.layers) continue;
     mirror_.stats[l.layer()] = FromProto(l);
@@ -102,10 +101,9 @@ absl::Status RemoteDataPlane::Select(int32_t layer, const int32_t*, int64_t, cud
     }
   }
   pb::PredictMasksResponse resp;
-  absl::Status s =
+  SPIN_RETURN_IF_ERROR(
       Call([this](auto* c, const auto& q, auto* p) { return stub_->PredictMasks(c, q, p); }, req,
-           &resp, "PredictMasks");
-  if (!s.ok()) return s;
+           &resp, "PredictMasks"));
   pending_begin_ = false;
   // Mirror the step and its outputs.
   const int32_t n = resp.masks_size();
@@ -144,10 +142,9 @@ absl::Status RemoteDataPlane::Observe(int32_t layer, const float* logits, int64_
     if (accepted) req.add_accepted(accepted[e]);
   }
   pb::ObserveScoresResponse resp;
-  absl::Status s =
+  SPIN_RETURN_IF_ERROR(
       Call([this](auto* c, const auto& q, auto* p) { return stub_->ObserveScores(c, q, p); }, req,
-           &resp, "ObserveScores");
-  if (!s.ok()) return s;
+           &resp, "ObserveScores"));
   return RefreshStats();
 }
 

@@ -13,6 +13,7 @@
 
 #include "spin/cuda_data_plane.h"
 #include "spin/shared_device_memory.h"
+#include "spin/status_macros.h"
 #endif
 
 namespace spin::client {
@@ -47,27 +48,22 @@ absl::StatusOr<std::unique_ptr<ResilientDataPlane>> ResilientDataPlane::CreateOn
     std::string target, AttachOptions options, std::chrono::milliseconds retry) {
   std::unique_ptr<ResilientDataPlane> r(
       new ResilientDataPlane(std::move(target), std::move(options), retry, DeviceTag{}));
-  absl::StatusOr<int> dev = CudaCurrentDevice();
-  if (!dev.ok()) return dev.status();
+  SPIN_ASSIGN_OR_RETURN(int dev, CudaCurrentDevice());
   const uint64_t bytes = ArenaBytes(r->options_.geometry);
-  absl::StatusOr<std::unique_ptr<DeviceWindow>> w = DeviceWindow::Create(*dev, bytes);
-  if (!w.ok()) return w.status();
+  SPIN_ASSIGN_OR_RETURN(std::unique_ptr<DeviceWindow> w, DeviceWindow::Create(dev, bytes));
   Policy dense = r->options_.policy;
   dense.target_sparsity = 0.0;
   dense.exploration = 0.0;
   dense.budget_mode = BudgetMode::kUniform;
-  absl::StatusOr<ArenaView> v =
-      InitDeviceArena((*w)->ptr(), bytes, r->options_.geometry, r->options_.seed, dense);
-  if (!v.ok()) return v.status();
-  absl::StatusOr<std::unique_ptr<DataPlane>> dp = MakeCudaDataPlane(*v);
-  if (!dp.ok()) return dp.status();
+  SPIN_ASSIGN_OR_RETURN(
+      ArenaView v, InitDeviceArena(w->ptr(), bytes, r->options_.geometry, r->options_.seed, dense));
+  SPIN_ASSIGN_OR_RETURN(std::unique_ptr<DataPlane> dp, MakeCudaDataPlane(v));
   // One data plane drives the window for the engine's lifetime: its scratch buffers and the
   // arena's addresses are what the engine's captured graphs hold.
-  r->fallback_ = std::move(*dp);
-  absl::StatusOr<ArenaHeader> h = MakeArenaHeader(r->options_.geometry, r->options_.seed);
-  if (!h.ok()) return h.status();
-  r->window_header_ = *h;
-  r->window_ = std::shared_ptr<DeviceWindow>(std::move(*w));
+  r->fallback_ = std::move(dp);
+  SPIN_ASSIGN_OR_RETURN(ArenaHeader h, MakeArenaHeader(r->options_.geometry, r->options_.seed));
+  r->window_header_ = h;
+  r->window_ = std::shared_ptr<DeviceWindow>(std::move(w));
   r->thread_ = std::thread([p = r.get()] { p->Retry(); });
   return r;
 }

@@ -18,6 +18,7 @@
 #if SPIN_HAVE_CUDA
 #include "spin/cuda_data_plane.h"
 #include "spin/shared_device_memory.h"
+#include "spin/status_macros.h"
 #endif
 
 namespace spin::client {
@@ -199,19 +200,17 @@ absl::StatusOr<ArenaView> Session::MapDevice(int fd, uint64_t bytes, const std::
         absl::StrCat("spind keeps this session's arena on GPU ", uuid,
                      ", which this process cannot use: ", ordinal.status().message()));
   }
-  if (absl::Status st = CudaSetDevice(*ordinal); !st.ok()) return st;
-  absl::StatusOr<std::unique_ptr<SharedDeviceMemory>> mem =
-      SharedDeviceMemory::Import(fd, *ordinal, bytes);
-  if (!mem.ok()) return mem.status();
+  SPIN_RETURN_IF_ERROR(CudaSetDevice(*ordinal));
+  SPIN_ASSIGN_OR_RETURN(std::unique_ptr<SharedDeviceMemory> mem,
+                        SharedDeviceMemory::Import(fd, *ordinal, bytes));
   ArenaHeader mapped;
-  if (absl::Status st = CopyToHost(&mapped, (*mem)->ptr(), sizeof(mapped)); !st.ok()) return st;
+  SPIN_RETURN_IF_ERROR(CopyToHost(&mapped, mem->ptr(), sizeof(mapped)));
   if (std::memcmp(&mapped, &header, sizeof(header)) != 0) {
     return absl::DataLossError("the mapped device arena does not match the layout spind sent");
   }
-  absl::StatusOr<ArenaView> view = ViewArenaWithHeader((*mem)->ptr(), bytes, header);
-  if (!view.ok()) return view.status();
+  SPIN_ASSIGN_OR_RETURN(ArenaView view, ViewArenaWithHeader(mem->ptr(), bytes, header));
   device_uuid_ = uuid;
-  device_ = std::shared_ptr<SharedDeviceMemory>(std::move(*mem));
+  device_ = std::shared_ptr<SharedDeviceMemory>(std::move(mem));
   return view;
 #else
   (void)fd;
@@ -258,35 +257,33 @@ absl::Status Session::MapInto(DeviceWindow& window, bool build_data_plane) {
         "MapInto needs a CUDA session attached with "
         "defer_device_map that was not mapped yet");
   }
-  absl::StatusOr<int> ordinal = CudaOrdinalOfUuid(device_uuid_);
-  if (!ordinal.ok()) return ordinal.status();
-  if (*ordinal != window.ordinal()) {
+  SPIN_ASSIGN_OR_RETURN(int ordinal, CudaOrdinalOfUuid(device_uuid_));
+  if (ordinal != window.ordinal()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "spind keeps the arena on GPU ", device_uuid_, " (device ", *ordinal,
+        "spind keeps the arena on GPU ", device_uuid_, " (device ", ordinal,
         " here) but the engine runs on device ", window.ordinal(), ": run one spind per GPU"));
   }
   if (window.bytes() != arena_bytes_) {
     return absl::FailedPreconditionError(
         absl::StrCat("the arena maps ", arena_bytes_, " bytes; the window has ", window.bytes()));
   }
-  absl::StatusOr<ArenaView> view = ViewArenaWithHeader(window.ptr(), arena_bytes_, header_);
-  if (!view.ok()) return view.status();
+  SPIN_ASSIGN_OR_RETURN(ArenaView view, ViewArenaWithHeader(window.ptr(), arena_bytes_, header_));
   std::unique_ptr<DataPlane> dp;
   if (build_data_plane) {
     // Built (and its scratch allocated) before the window changes, so a failure changes nothing.
-    absl::StatusOr<std::unique_ptr<DataPlane>> made = MakeCudaDataPlane(*view);
-    if (!made.ok()) return made.status();
+    absl::StatusOr<std::unique_ptr<DataPlane>> made = MakeCudaDataPlane(view);
+    SPIN_RETURN_IF_ERROR(made.status());
     dp = std::move(*made);
   }
-  if (absl::Status st = window.MapImported(pending_fd_); !st.ok()) return st;
+  SPIN_RETURN_IF_ERROR(window.MapImported(pending_fd_));
   close(pending_fd_);
   pending_fd_ = -1;
   ArenaHeader mapped;
-  if (absl::Status st = CopyToHost(&mapped, window.ptr(), sizeof(mapped)); !st.ok()) return st;
+  SPIN_RETURN_IF_ERROR(CopyToHost(&mapped, window.ptr(), sizeof(mapped)));
   if (std::memcmp(&mapped, &header_, sizeof(header_)) != 0) {
     return absl::DataLossError("the mapped device arena does not match the layout spind sent");
   }
-  view_ = *view;
+  view_ = view;
   dp_ = std::move(dp);
   return absl::OkStatus();
 }

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "spin/budget.h"
+#include "spin/status_macros.h"
 
 namespace spin::service {
 
@@ -45,9 +46,8 @@ class CpuArenaStorage final : public ArenaStorage {
       return absl::ResourceExhaustedError(absl::StrCat("cannot map a ", bytes_, "-byte arena"));
     }
     base_ = base;
-    absl::StatusOr<ArenaView> view = InitArena(base_, bytes_, g, seed, policy);
-    if (!view.ok()) return view.status();
-    host_ = *view;
+    SPIN_ASSIGN_OR_RETURN(ArenaView view, InitArena(base_, bytes_, g, seed, policy));
+    host_ = view;
     dp_ = MakeCpuDataPlane(host_);
     return absl::OkStatus();
   }
@@ -87,7 +87,7 @@ class CpuArenaStorage final : public ArenaStorage {
 absl::StatusOr<std::unique_ptr<ArenaStorage>> MakeCpuArenaStorage(const Geometry& g, uint64_t seed,
                                                                   const Policy& policy) {
   auto s = std::make_unique<CpuArenaStorage>();
-  if (absl::Status st = s->Init(g, seed, policy); !st.ok()) return st;
+  SPIN_RETURN_IF_ERROR(s->Init(g, seed, policy));
   return std::unique_ptr<ArenaStorage>(std::move(s));
 }
 

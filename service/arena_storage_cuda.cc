@@ -11,6 +11,7 @@
 #include "spin/budget.h"
 #include "spin/cuda_data_plane.h"
 #include "spin/shared_device_memory.h"
+#include "spin/status_macros.h"
 
 namespace spin::service {
 namespace {
@@ -27,13 +28,12 @@ class Staging {
       if (p_ != nullptr) DeviceFree(p_);
       p_ = nullptr;
       cap_ = 0;
-      absl::StatusOr<void*> m = DeviceAlloc(bytes);
-      if (!m.ok()) return m.status();
-      p_ = *m;
+      SPIN_ASSIGN_OR_RETURN(void* m, DeviceAlloc(bytes));
+      p_ = m;
       cap_ = bytes;
     }
     if (bytes > 0) {
-      if (absl::Status s = CopyToDevice(p_, host, bytes); !s.ok()) return s;
+      SPIN_RETURN_IF_ERROR(CopyToDevice(p_, host, bytes));
     }
     return p_;
   }
@@ -54,10 +54,9 @@ class CudaArenaStorage final : public ArenaStorage {
 
   absl::Status Init(int ordinal, const Geometry& g, uint64_t seed, const Policy& policy) {
     ordinal_ = ordinal;
-    if (absl::Status s = CudaSetDevice(ordinal); !s.ok()) return s;
-    absl::StatusOr<std::string> uuid = CudaDeviceUuid(ordinal);
-    if (!uuid.ok()) return uuid.status();
-    uuid_ = *uuid;
+    SPIN_RETURN_IF_ERROR(CudaSetDevice(ordinal));
+    SPIN_ASSIGN_OR_RETURN(std::string uuid, CudaDeviceUuid(ordinal));
+    uuid_ = uuid;
     bytes_ = ArenaBytes(g);
     absl::StatusOr<std::unique_ptr<SharedDeviceMemory>> mem =
         SharedDeviceMemory::Create(ordinal, bytes_);
@@ -67,21 +66,18 @@ class CudaArenaStorage final : public ArenaStorage {
                                        " (", uuid_, "): ", mem.status().message()));
     }
     mem_ = std::move(*mem);
-    absl::StatusOr<ArenaView> view = InitDeviceArena(mem_->ptr(), bytes_, g, seed, policy);
-    if (!view.ok()) return view.status();
-    view_ = *view;
-    absl::StatusOr<std::unique_ptr<DataPlane>> dp = MakeCudaDataPlane(view_);
-    if (!dp.ok()) return dp.status();
-    dp_ = std::move(*dp);
+    SPIN_ASSIGN_OR_RETURN(ArenaView view, InitDeviceArena(mem_->ptr(), bytes_, g, seed, policy));
+    view_ = view;
+    SPIN_ASSIGN_OR_RETURN(std::unique_ptr<DataPlane> dp, MakeCudaDataPlane(view_));
+    dp_ = std::move(dp);
     // The mirror has the arena's layout but only the pages a pull touches are ever backed.
     void* m = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (m == MAP_FAILED) return absl::ResourceExhaustedError("cannot reserve the arena mirror");
     mirror_ = m;
-    if (absl::Status s = CopyToHost(mirror_, mem_->ptr(), sizeof(ArenaHeader)); !s.ok()) return s;
-    absl::StatusOr<ArenaView> host = ViewArena(mirror_, bytes_);
-    if (!host.ok()) return host.status();
-    host_ = *host;
+    SPIN_RETURN_IF_ERROR(CopyToHost(mirror_, mem_->ptr(), sizeof(ArenaHeader)));
+    SPIN_ASSIGN_OR_RETURN(ArenaView host, ViewArena(mirror_, bytes_));
+    host_ = host;
     return PullControl();
   }
 
@@ -89,7 +85,7 @@ class CudaArenaStorage final : public ArenaStorage {
   uint64_t mapping_bytes() const override { return mem_->bytes(); }
   std::string device_uuid() const override { return uuid_; }
   absl::StatusOr<int> ExportFd() const override {
-    if (absl::Status s = CudaSetDevice(ordinal_); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(CudaSetDevice(ordinal_));
     return mem_->ExportFd();
   }
 
@@ -106,8 +102,8 @@ class CudaArenaStorage final : public ArenaStorage {
   }
 
   absl::Status WritePolicy(const Policy& p) override {
-    if (absl::Status s = Use(); !s.ok()) return s;
-    if (absl::Status s = WriteDevicePolicy(view_, p); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(Use());
+    SPIN_RETURN_IF_ERROR(WriteDevicePolicy(view_, p));
     return PullControl();
   }
   absl::Status WriteBudgets(const double* sparsity) override {
@@ -116,47 +112,46 @@ class CudaArenaStorage final : public ArenaStorage {
         !s.ok()) {
       return s;
     }
-    if (absl::Status s = Use(); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(Use());
     const uint32_t L = host_.geometry.layers;
     ArenaPolicy ap{};
     absl::Status s = CopyToDevice(view_.sparsity, sparsity, L * sizeof(double));
     if (s.ok()) s = CopyToHost(&ap, view_.policy, sizeof(ap));
     ap.epoch += 1;
     if (s.ok()) s = CopyToDevice(&view_.policy->epoch, &ap.epoch, sizeof(ap.epoch));
-    if (!s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(s);
     return PullControl();
   }
 
   absl::Status ResetSequence(int32_t seq, uint64_t key) override {
-    if (absl::Status s = Use(); !s.ok()) return s;
-    if (absl::Status s = dp_->ResetSequence(seq, key); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(Use());
+    SPIN_RETURN_IF_ERROR(dp_->ResetSequence(seq, key));
     return CheckDeviceError("OpenSequences");
   }
   absl::Status BeginStep(const StepBatch& b) override {
     // The CPU backend's checks, on the mirror, before anything changes: same statuses.
-    if (absl::Status s = Use(); !s.ok()) return s;
-    if (absl::Status s = PullSeqs(); !s.ok()) return s;
-    if (absl::Status s = ValidateStepBatch(host_, b); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(Use());
+    SPIN_RETURN_IF_ERROR(PullSeqs());
+    SPIN_RETURN_IF_ERROR(ValidateStepBatch(host_, b));
     const uint64_t n = static_cast<uint64_t>(std::max(b.n, 0));
     std::vector<int32_t> packed(3 * n);
     std::copy(b.seq, b.seq + n, packed.begin());
     std::copy(b.ctx_len, b.ctx_len + n, packed.begin() + n);
     std::copy(b.q_pos, b.q_pos + n, packed.begin() + 2 * n);
-    absl::StatusOr<void*> d = batch_.Put(packed.data(), packed.size() * sizeof(int32_t));
-    if (!d.ok()) return d.status();
-    const auto* base = static_cast<const int32_t*>(*d);
+    SPIN_ASSIGN_OR_RETURN(void* d, batch_.Put(packed.data(), packed.size() * sizeof(int32_t)));
+    const auto* base = static_cast<const int32_t*>(d);
     const StepBatch db{base, base + n, base + 2 * n, b.n, b.rows};
-    if (absl::Status s = dp_->BeginStep(db); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(dp_->BeginStep(db));
     return CheckDeviceError("BeginStep");
   }
   absl::Status Select(int32_t layer) override {
-    if (absl::Status s = Use(); !s.ok()) return s;
-    if (absl::Status s = dp_->Select(layer); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(Use());
+    SPIN_RETURN_IF_ERROR(dp_->Select(layer));
     return CheckDeviceError("Select");
   }
   absl::Status Observe(int32_t layer, const float* logits, int64_t stride,
                        const int32_t* accepted) override {
-    if (absl::Status s = PullOutputs(); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(PullOutputs());
     if (host_.batch->selected_layer == layer) {
       // Otherwise the data plane's own call-order check answers below.
       if (absl::Status s = ValidateObserveInputs(host_, logits, stride, accepted); !s.ok()) {
@@ -164,15 +159,13 @@ class CudaArenaStorage final : public ArenaStorage {
       }
     }
     const uint64_t rows = static_cast<uint64_t>(host_.batch->n) * host_.batch->rows;
-    absl::StatusOr<void*> dl = logits_.Put(logits, rows * stride * sizeof(float));
-    if (!dl.ok()) return dl.status();
+    SPIN_ASSIGN_OR_RETURN(void* dl, logits_.Put(logits, rows * stride * sizeof(float)));
     const int32_t* da = nullptr;
     if (accepted != nullptr) {
-      absl::StatusOr<void*> d = accepted_.Put(accepted, host_.batch->n * sizeof(int32_t));
-      if (!d.ok()) return d.status();
-      da = static_cast<const int32_t*>(*d);
+      SPIN_ASSIGN_OR_RETURN(void* d, accepted_.Put(accepted, host_.batch->n * sizeof(int32_t)));
+      da = static_cast<const int32_t*>(d);
     }
-    if (absl::Status s = dp_->Observe(layer, static_cast<const float*>(*dl), stride, da); !s.ok())
+    if (absl::Status s = dp_->Observe(layer, static_cast<const float*>(dl), stride, da); !s.ok())
       return s;
     return CheckDeviceError("ObserveScores");
   }
@@ -182,26 +175,25 @@ class CudaArenaStorage final : public ArenaStorage {
   // makes the arena's device current first.
   absl::Status Use() { return CudaSetDevice(ordinal_); }
   absl::Status Pull(uint64_t from, uint64_t to) {
-    if (absl::Status s = Use(); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(Use());
     return CopyToHost(static_cast<uint8_t*>(mirror_) + from,
                       static_cast<const uint8_t*>(mem_->ptr()) + from, to - from);
   }
   // Remote mode waits for its work anyway: a bounds error the kernels recorded becomes the
   // call's status (and the word is cleared for the next call).
   absl::Status CheckDeviceError(const char* what) {
-    absl::StatusOr<uint32_t> e = ReadDeviceError(view_);
-    if (!e.ok()) return e.status();
-    if (*e == kArenaOk) return absl::OkStatus();
+    SPIN_ASSIGN_OR_RETURN(uint32_t e, ReadDeviceError(view_));
+    if (e == kArenaOk) return absl::OkStatus();
     const uint32_t zero = 0;
     (void)CopyToDevice(view_.error, &zero, sizeof(zero));
-    const char* why = *e == kArenaBadBatch ? "an entry failed validation (sequence out of range, "
-                                             "not open or repeated, or ctx_len / q_pos out of "
-                                             "range); the step has no entries"
-                      : *e == kArenaBadAccepted ? "accepted outside [0, rows]"
-                      : *e == kArenaBadStride   ? "logits shorter than a row's compacted length"
-                      : *e == kArenaNoSelect    ? "no Select in this step"
-                                                : "unknown device error";
-    return absl::InvalidArgumentError(absl::StrCat(what, ": ", why, " (arena error ", *e, ")"));
+    const char* why = e == kArenaBadBatch ? "an entry failed validation (sequence out of range, "
+                                            "not open or repeated, or ctx_len / q_pos out of "
+                                            "range); the step has no entries"
+                      : e == kArenaBadAccepted ? "accepted outside [0, rows]"
+                      : e == kArenaBadStride   ? "logits shorter than a row's compacted length"
+                      : e == kArenaNoSelect    ? "no Select in this step"
+                                               : "unknown device error";
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", why, " (arena error ", e, ")"));
   }
 
   std::unique_ptr<SharedDeviceMemory> mem_;
@@ -234,7 +226,7 @@ absl::StatusOr<std::unique_ptr<ArenaStorage>> MakeCudaArenaStorage(int ordinal, 
                                                                    uint64_t seed,
                                                                    const Policy& policy) {
   auto s = std::make_unique<CudaArenaStorage>();
-  if (absl::Status st = s->Init(ordinal, g, seed, policy); !st.ok()) return st;
+  SPIN_RETURN_IF_ERROR(s->Init(ordinal, g, seed, policy));
   return std::unique_ptr<ArenaStorage>(std::move(s));
 }
 

@@ -3,12 +3,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "spin/status_macros.h"
 
 namespace spin::service {
 
 absl::Status WriteSessionPolicy(Session& s, const Policy& p) {
-  if (absl::Status st = ValidatePolicy(p); !st.ok()) return st;
-  if (absl::Status st = s.arena->WritePolicy(p); !st.ok()) return st;
+  SPIN_RETURN_IF_ERROR(ValidatePolicy(p));
+  SPIN_RETURN_IF_ERROR(s.arena->WritePolicy(p));
   s.policy = p;
   if (p.budget_mode == BudgetMode::kUniform) {
     s.budgets_written.assign(s.geometry.layers, p.target_sparsity);
@@ -17,15 +18,15 @@ absl::Status WriteSessionPolicy(Session& s, const Policy& p) {
 }
 
 absl::Status WriteSessionBudgets(Session& s, const std::vector<double>& sparsity) {
-  if (absl::Status st = ValidateBudgetTable(s.geometry, sparsity); !st.ok()) return st;
-  if (absl::Status st = s.arena->WriteBudgets(sparsity.data()); !st.ok()) return st;
+  SPIN_RETURN_IF_ERROR(ValidateBudgetTable(s.geometry, sparsity));
+  SPIN_RETURN_IF_ERROR(s.arena->WriteBudgets(sparsity.data()));
   s.budgets_written = sparsity;
   return absl::OkStatus();
 }
 
 absl::StatusOr<bool> RefreshBudgets(Session& s, bool policy_changed) {
   ArenaStorage& arena = *s.arena;
-  if (absl::Status st = arena.PullControl(); !st.ok()) return st;
+  SPIN_RETURN_IF_ERROR(arena.PullControl());
   const ArenaView& v = arena.host();
   // spind's own policy, not the arena's copy (a client that maps the arena can write it); the
   // counters and curves are read from the arena and only ever used as numbers, bounded by the
@@ -40,12 +41,11 @@ absl::StatusOr<bool> RefreshBudgets(Session& s, bool policy_changed) {
   const ProbeSnapshot snap{
       std::span<const uint64_t>(v.curves, static_cast<size_t>(L) * kCurvePoints),
       std::span<const LayerStats>(v.stats, L)};
-  absl::StatusOr<std::optional<BudgetUpdate>> u = s.budgets->Update(snap, p.target_sparsity);
-  if (!u.ok()) return u.status();
-  if (u->has_value()) {
-    if (absl::Status st = WriteSessionBudgets(s, (*u)->sparsity); !st.ok()) return st;
+  SPIN_ASSIGN_OR_RETURN(std::optional<BudgetUpdate> u, s.budgets->Update(snap, p.target_sparsity));
+  if (u.has_value()) {
+    SPIN_RETURN_IF_ERROR(WriteSessionBudgets(s, u->sparsity));
     s.budget_recomputes += 1;
-    s.budget_reason = (*u)->reason;
+    s.budget_reason = u->reason;
     return true;
   }
   if (policy_changed && s.budgets->recomputes() == 0) {
@@ -54,7 +54,7 @@ absl::StatusOr<bool> RefreshBudgets(Session& s, bool policy_changed) {
     bool same = true;
     for (uint32_t l = 0; l < L; ++l) same = same && s.budgets_written[l] == p.target_sparsity;
     if (same) return false;
-    if (absl::Status st = WriteSessionBudgets(s, uniform); !st.ok()) return st;
+    SPIN_RETURN_IF_ERROR(WriteSessionBudgets(s, uniform));
     return true;
   }
   return false;

@@ -7,6 +7,7 @@
 #include <ctime>
 
 #include "absl/strings/str_cat.h"
+#include "spin/status_macros.h"
 
 namespace spin::service {
 namespace {
@@ -41,8 +42,8 @@ bool ConstantTimeEquals(std::string_view a, std::string_view b) {
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const Geometry& g, uint64_t seed,
                                                                 const Policy& policy,
                                                                 const std::string& client_name) {
-  if (absl::Status s = ValidateGeometry(g); !s.ok()) return s;
-  if (absl::Status s = ValidatePolicy(policy); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(ValidateGeometry(g));
+  SPIN_RETURN_IF_ERROR(ValidatePolicy(policy));
   const uint64_t bytes = ArenaBytes(g);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -112,7 +113,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Get(const std::string& 
                                                              const std::string& token) {
   std::lock_guard<std::mutex> lock(mu_);
   absl::StatusOr<std::shared_ptr<Session>> s = FindLocked(id);
-  if (!s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(s.status());
   if (!ConstantTimeEquals((*s)->token, token)) {
     return absl::PermissionDeniedError(absl::StrCat("wrong token for session '", id, "'"));
   }
@@ -244,8 +245,7 @@ void SessionManager::StopReaper() {
 SessionManager::~SessionManager() { StopReaper(); }
 
 absl::Status SessionManager::Detach(const std::string& id, const std::string& token) {
-  absl::StatusOr<std::shared_ptr<Session>> s = Get(id, token);
-  if (!s.ok()) return s.status();
+  SPIN_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Get(id, token));
   Free(id);
   return absl::OkStatus();
 }

@@ -12,6 +12,7 @@
 #include "convert.h"
 #include "google/protobuf/arena.h"
 #include "grpcpp/support/message_allocator.h"
+#include "spin/status_macros.h"
 
 namespace spin::service {
 namespace {
@@ -416,7 +417,7 @@ grpc::ServerUnaryReactor* SpinService::GetPolicy(grpc::CallbackServerContext* ct
                                                  const pb::GetPolicyRequest* req,
                                                  pb::GetPolicyResponse* resp) {
   return OnSession(ctx, "GetPolicy", req->session(), false, [resp](Session& s) {
-    if (absl::Status st = s.arena->PullControl(); !st.ok()) return st;
+    SPIN_RETURN_IF_ERROR(s.arena->PullControl());
     *resp->mutable_policy() = ToProto(s.policy);
     resp->set_epoch(s.arena->host().policy->epoch);
     return absl::OkStatus();
@@ -428,16 +429,15 @@ grpc::ServerUnaryReactor* SpinService::SetPolicy(grpc::CallbackServerContext* ct
                                                  pb::SetPolicyResponse* resp) {
   return OnSession(ctx, "SetPolicy", req->session(), true, [this, req, resp](Session& s) {
     ArenaStorage& arena = *s.arena;
-    if (absl::Status st = arena.PullControl(); !st.ok()) return st;
+    SPIN_RETURN_IF_ERROR(arena.PullControl());
     Policy p = s.policy;
     if (req->has_target_sparsity()) p.target_sparsity = req->target_sparsity();
     if (req->has_exploration()) p.exploration = req->exploration();
     if (req->has_alpha()) p.alpha = req->alpha();
     if (req->has_probe_period()) p.probe_period = req->probe_period();
-    absl::StatusOr<BudgetMode> m = ModeFromProto(req->budget_mode(), p.budget_mode);
-    if (!m.ok()) return m.status();
-    p.budget_mode = *m;
-    if (absl::Status st = WriteSessionPolicy(s, p); !st.ok()) return st;
+    SPIN_ASSIGN_OR_RETURN(BudgetMode m, ModeFromProto(req->budget_mode(), p.budget_mode));
+    p.budget_mode = m;
+    SPIN_RETURN_IF_ERROR(WriteSessionPolicy(s, p));
     // Per-layer mode: the allocator re-sizes the table for a new target now, not at the next
     // probe pass, so every change takes effect at the next step. The policy is written: a
     // failure to re-size the budgets (a device error) is logged, and the probe thread retries;
@@ -457,7 +457,7 @@ grpc::ServerUnaryReactor* SpinService::GetBudgets(grpc::CallbackServerContext* c
                                                   const pb::GetBudgetsRequest* req,
                                                   pb::GetBudgetsResponse* resp) {
   return OnSession(ctx, "GetBudgets", req->session(), false, [resp](Session& s) {
-    if (absl::Status st = s.arena->PullControl(); !st.ok()) return st;
+    SPIN_RETURN_IF_ERROR(s.arena->PullControl());
     *resp = Budgets(s);
     return absl::OkStatus();
   });
@@ -467,7 +467,7 @@ grpc::ServerUnaryReactor* SpinService::OpenSequences(grpc::CallbackServerContext
                                                      const pb::OpenSequencesRequest* req,
                                                      pb::OpenSequencesResponse*) {
   return OnSession(ctx, "OpenSequences", req->session(), true, [this, req](Session& s) {
-    if (absl::Status b = sessions_->CheckBind(s, DriveMode::kRemote); !b.ok()) return b;
+    SPIN_RETURN_IF_ERROR(sessions_->CheckBind(s, DriveMode::kRemote));
     const uint32_t max = s.geometry.max_seqs;
     if (static_cast<uint64_t>(req->sequences_size()) > max) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -484,9 +484,9 @@ grpc::ServerUnaryReactor* SpinService::OpenSequences(grpc::CallbackServerContext
             absl::StrCat("sequence ", o.sequence(), " appears twice in the request"));
       }
     }
-    if (absl::Status b = sessions_->Bind(s, DriveMode::kRemote); !b.ok()) return b;
+    SPIN_RETURN_IF_ERROR(sessions_->Bind(s, DriveMode::kRemote));
     for (const pb::SequenceOpen& o : req->sequences()) {
-      if (absl::Status st = s.arena->ResetSequence(o.sequence(), o.key()); !st.ok()) return st;
+      SPIN_RETURN_IF_ERROR(s.arena->ResetSequence(o.sequence(), o.key()));
     }
     return absl::OkStatus();
   });
@@ -539,7 +539,7 @@ grpc::ServerUnaryReactor* SpinService::PredictMasks(grpc::CallbackServerContext*
                                                     const pb::PredictMasksRequest* req,
                                                     pb::PredictMasksResponse* resp) {
   return OnSession(ctx, "PredictMasks", req->session(), true, [this, req, resp](Session& s) {
-    if (absl::Status b = sessions_->CheckBind(s, DriveMode::kRemote); !b.ok()) return b;
+    SPIN_RETURN_IF_ERROR(sessions_->CheckBind(s, DriveMode::kRemote));
     const Geometry& g = s.geometry;
     if (req->layer() < 0 || static_cast<uint32_t>(req->layer()) >= g.layers) {
       return absl::OutOfRangeError(
@@ -559,7 +559,7 @@ grpc::ServerUnaryReactor* SpinService::PredictMasks(grpc::CallbackServerContext*
           "PredictMasks without begin_step needs a step begun earlier: set begin_step on the "
           "step's first call");
     }
-    if (absl::Status b = sessions_->Bind(s, DriveMode::kRemote); !b.ok()) return b;
+    SPIN_RETURN_IF_ERROR(sessions_->Bind(s, DriveMode::kRemote));
     if (req->begin_step()) {
       std::vector<int32_t> seq, ctx_len, q_pos;
       seq.reserve(req->entries_size());
@@ -572,14 +572,14 @@ grpc::ServerUnaryReactor* SpinService::PredictMasks(grpc::CallbackServerContext*
       }
       const StepBatch batch{seq.data(), ctx_len.data(), q_pos.data(),
                             static_cast<int32_t>(seq.size()), static_cast<int32_t>(req->rows())};
-      if (absl::Status st = s.arena->BeginStep(batch); !st.ok()) return st;
+      SPIN_RETURN_IF_ERROR(s.arena->BeginStep(batch));
       s.remote_n = batch.n;
       s.remote_rows = batch.rows;
       s.remote_selected = false;
     }
-    if (absl::Status st = s.arena->Select(req->layer()); !st.ok()) return st;
-    if (absl::Status st = s.arena->PullOutputs(); !st.ok()) return st;
-    if (absl::Status st = CheckRemoteOutputs(s); !st.ok()) return st;
+    SPIN_RETURN_IF_ERROR(s.arena->Select(req->layer()));
+    SPIN_RETURN_IF_ERROR(s.arena->PullOutputs());
+    SPIN_RETURN_IF_ERROR(CheckRemoteOutputs(s));
     s.remote_selected = true;
     const ArenaView& v = s.arena->host();
     for (int32_t e = 0; e < s.remote_n; ++e) {
@@ -597,7 +597,7 @@ grpc::ServerUnaryReactor* SpinService::ObserveScores(grpc::CallbackServerContext
                                                      const pb::ObserveScoresRequest* req,
                                                      pb::ObserveScoresResponse* resp) {
   return OnSession(ctx, "ObserveScores", req->session(), true, [this, req, resp](Session& s) {
-    if (absl::Status b = sessions_->CheckBind(s, DriveMode::kRemote); !b.ok()) return b;
+    SPIN_RETURN_IF_ERROR(sessions_->CheckBind(s, DriveMode::kRemote));
     const Geometry& g = s.geometry;
     if (req->layer() < 0 || static_cast<uint32_t>(req->layer()) >= g.layers) {
       return absl::OutOfRangeError(
@@ -607,12 +607,12 @@ grpc::ServerUnaryReactor* SpinService::ObserveScores(grpc::CallbackServerContext
       return absl::FailedPreconditionError(
           "ObserveScores needs a PredictMasks of the current step first");
     }
-    if (absl::Status b = sessions_->Bind(s, DriveMode::kRemote); !b.ok()) return b;
+    SPIN_RETURN_IF_ERROR(sessions_->Bind(s, DriveMode::kRemote));
     ArenaStorage& arena = *s.arena;
     absl::Status pulled = arena.PullOutputs();
     if (pulled.ok()) pulled = arena.PullControl();
-    if (!pulled.ok()) return pulled;
-    if (absl::Status st = CheckRemoteOutputs(s); !st.ok()) return st;
+    SPIN_RETURN_IF_ERROR(pulled);
+    SPIN_RETURN_IF_ERROR(CheckRemoteOutputs(s));
     const ArenaView& v = arena.host();
     // Everything below is sized from spind's own copy of the step and the compacted lengths
     // it checked, never from the request: the request is checked against them first.
@@ -668,7 +668,7 @@ grpc::ServerUnaryReactor* SpinService::ObserveScores(grpc::CallbackServerContext
         !st.ok()) {
       return st;
     }
-    if (absl::Status st = arena.PullControl(); !st.ok()) return st;
+    SPIN_RETURN_IF_ERROR(arena.PullControl());
     resp->set_bad_scores(bad_total() - bad_before);
     return absl::OkStatus();
   });
@@ -678,7 +678,7 @@ grpc::ServerUnaryReactor* SpinService::GetStats(grpc::CallbackServerContext* ctx
                                                 const pb::GetStatsRequest* req,
                                                 pb::GetStatsResponse* resp) {
   return OnSession(ctx, "GetStats", req->session(), false, [resp](Session& s) {
-    if (absl::Status st = s.arena->PullControl(); !st.ok()) return st;
+    SPIN_RETURN_IF_ERROR(s.arena->PullControl());
     const ArenaView& v = s.arena->host();
     for (uint32_t l = 0; l < s.geometry.layers; ++l) {
       *resp->add_layers() = ToProto(l, v.stats[l], s.budgets_written[l]);

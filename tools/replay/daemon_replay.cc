@@ -7,6 +7,7 @@
 #include "grpc_status.h"
 #include "grpcpp/grpcpp.h"
 #include "remote_data_plane.h"
+#include "spin/status_macros.h"
 #include "spin/v1/spin.grpc.pb.h"
 #include "spin_client.h"
 
@@ -43,9 +44,8 @@ absl::StatusOr<ReplaySummary> ReplayThroughDaemon(const std::string& target, con
   ao.client_name = remote ? "spinctl-replay-remote" : "spinctl-replay";
   ao.admin_token = admin_token;
   ao.fetch_arena = !remote;  // a session is driven locally or remotely, never both
-  absl::StatusOr<std::unique_ptr<client::Session>> s = client::Session::Attach(target, ao);
-  if (!s.ok()) return s.status();
-  client::Session& session = **s;
+  SPIN_ASSIGN_OR_RETURN(std::unique_ptr<client::Session> s, client::Session::Attach(target, ao));
+  client::Session& session = *s;
   // The daemon decides where the arena lives; --backend cuda insists on a GPU arena.
   if (options.backend == ReplayBackend::kCuda && !session.on_device()) {
     (void)session.Detach();

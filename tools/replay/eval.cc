@@ -13,6 +13,7 @@
 #include "nlohmann/json.hpp"
 #include "score_math.h"
 #include "spin/numerics.h"
+#include "spin/status_macros.h"
 
 namespace spin {
 namespace {
@@ -210,7 +211,7 @@ absl::StatusOr<EvalResult> RunEval(const EvalOptions& o) {
   if (o.probe_period == 0) {
     return absl::InvalidArgumentError("the budget comparison needs a probe period > 0");
   }
-  if (absl::Status s = ValidateBudgetTuning(o.tuning); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(ValidateBudgetTuning(o.tuning));
   auto log = [&](const std::string& line) {
     if (o.log) o.log(line);
   };
@@ -247,13 +248,12 @@ absl::StatusOr<EvalResult> RunEval(const EvalOptions& o) {
     GenTraceOptions g = o.gen;
     g.seed = seed;
     const std::string dir = absl::StrCat(o.work_dir, "/trace-", seed);
-    if (absl::Status s = GenerateTrace(dir, g); !s.ok()) return s;
-    absl::StatusOr<Trace> trace = LoadTrace(dir);
-    if (!trace.ok()) return trace.status();
+    SPIN_RETURN_IF_ERROR(GenerateTrace(dir, g));
+    SPIN_ASSIGN_OR_RETURN(Trace trace, LoadTrace(dir));
     out.traces.push_back(dir);
     std::vector<SignalRow> rows;
     std::vector<MethodPoint> points;
-    if (absl::Status s = EvalSignals(*trace, o.sparsities, seed, &rows, &points); !s.ok()) {
+    if (absl::Status s = EvalSignals(trace, o.sparsities, seed, &rows, &points); !s.ok()) {
       return s;
     }
     for (const SignalRow& r : rows) sig[r.signal].push_back(r);
@@ -269,16 +269,15 @@ absl::StatusOr<EvalResult> RunEval(const EvalOptions& o) {
         ro.policy.budget_mode = sm.mode;
         ro.budget_tuning = o.tuning;
         ro.seed = seed;
-        absl::StatusOr<ReplaySummary> r = Replay(*trace, ro);
-        if (!r.ok()) return r.status();
+        SPIN_ASSIGN_OR_RETURN(ReplaySummary r, Replay(trace, ro));
         MethodPoint mp;
         mp.method = sm.name;
         mp.target = rho;
-        mp.effective_sparsity = r->effective_sparsity;
-        mp.mean_miss = r->mean_miss;
-        mp.p99_miss = r->p99_miss;
-        mp.worst_layer_miss = r->worst_layer_mean_miss;
-        mp.worst_per_trace = {r->worst_layer_mean_miss};
+        mp.effective_sparsity = r.effective_sparsity;
+        mp.mean_miss = r.mean_miss;
+        mp.p99_miss = r.p99_miss;
+        mp.worst_layer_miss = r.worst_layer_mean_miss;
+        mp.worst_per_trace = {r.worst_layer_mean_miss};
         add_point(mp);
         log(absl::StrFormat("trace %s: %s at %.2f: mean miss %.4f, worst layer %.4f", dir, sm.name,
                             rho, mp.mean_miss, mp.worst_layer_miss));

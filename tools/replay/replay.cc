@@ -16,6 +16,7 @@
 #include "spin/numerics.h"
 #if SPIN_HAVE_CUDA
 #include "spin/cuda_data_plane.h"
+#include "spin/status_macros.h"
 #endif
 
 namespace spin {
@@ -118,7 +119,7 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
           absl::StrCat("cannot write the dump file ", options.dump_path));
     }
   }
-  if (absl::Status s = dp.ResetSequence(0, options.sequence_key); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(dp.ResetSequence(0, options.sequence_key));
 
   const int32_t b = meta.block_size, rows = meta.rows, k = meta.topk;
   const int32_t max_blocks = static_cast<int32_t>(a.max_blocks);
@@ -148,7 +149,7 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
     return absl::Status(s.code(), absl::StrCat("step ", t, " layer ", l, ": ", s.message()));
   };
   ArenaPolicy policy;
-  if (absl::Status s = mem.Get(&policy, a.policy, sizeof(policy)); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(mem.Get(&policy, a.policy, sizeof(policy)));
   const uint64_t start_epoch = policy.epoch;
   const BudgetMode mode = static_cast<BudgetMode>(policy.budget_mode);
 
@@ -167,21 +168,20 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
     return s;
   };
   if (mode == BudgetMode::kPerLayer && options.local_budgets) {
-    if (absl::Status s = ValidateBudgetTuning(options.budget_tuning); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(ValidateBudgetTuning(options.budget_tuning));
     budgets.emplace(g, options.budget_tuning);
     curves.resize(static_cast<size_t>(meta.layers) * kCurvePoints);
-    if (absl::Status s = write_table(); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(write_table());
   }
   auto probe = [&](int t) -> absl::Status {
     if (!budgets || policy.probe_period == 0 || t % policy.probe_period != 0) return {};
     absl::Status s = mem.Get(curves.data(), a.curves, curves.size() * sizeof(uint64_t));
     if (s.ok()) s = mem.Get(now.data(), a.stats, meta.layers * sizeof(LayerStats));
-    if (!s.ok()) return s;
-    absl::StatusOr<std::optional<BudgetUpdate>> u =
-        budgets->Update(ProbeSnapshot{curves, now}, policy.target_sparsity);
-    if (!u.ok()) return u.status();
-    if (!u->has_value()) return {};
-    table = (*u)->sparsity;
+    SPIN_RETURN_IF_ERROR(s);
+    SPIN_ASSIGN_OR_RETURN(std::optional<BudgetUpdate> u,
+                          budgets->Update(ProbeSnapshot{curves, now}, policy.target_sparsity));
+    if (!u.has_value()) return {};
+    table = u->sparsity;
     return write_table();
   };
 
@@ -189,7 +189,7 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
     const int32_t ctx = meta.ctx_len[t];
     const int32_t host_batch[4] = {0, ctx, meta.q_pos[t],
                                    meta.accepted.empty() ? rows : meta.accepted[t]};
-    if (absl::Status s = mem.Put(d_batch, host_batch, sizeof(host_batch)); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(mem.Put(d_batch, host_batch, sizeof(host_batch)));
     const StepBatch batch{d_batch, d_batch + 1, d_batch + 2, 1, rows};
     if (absl::Status s = dp.BeginStep(batch); !s.ok()) return fail(t, -1, s);
     for (int l = 0; l < meta.layers; ++l) {
@@ -261,7 +261,7 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
   if (absl::Status s = mem.Get(table.data(), a.sparsity, table.size() * sizeof(double)); !s.ok()) {
     return s;
   }
-  if (absl::Status s = mem.Get(&policy, a.policy, sizeof(policy)); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(mem.Get(&policy, a.policy, sizeof(policy)));
 
   ReplaySummary out;
   out.steps = meta.steps;
@@ -308,23 +308,20 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
 
 absl::StatusOr<ReplaySummary> Replay(const Trace& trace, const ReplayOptions& options) {
   const Geometry g = TraceGeometry(trace.meta(), trace.n_max(), options.dtype);
-  if (absl::Status s = ValidateGeometry(g); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(ValidateGeometry(g));
   const uint64_t bytes = ArenaBytes(g);
   if (options.backend == ReplayBackend::kCuda) {
 #if SPIN_HAVE_CUDA
     if (!CudaAvailable()) {
       return absl::FailedPreconditionError("--backend cuda: no CUDA device is available");
     }
-    absl::StatusOr<void*> dmem = DeviceAlloc(bytes);
-    if (!dmem.ok()) return dmem.status();
-    std::unique_ptr<void, void (*)(void*)> owner(*dmem, DeviceFree);
-    absl::StatusOr<ArenaView> dview =
-        InitDeviceArena(*dmem, bytes, g, options.seed, options.policy);
-    if (!dview.ok()) return dview.status();
-    absl::StatusOr<std::unique_ptr<DataPlane>> ddp = MakeCudaDataPlane(*dview);
-    if (!ddp.ok()) return ddp.status();
-    absl::StatusOr<ReplaySummary> out = ReplayOn(**ddp, trace, options);
-    ddp->reset();
+    SPIN_ASSIGN_OR_RETURN(void* dmem, DeviceAlloc(bytes));
+    std::unique_ptr<void, void (*)(void*)> owner(dmem, DeviceFree);
+    SPIN_ASSIGN_OR_RETURN(ArenaView dview,
+                          InitDeviceArena(dmem, bytes, g, options.seed, options.policy));
+    SPIN_ASSIGN_OR_RETURN(std::unique_ptr<DataPlane> ddp, MakeCudaDataPlane(dview));
+    absl::StatusOr<ReplaySummary> out = ReplayOn(*ddp, trace, options);
+    ddp.reset();
     return out;
 #else
     return absl::FailedPreconditionError(
@@ -336,9 +333,9 @@ absl::StatusOr<ReplaySummary> Replay(const Trace& trace, const ReplayOptions& op
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot allocate a ", bytes, "-byte arena for this trace"));
   }
-  absl::StatusOr<ArenaView> view = InitArena(mem.get(), bytes, g, options.seed, options.policy);
-  if (!view.ok()) return view.status();
-  std::unique_ptr<DataPlane> dp = MakeCpuDataPlane(*view);
+  SPIN_ASSIGN_OR_RETURN(ArenaView view,
+                        InitArena(mem.get(), bytes, g, options.seed, options.policy));
+  std::unique_ptr<DataPlane> dp = MakeCpuDataPlane(view);
   return ReplayOn(*dp, trace, options);
 }
 

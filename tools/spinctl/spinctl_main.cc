@@ -16,6 +16,7 @@
 #include "eval.h"
 #include "gen_trace.h"
 #include "replay.h"
+#include "spin/status_macros.h"
 #include "trace.h"
 
 namespace spin {
@@ -38,7 +39,7 @@ static_assert(kTraceMaxLayers == kMaxLayers && kTraceMaxRows == kMaxRows &&
 // accept a trace that replay would reject.
 absl::StatusOr<Trace> OpenTrace(const std::string& dir) {
   absl::StatusOr<Trace> t = LoadTrace(dir);
-  if (!t.ok()) return t;
+  SPIN_RETURN_IF_ERROR(t.status());
   if (absl::Status s = ValidateGeometry(TraceGeometry(t->meta(), t->n_max(), StateDtype::kFp32));
       !s.ok()) {
     return absl::InvalidArgumentError(

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "score_math.h"
+#include "spin/status_macros.h"
 
 namespace spin {
 namespace {
@@ -155,7 +156,7 @@ absl::Status ValidateGenTraceOptions(const GenTraceOptions& o) {
 }
 
 absl::Status GenerateTrace(const std::string& dir, const GenTraceOptions& o) {
-  if (absl::Status s = ValidateGenTraceOptions(o); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(ValidateGenTraceOptions(o));
   const ModelParams p;
   const int n = o.slots;
   const int L = o.layers;
@@ -241,8 +242,7 @@ absl::Status GenerateTrace(const std::string& dir, const GenTraceOptions& o) {
   meta.topk = o.topk;
   meta.steps = o.steps;
   meta.rows = o.rows;
-  absl::StatusOr<TraceWriter> writer = TraceWriter::Open(dir, meta, n);
-  if (!writer.ok()) return writer.status();
+  SPIN_ASSIGN_OR_RETURN(TraceWriter writer, TraceWriter::Open(dir, meta, n));
 
   // Texture common to all layers (the same tokens look alike to every layer, in part).
   std::vector<float> shared_texture(n);
@@ -309,11 +309,10 @@ absl::Status GenerateTrace(const std::string& dir, const GenTraceOptions& o) {
     if (o.rows > 1) {
       while (accepted < o.rows && rng.Uniform() < o.accept_rate) ++accepted;
     }
-    absl::Status s = writer->WriteStep(step_scores.data(), q0, ctx, o.rows > 1 ? accepted : -1);
-    if (!s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(writer.WriteStep(step_scores.data(), q0, ctx, o.rows > 1 ? accepted : -1));
     ctx += accepted;
   }
-  return writer->Close();
+  return writer.Close();
 }
 
 absl::StatusOr<TraceStats> ComputeTraceStats(const Trace& trace) {

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "spin/status_macros.h"
 
 namespace spin {
 namespace {
@@ -478,14 +479,13 @@ absl::Status ParseNpyF32(const std::string& path, const unsigned char* bytes, si
 }
 
 absl::StatusOr<NpyArray> ReadNpyF32(const std::string& path) {
-  absl::StatusOr<RegularFile> file =
-      OpenRegularFile(path, "check the path (a trace needs scores.npy)");
-  if (!file.ok()) return file.status();
-  const size_t len = static_cast<size_t>(file->size());
+  SPIN_ASSIGN_OR_RETURN(RegularFile file,
+                        OpenRegularFile(path, "check the path (a trace needs scores.npy)"));
+  const size_t len = static_cast<size_t>(file.size());
   if (len < kMagicLen + 2) return TooShort(path, len);  // and mmap cannot map 0 bytes
   // MAP_PRIVATE + PROT_READ: pages come from the page cache and nothing is ever copied. The
   // mapping keeps the file alive after `file` closes the descriptor.
-  void* map = ::mmap(nullptr, len, PROT_READ, MAP_PRIVATE, file->fd(), 0);
+  void* map = ::mmap(nullptr, len, PROT_READ, MAP_PRIVATE, file.fd(), 0);
   if (map == MAP_FAILED) {
     const int err = errno;
     return absl::ErrnoToStatus(err, absl::StrCat("cannot mmap ", path));
@@ -631,10 +631,9 @@ absl::Status NpyWriter::Close() {
 
 absl::Status WriteNpyF32(const std::string& path, const std::vector<int64_t>& shape,
                          const float* data) {
-  absl::StatusOr<NpyWriter> writer = NpyWriter::Open(path, shape);
-  if (!writer.ok()) return writer.status();
-  if (absl::Status s = writer->Write(data, writer->total()); !s.ok()) return s;
-  return writer->Close();
+  SPIN_ASSIGN_OR_RETURN(NpyWriter writer, NpyWriter::Open(path, shape));
+  SPIN_RETURN_IF_ERROR(writer.Write(data, writer.total()));
+  return writer.Close();
 }
 
 }  // namespace spin

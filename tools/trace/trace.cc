@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "spin/status_macros.h"
 
 namespace spin {
 namespace {
@@ -68,7 +69,7 @@ absl::Status GetIntKey(const json& root, const char* key, bool required, int* ou
     return absl::InvalidArgumentError(absl::StrCat("missing required key '", key, "'"));
   }
   int32_t value = 0;
-  if (absl::Status s = GetInt32(*it, absl::StrCat("'", key, "'"), &value); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(GetInt32(*it, absl::StrCat("'", key, "'"), &value));
   *out = value;
   return absl::OkStatus();
 }
@@ -208,18 +209,17 @@ absl::Status WriteFileAtomically(const std::string& path, const std::string& con
 // meta.json, whole: opened only as a regular file (a FIFO is refused at once rather than
 // waited on) and at most kTraceMaxMetaBytes.
 absl::StatusOr<std::string> ReadMetaJson(const std::string& path) {
-  absl::StatusOr<RegularFile> file =
-      OpenRegularFile(path, "a trace directory holds meta.json and scores.npy");
-  if (!file.ok()) return file.status();
-  if (file->size() > kTraceMaxMetaBytes) {
+  SPIN_ASSIGN_OR_RETURN(RegularFile file,
+                        OpenRegularFile(path, "a trace directory holds meta.json and scores.npy"));
+  if (file.size() > kTraceMaxMetaBytes) {
     return absl::InvalidArgumentError(absl::StrCat(
-        path, " is ", file->size(), " bytes; a trace's meta.json is at most ", kTraceMaxMetaBytes,
+        path, " is ", file.size(), " bytes; a trace's meta.json is at most ", kTraceMaxMetaBytes,
         " bytes (it holds a few numbers per step): check that it is the right file"));
   }
   std::string text;
   char buf[1 << 16];
   while (true) {
-    const ssize_t n = ::read(file->fd(), buf, sizeof buf);
+    const ssize_t n = ::read(file.fd(), buf, sizeof buf);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
       const int err = errno;
@@ -245,7 +245,7 @@ absl::Status FixHint(const absl::Status& s) {
 }  // namespace
 
 absl::Status ValidateTraceMeta(const TraceMeta& meta, int64_t n_max) {
-  if (absl::Status s = ValidateGeometry(meta, /*check_arrays=*/true); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(ValidateGeometry(meta, /*check_arrays=*/true));
   return ValidateSteps(meta, n_max);
 }
 
@@ -313,18 +313,16 @@ absl::StatusOr<Trace> LoadTrace(const std::string& dir) {
         dir, " is not a directory; a trace is a directory holding meta.json and scores.npy"));
   }
   const std::string meta_path = JoinPath(dir, "meta.json");
-  absl::StatusOr<std::string> text = ReadMetaJson(meta_path);
-  if (!text.ok()) return text.status();
-  absl::StatusOr<TraceMeta> meta = ParseTraceMeta(*text, meta_path);
+  SPIN_ASSIGN_OR_RETURN(std::string text, ReadMetaJson(meta_path));
+  absl::StatusOr<TraceMeta> meta = ParseTraceMeta(text, meta_path);
   if (!meta.ok()) return FixHint(meta.status());
   if (absl::Status s = ValidateGeometry(*meta, true); !s.ok()) {
     return FixHint(WithContext(s, meta_path));
   }
 
   const std::string scores_path = JoinPath(dir, "scores.npy");
-  absl::StatusOr<NpyArray> scores = ReadNpyF32(scores_path);
-  if (!scores.ok()) return scores.status();
-  const std::vector<int64_t>& shape = scores->shape();
+  SPIN_ASSIGN_OR_RETURN(NpyArray scores, ReadNpyF32(scores_path));
+  const std::vector<int64_t>& shape = scores.shape();
   if (shape.size() != 4 || shape[0] != meta->steps || shape[1] != meta->layers ||
       shape[2] != meta->rows) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -345,7 +343,7 @@ absl::StatusOr<Trace> LoadTrace(const std::string& dir) {
   Trace trace;
   trace.meta_ = *std::move(meta);
   trace.n_max_ = shape[3];
-  trace.scores_ = *std::move(scores);
+  trace.scores_ = std::move(scores);
   trace.dir_ = dir;
   return trace;
 }
@@ -369,14 +367,14 @@ absl::StatusOr<TraceWriter> TraceWriter::Open(const std::string& dir, const Trac
     return absl::InvalidArgumentError(
         absl::StrCat("cannot create trace directory ", dir, ": ", ec.message()));
   }
-  absl::StatusOr<NpyWriter> scores =
-      NpyWriter::Open(JoinPath(dir, "scores.npy"), {meta.steps, meta.layers, meta.rows, n_max});
-  if (!scores.ok()) return scores.status();
+  SPIN_ASSIGN_OR_RETURN(
+      NpyWriter scores,
+      NpyWriter::Open(JoinPath(dir, "scores.npy"), {meta.steps, meta.layers, meta.rows, n_max}));
   TraceWriter writer;
   writer.dir_ = dir;
   writer.meta_ = meta;
   writer.n_max_ = n_max;
-  writer.scores_ = *std::move(scores);
+  writer.scores_ = std::move(scores);
   return writer;
 }
 
@@ -397,7 +395,7 @@ absl::Status TraceWriter::WriteStep(const float* scores, int32_t q_pos, int32_t 
                      " differs from step 0 in giving 'accepted'; give it on every step or none"));
   }
   const int64_t count = int64_t{meta_.layers} * meta_.rows * n_max_;
-  if (absl::Status s = scores_.Write(scores, count); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(scores_.Write(scores, count));
   meta_.q_pos.push_back(q_pos);
   meta_.ctx_len.push_back(ctx_len);
   if (accepted >= 0) meta_.accepted.push_back(accepted);
@@ -421,7 +419,7 @@ absl::Status TraceWriter::Close() {
   if (::unlink(meta_path.c_str()) != 0 && errno != ENOENT) {
     return absl::ErrnoToStatus(errno, absl::StrCat("cannot replace ", meta_path));
   }
-  if (absl::Status s = scores.Close(); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(scores.Close());
   return WriteFileAtomically(meta_path, TraceMetaToJson(meta_));
 }
 
@@ -440,15 +438,13 @@ absl::Status WriteTrace(const std::string& dir, const TraceMeta& meta, int64_t n
         s.ok() ? absl::InvalidArgumentError("per-step arrays do not match steps") : s,
         absl::StrCat("trace ", dir));
   }
-  absl::StatusOr<TraceWriter> writer = TraceWriter::Open(dir, geometry, n_max);
-  if (!writer.ok()) return writer.status();
+  SPIN_ASSIGN_OR_RETURN(TraceWriter writer, TraceWriter::Open(dir, geometry, n_max));
   const int64_t step_floats = int64_t{meta.layers} * meta.rows * n_max;
   for (int t = 0; t < meta.steps; ++t) {
-    absl::Status s = writer->WriteStep(scores + t * step_floats, meta.q_pos[t], meta.ctx_len[t],
-                                       meta.accepted.empty() ? -1 : meta.accepted[t]);
-    if (!s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(writer.WriteStep(scores + t * step_floats, meta.q_pos[t], meta.ctx_len[t],
+                                          meta.accepted.empty() ? -1 : meta.accepted[t]));
   }
-  return writer->Close();
+  return writer.Close();
 }
 
 }  // namespace spin
