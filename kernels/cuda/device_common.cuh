@@ -1,0 +1,108 @@
+// What every kernel translation unit of the CUDA backend shares: the element access and key
+// helpers, the programmatic-dependent-launch entry and launch, and the rule of which rows Observe
+// applies. Device functions here are inline (or templates): there is no relocatable device code,
+// so each kernel translation unit compiles its own copy.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "dev.h"
+#include "spin/arena.h"
+#include "spin/numerics.h"
+
+namespace spin::cuda_kernels {
+
+__device__ __forceinline__ float LoadT(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float LoadT(const uint16_t* p, int64_t i) { return Bf16ToFloat(p[i]); }
+__device__ __forceinline__ void StoreT(float* p, int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void StoreT(uint16_t* p, int64_t i, float v) { p[i] = FloatToBf16(v); }
+
+// Orderable key of a float (larger float -> larger key); -0 and +0 map to one key because the
+// reference compares values, not bits.
+__device__ __forceinline__ uint32_t FloatKey(float f) {
+  uint32_t u = FloatBits(f == 0.0f ? 0.0f : f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ inline void RecordError(uint32_t* error, uint32_t code) { atomicCAS(error, 0u, code); }
+
+// Programmatic dependent launch (Hopper; Launch below). Every per-step kernel starts with
+// StepKernelEntry(): it lets the next kernel of the stream be launched now (its CTAs are placed
+// as this grid's CTAs make room, instead of after this grid has drained), then waits until the
+// previous kernel has completed and its writes are visible, before this grid's first memory
+// access. So the kernels' effects stay in stream order exactly as with ordinary launches; only
+// the launch and CTA placement of each kernel overlap the end of the one before.
+__device__ __forceinline__ void StepKernelEntry() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Blocks of a row of n >= 0 slots: CeilDiv in 32 bits (numerics.h's 64-bit division is a
+// long instruction sequence on the device), by shift for a power-of-two block.
+__device__ __forceinline__ int BlocksOf(const Dev& d, int n) {
+  return d.block_shift >= 0 ? (n + d.block - 1) >> d.block_shift : (n + d.block - 1) / d.block;
+}
+
+// kernel<<<grid, block, 0, stream>>>(args...) as a programmatic dependent launch: the kernel may
+// be launched while the previous kernel of the stream still runs, and waits for it in
+// StepKernelEntry before touching memory (so the order of effects is the stream's). Captured in
+// a CUDA graph as a programmatic edge.
+template <typename... Params, typename... Args>
+cudaError_t LaunchSmem(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                       cudaStream_t stream, Args... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  cfg.dynamicSmemBytes = smem;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+}
+template <typename... Params, typename... Args>
+cudaError_t Launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
+                   Args... args) {
+  return LaunchSmem(kernel, grid, block, 0, stream, args...);
+}
+
+// The one rule of which rows Observe applies (every Observe kernel asks it). Warp-wide: lane rr
+// holds row rr's compacted length of the entry (LaneRowLen: 0 past max_rows; rows <= kMaxRows
+// <= 32), and RowsFitWarp, called by every lane, is true when no row of the step is longer than
+// the logits stride (a longer row makes the whole entry unapplied; ProbeKernel records the error).
+__device__ __forceinline__ int LaneRowLen(const Dev& d, int e) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  return lane < d.max_rows ? d.compact_len[static_cast<int64_t>(e) * d.max_rows + lane] : 0;
+}
+__device__ __forceinline__ bool RowsFitWarp(int lane_len, int rows, int64_t stride) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  return __all_sync(0xFFFFFFFFu, lane >= rows || lane_len <= stride);
+}
+// The same for one thread: it reads every row's length, and row r's into `len_r`.
+__device__ __forceinline__ bool RowsFitStride(const Dev& d, int e, int rows, int64_t stride, int r,
+                                              int& len_r) {
+  const int32_t* lens = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
+  bool fit = true;
+  len_r = 0;
+  for (int rr = 0; rr < d.max_rows; ++rr) {  // rows <= max_rows
+    const int l = lens[rr];
+    fit = fit && (rr >= rows || l <= stride);
+    if (rr == r) len_r = l;
+  }
+  return fit;
+}
+// Row r of entry e is applied: the entry is in the batch and not padding, its accepted count
+// (`acc`, rows without an accepted array) is in [0, rows] and above r, and its rows fit the stride.
+__device__ __forceinline__ bool RowApplied(int e, int batch_n, int seq, int r, int rows, int acc,
+                                           bool rows_fit) {
+  return e < batch_n && seq >= 0 && r < rows && acc >= 0 && acc <= rows && r < acc && rows_fit;
+}
+
+}  // namespace spin::cuda_kernels
