@@ -14,10 +14,9 @@
 
 namespace spin::cuda_kernels {
 
-// Threads of a Select CTA. 512 threads with up to 8 keys each, so two CTAs
-// share an SM (64 registers): the select-ahead grid has a CTA per (layer, entry, row), and on the
-// H200 512 measured faster than 1024 with 4 keys at every point (64 x 128K x 50% bf16: SPIN 33.9
-// -> 31.9 us; 128 x 32K: 24.5 -> 20.9).
+// Threads of a Select CTA: 512 threads with up to 8 keys each, so two CTAs share an SM (64
+// registers); the select-ahead grid has a CTA per (layer, entry, row). Measured faster than 1024
+// threads with 4 keys (docs/lab/cuda-kernel-tuning.md).
 inline constexpr int kSelectThreads = 512;
 // Select keeps a row's keys in registers up to this many per thread (4096 blocks: 256K
 // slots at b = 64), and in the private scratch beyond.

@@ -19,10 +19,8 @@ namespace {
 
 constexpr int kEmaThreads = 256;
 constexpr int kEmaSlots = 8;  // compacted slots per thread per round (EmaKernel)
-// 64-slot segments per warp per round (EmaWordKernel). Measured on the H200 (batch 64 x 128K,
-// bf16, 50%): 4 -> 78 registers, 3 CTAs/SM, EMA 43 us; 2 -> 48 registers, 34 us; 1 -> 39
-// registers, the whole SPIN step 71 us against 74 with 2: more resident warps beat more
-// segments in flight per warp.
+// 64-slot segments per warp per round (EmaWordKernel). One: fewer registers and more resident
+// warps measured faster than more segments in flight per warp (docs/lab/cuda-kernel-tuning.md).
 constexpr int kEmaSegs = 1;
 
 // What every EMA kernel reads first for row r of entry blockIdx.y. Every warp reads the entry

@@ -29,9 +29,9 @@ namespace {
 constexpr int kWarps = 8;
 
 // Hopper has no fp8 mma.sync: PTX's e4m3 m16n8k32 compiles to an f16 HMMA plus a conversion of
-// both operands on every call (measured: 576 F2FP per 128 HMMA, ALU-bound at a third of the
-// read floor). So q is converted to f16 once per CTA and each key byte once per tile, and the
-// product runs as f16 m16n8k16 (fp8 -> f16 is exact; accumulation stays fp32).
+// both operands on every call (measured ALU-bound on the conversions, well below the read floor;
+// docs/lab/cuda-kernel-tuning.md). So q is converted to f16 once per CTA and each key byte once
+// per tile, and the product runs as f16 m16n8k16 (fp8 -> f16 is exact; accumulation stays fp32).
 __device__ __forceinline__ void MmaF16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                        uint32_t b1) {
   asm volatile(

@@ -31,9 +31,8 @@ constexpr uint8_t kLevelNow = 0x80;  // the block is kept at the step's own budg
 constexpr int kProbeSampleBits = 11;
 constexpr int kProbeSample = 1 << kProbeSampleBits;
 constexpr int kProbeLoads = 16;
-// At most this many CTAs share one probing entry's row (ProbeKernel): on the H200 66 CTAs per
-// entry (batch 16, two probing) were slower than 8 (33.6 against 29.3 us per layer), as were
-// 132 against 16 at batch 1 (28.0 against 23.2).
+// At most this many CTAs share one probing entry's row (ProbeKernel): more CTAs per entry
+// measured slower, at batch 16 and at batch 1 (docs/lab/cuda-kernel-tuning.md).
 constexpr int kMaxProbeShares = 16;
 // ProbeRankKernel<NT> ranks up to NT * kProbeItems blocks by one sort; ProbeRankThreads takes the
 // smallest of 256, 512 and 1024 threads that holds the arena's blocks (a CTA per (layer, entry)
@@ -342,9 +341,9 @@ __device__ void ProbeTask(Dev d, int layer, const float* logits, int64_t stride,
 // the lower slot by the key itself). When the candidates number fewer than K or more than
 // kProbeCap, it gathers again alone with every finite logit a candidate if those fit, and
 // otherwise CtaTopT takes the top-K from global memory. (The top-K as one CtaTopT over the row
-// in one CTA took about 390 us per layer on the H200 at 64 x 128K with every sequence probing:
-// one load in flight per thread per pass, and the first pass's histogram contended on the few
-// bins the logits' top bits fall in.)
+// in one CTA was many times slower: one load in flight per thread per pass, and the first pass's
+// histogram contended on the few bins the logits' top bits fall in;
+// docs/lab/cuda-kernel-tuning.md.)
 __global__ void __launch_bounds__(kProbeThreads)
     ProbeKernel(Dev d, int layer, const float* logits, int64_t stride, const int32_t* accepted) {
   StepKernelEntry();

@@ -20,11 +20,8 @@ constexpr int kScoreThreads = 256;
 constexpr int kBlocksPerScoreCta = 32;  // 8 warps x 4 blocks (ScoresKernel)
 // Scores64Kernel: 256 blocks per CTA, each lane of a block loading two 16-byte chunks of its D
 // window (4 lanes per block for bf16, 8 for fp32), so a lane group takes 4 (bf16) or 8 (fp32)
-// blocks in turn. ncu on the H200 (64 x 128K x 50% bf16, the step's 61 layers in one grid) had
-// shown the earlier shape (8 lanes, one block per lane group) issue-bound on the per-CTA
-// prologue: 490 us, 87% SM throughput, 46% DRAM. Same-run A/B of SPIN at 64 x 128K x 50% (us):
-// bf16 30.7 -> 28.3 (8 lanes, 8 rounds) and 26.4 (4 lanes, 4 rounds); fp32 39.7 -> 39.5 (8
-// lanes, 8 rounds) and 40.8 (4 lanes); 128 x 256K bf16 109 -> 104 and 93.4.
+// blocks in turn and the per-CTA prologue is paid once for all of them: with one block per lane
+// group the whole-step grid was issue-bound on that prologue (docs/lab/cuda-kernel-tuning.md).
 constexpr int kBlocksPerScore64Cta = 256;
 template <typename T>
 constexpr int Score64Lanes() {
@@ -128,9 +125,9 @@ __device__ __forceinline__ float WindowMax(const T* dst, int wlo, int sub) {
 // of a maximum does not matter, so the window is read as the aligned 16-byte chunks covering it
 // (when max_slots % 8 == 0, so they lie inside D; WindowMax), and V is not read at all. The
 // window is loaded together with the summary, before knowing whether the summary is set (then
-// it is not used). Other blocks are scored slot by slot as in ScoresKernel. (ncu on the H200
-// showed the slot-by-slot kernel issue-bound, 58% SM throughput and 21% DRAM at batch 64 x 128K:
-// about 38 instructions per slot for the 64-bit addressing, conversions and NaN rules.)
+// it is not used). Other blocks are scored slot by slot as in ScoresKernel. (Slot by slot the
+// kernel is issue-bound: dozens of instructions per slot for the 64-bit addressing, conversions
+// and NaN rules; docs/lab/cuda-kernel-tuning.md.)
 template <typename T>
 __global__ void __launch_bounds__(kScoreThreads) Scores64Kernel(Dev d, int l0, int n_grid) {
   constexpr int kScore64Lanes = Score64Lanes<T>();
