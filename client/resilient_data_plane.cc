@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "spin/status_macros.h"
 #include "log.h"
 
 #if SPIN_HAVE_CUDA
@@ -13,7 +14,6 @@
 
 #include "spin/cuda_data_plane.h"
 #include "spin/shared_device_memory.h"
-#include "spin/status_macros.h"
 #endif
 
 namespace spin::client {

@@ -15,10 +15,10 @@
 #include "convert.h"
 #include "grpc_status.h"
 #include "grpcpp/grpcpp.h"
+#include "spin/status_macros.h"
 #if SPIN_HAVE_CUDA
 #include "spin/cuda_data_plane.h"
 #include "spin/shared_device_memory.h"
-#include "spin/status_macros.h"
 #endif
 
 namespace spin::client {
@@ -230,6 +230,80 @@ absl::Status Session::KeepAlive() {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   return FromGrpc(stub_->KeepAlive(&ctx, req, &resp), "KeepAlive");
+}
+
+namespace {
+// Control calls give up after this long (the daemon answers them from memory).
+constexpr std::chrono::seconds kCallDeadline{10};
+}  // namespace
+
+absl::StatusOr<Policy> Session::GetPolicy() {
+  pb::GetPolicyRequest req;
+  req.mutable_session()->set_session_id(id_);
+  req.mutable_session()->set_token(token_);
+  pb::GetPolicyResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + kCallDeadline);
+  SPIN_RETURN_IF_ERROR(FromGrpc(stub_->GetPolicy(&ctx, req, &resp), "GetPolicy"));
+  return FromProto(resp.policy());
+}
+
+absl::StatusOr<Policy> Session::SetPolicy(const PolicyChange& change) {
+  pb::SetPolicyRequest req;
+  req.mutable_session()->set_session_id(id_);
+  req.mutable_session()->set_token(token_);
+  if (change.target_sparsity) req.set_target_sparsity(*change.target_sparsity);
+  if (change.exploration) req.set_exploration(*change.exploration);
+  if (change.alpha) req.set_alpha(*change.alpha);
+  if (change.probe_period) req.set_probe_period(*change.probe_period);
+  if (change.budget_mode) {
+    req.set_budget_mode(*change.budget_mode == BudgetMode::kPerLayer ? pb::BUDGET_MODE_PER_LAYER
+                                                                     : pb::BUDGET_MODE_UNIFORM);
+  }
+  pb::SetPolicyResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + kCallDeadline);
+  if (!admin_token_.empty()) ctx.AddMetadata("authorization", "Bearer " + admin_token_);
+  SPIN_RETURN_IF_ERROR(FromGrpc(stub_->SetPolicy(&ctx, req, &resp), "SetPolicy"));
+  return FromProto(resp.policy());
+}
+
+absl::StatusOr<Budgets> Session::GetBudgets() {
+  pb::GetBudgetsRequest req;
+  req.mutable_session()->set_session_id(id_);
+  req.mutable_session()->set_token(token_);
+  pb::GetBudgetsResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + kCallDeadline);
+  SPIN_RETURN_IF_ERROR(FromGrpc(stub_->GetBudgets(&ctx, req, &resp), "GetBudgets"));
+  Budgets b;
+  b.layer_sparsity.assign(resp.layer_sparsity().begin(), resp.layer_sparsity().end());
+  b.epoch = resp.epoch();
+  SPIN_ASSIGN_OR_RETURN(b.mode, ModeFromProto(resp.budget_mode(), BudgetMode::kUniform));
+  b.recomputes = resp.recomputes();
+  b.reason = resp.reason();
+  return b;
+}
+
+absl::StatusOr<std::vector<LayerStats>> Session::GetStats() {
+  pb::GetStatsRequest req;
+  req.mutable_session()->set_session_id(id_);
+  req.mutable_session()->set_token(token_);
+  pb::GetStatsResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + kCallDeadline);
+  SPIN_RETURN_IF_ERROR(FromGrpc(stub_->GetStats(&ctx, req, &resp), "GetStats"));
+  std::vector<LayerStats> out(
+      view_.geometry.layers > 0 ? view_.geometry.layers : static_cast<uint32_t>(resp.layers_size()),
+      LayerStats{});
+  for (const pb::LayerStats& l : resp.layers()) {
+    if (l.layer() >= out.size()) {
+      return absl::DataLossError(absl::StrCat("spind sent statistics for layer ", l.layer(),
+                                              " of a session with ", out.size(), " layers"));
+    }
+    out[l.layer()] = FromProto(l);
+  }
+  return out;
 }
 
 absl::Status Session::Detach() {

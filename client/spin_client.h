@@ -4,7 +4,9 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "spin/arena.h"
@@ -33,6 +35,25 @@ struct AttachOptions {
   /// Refuse a daemon whose arenas live elsewhere (checked right after Attach, before any fd
   /// is fetched or memory imported): 0 = either, 1 = host memory only, 2 = GPU only.
   int require_backend = 0;
+};
+
+/// A policy change (Session::SetPolicy): the fields that are set change, the rest stay. Takes
+/// effect at the next step of every sequence; out-of-range values change nothing.
+struct PolicyChange {
+  std::optional<double> target_sparsity;
+  std::optional<double> exploration;
+  std::optional<float> alpha;
+  std::optional<uint32_t> probe_period;
+  std::optional<BudgetMode> budget_mode;
+};
+
+/// The session's per-layer budget table as spind keeps it.
+struct Budgets {
+  std::vector<double> layer_sparsity;  ///< per layer, the sparsity the kernels use
+  uint64_t epoch = 0;                  ///< bumped by every policy or budget change
+  BudgetMode mode = BudgetMode::kUniform;
+  uint64_t recomputes = 0;  ///< per-layer mode: tables written so far
+  std::string reason;       ///< why the last one was written (docs/budgets.md)
 };
 
 /// The fd-socket handshake (docs/spind.md): connects to `path`, asks for session `id`'s arena
@@ -68,6 +89,14 @@ class Session {
   /// Renews the session's lease (remote mode: a session no call names for the daemon's grace
   /// period is freed; local mode holds it through the fd connection).
   absl::Status KeepAlive();
+  /// The policy in force.
+  absl::StatusOr<Policy> GetPolicy();
+  /// Changes the policy (see PolicyChange) and returns the one now in force.
+  absl::StatusOr<Policy> SetPolicy(const PolicyChange& change);
+  /// The per-layer budget table.
+  absl::StatusOr<Budgets> GetBudgets();
+  /// Per-layer statistics since attach, indexed by layer.
+  absl::StatusOr<std::vector<LayerStats>> GetStats();
   /// False once spind closed the session's fd connection (it exited or freed the session).
   bool alive() const;
   /// True when the arena is in GPU memory (spind runs the CUDA backend).

@@ -1,6 +1,7 @@
 #include "convert.h"
 
 #include "absl/strings/str_cat.h"
+#include "spin/status_macros.h"
 
 namespace spin {
 namespace pb = spin::v1;
@@ -71,6 +72,16 @@ pb::Policy ToProto(const Policy& p) {
   o.set_budget_mode(p.budget_mode == BudgetMode::kPerLayer ? pb::BUDGET_MODE_PER_LAYER
                                                            : pb::BUDGET_MODE_UNIFORM);
   return o;
+}
+
+absl::StatusOr<Policy> FromProto(const pb::Policy& m) {
+  Policy p;  // defaults for what the message leaves unset
+  p.target_sparsity = m.target_sparsity();
+  p.exploration = m.exploration();
+  if (m.has_alpha()) p.alpha = m.alpha();
+  p.probe_period = m.probe_period();
+  SPIN_ASSIGN_OR_RETURN(p.budget_mode, ModeFromProto(m.budget_mode(), p.budget_mode));
+  return p;
 }
 
 pb::LayerStats ToProto(uint32_t layer, const LayerStats& st, double sparsity_budget) {

@@ -16,6 +16,9 @@ spin::v1::Geometry ToProto(const Geometry& g);
 absl::StatusOr<BudgetMode> ModeFromProto(spin::v1::BudgetMode m, BudgetMode keep);
 /// The message of a policy.
 spin::v1::Policy ToProto(const Policy& p);
+/// A policy from its message: an unset alpha is the default, an unspecified budget mode is
+/// uniform. Not range-checked (ValidatePolicy does that); fails only on an unknown budget mode.
+absl::StatusOr<Policy> FromProto(const spin::v1::Policy& p);
 /// The message of one layer's statistics (counters and the ratios derived from them).
 spin::v1::LayerStats ToProto(uint32_t layer, const LayerStats& st, double sparsity_budget);
 /// The counters of a LayerStats message (the inverse of ToProto, ratios dropped).

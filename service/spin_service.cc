@@ -345,15 +345,11 @@ grpc::ServerUnaryReactor* SpinService::Attach(grpc::CallbackServerContext* ctx,
                       ") at offset ", i, ": use printable text")));
     }
   }
-  Policy p;  // defaults for what the request leaves unset
+  Policy p;  // defaults when the request has no policy
   if (req->has_policy()) {
-    p.target_sparsity = req->policy().target_sparsity();
-    p.exploration = req->policy().exploration();
-    if (req->policy().has_alpha()) p.alpha = req->policy().alpha();
-    p.probe_period = req->policy().probe_period();
-    absl::StatusOr<BudgetMode> m = ModeFromProto(req->policy().budget_mode(), p.budget_mode);
-    if (!m.ok()) return Done(ctx, "Attach", t0, m.status());
-    p.budget_mode = *m;
+    absl::StatusOr<Policy> from = FromProto(req->policy());
+    if (!from.ok()) return Done(ctx, "Attach", t0, from.status());
+    p = *from;
   }
   if (absl::Status v = ValidatePolicy(p); !v.ok()) return Done(ctx, "Attach", t0, v);
   // The arena is allocated and initialised on a worker: a large one takes a while, and the

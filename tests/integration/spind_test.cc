@@ -733,6 +733,82 @@ TEST(Spind, LiveSetPolicyTakesEffectAtTheNextStep) {
   EXPECT_EQ(SessionCount(d), 1) << "no re-attach";
 }
 
+// The engine library's own control calls (Session::GetPolicy/SetPolicy/GetBudgets/GetStats):
+// typed values both ways, a refused change changes nothing, statistics count the steps run.
+TEST(Spind, SessionControlCallsRoundTrip) {
+  Daemon d;
+  ASSERT_TRUE(d.ready());
+  client::AttachOptions o;
+  o.geometry.layers = 3;
+  o.geometry.max_seqs = 2;
+  o.geometry.max_slots = 64 * 32;
+  o.geometry.topk = 64;
+  o.policy.target_sparsity = 0.4;
+  o.policy.exploration = 0.0;
+  o.policy.alpha = 0.25f;
+  auto s = client::Session::Attach("unix://" + d.socket(), o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  absl::StatusOr<Policy> p = (*s)->GetPolicy();
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->target_sparsity, 0.4);
+  EXPECT_EQ(p->alpha, 0.25f);
+  EXPECT_EQ(p->budget_mode, BudgetMode::kUniform);
+
+  client::PolicyChange change;
+  change.target_sparsity = 0.7;
+  change.alpha = 0.0f;  // zero is a value, not "unset"
+  change.probe_period = 4;
+  absl::StatusOr<Policy> now = (*s)->SetPolicy(change);
+  ASSERT_TRUE(now.ok()) << now.status();
+  EXPECT_EQ(now->target_sparsity, 0.7);
+  EXPECT_EQ(now->alpha, 0.0f);
+  EXPECT_EQ(now->probe_period, 4u);
+  EXPECT_EQ(now->exploration, 0.0) << "unset fields stay";
+
+  client::PolicyChange bad;
+  bad.exploration = 1.5;
+  absl::StatusOr<Policy> refused = (*s)->SetPolicy(bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  p = (*s)->GetPolicy();
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->exploration, 0.0) << "a refused change changes nothing";
+  EXPECT_EQ(p->target_sparsity, 0.7);
+
+  absl::StatusOr<client::Budgets> b = (*s)->GetBudgets();
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_EQ(b->layer_sparsity.size(), 3u);
+  for (double x : b->layer_sparsity) EXPECT_EQ(x, 0.7);
+  EXPECT_EQ(b->mode, BudgetMode::kUniform);
+  EXPECT_GT(b->epoch, 0u);
+
+  DataPlane& dp = (*s)->data_plane();
+  ASSERT_TRUE(dp.ResetSequence(0, 1).ok());
+  const int32_t ctx = 64 * 32;
+  std::vector<float> logits(ctx, 1.0f);
+  std::vector<uint64_t> observed(3, 0);  // slots each layer scored: its kept blocks x 64
+  for (int t = 0; t < 2; ++t) {
+    const int32_t seq = 0, c = ctx, q = ctx - 1;
+    ASSERT_TRUE(dp.BeginStep(StepBatch{&seq, &c, &q, 1, 1}).ok());
+    for (int l = 0; l < 3; ++l) {
+      ASSERT_TRUE(dp.Select(l).ok());
+      observed[l] += uint64_t{64} * dp.arena().union_count[0];
+      ASSERT_TRUE(dp.Observe(l, logits.data(), ctx).ok());
+    }
+  }
+  absl::StatusOr<std::vector<LayerStats>> st = (*s)->GetStats();
+  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_EQ(st->size(), 3u);
+  for (size_t l = 0; l < st->size(); ++l) {
+    EXPECT_EQ((*st)[l].steps, 2u);
+    EXPECT_EQ((*st)[l].dense_steps, 1u) << "the fresh sequence's first step";
+    EXPECT_EQ((*st)[l].observed, observed[l]);
+    EXPECT_LT(observed[l], 2u * ctx) << "the second step was sparse";
+  }
+
+  ASSERT_TRUE((*s)->Detach().ok());
+  EXPECT_EQ((*s)->GetPolicy().status().code(), absl::StatusCode::kNotFound);
+}
+
 // Per-layer budgets live (issue 5): the probe thread reads the miss curves the engine's probe
 // steps accumulate in the shared arena, recomputes the table, writes it with a new epoch and
 // publishes it on WatchBudgets; a SetPolicy target change re-sizes it at once; switching to

@@ -1,4 +1,4 @@
-// The quality study (`spinctl eval`, docs/budgets.md): on generated traces, the paper's
+// The quality study (`spinctl eval`, docs/lab/quality-study.md): on generated traces, the paper's
 // prediction signals (random, prev-layer, prev-iter, prev-iter offset 1) against SPIN without
 // and with exploration, and uniform against per-layer budgets at equal effective sparsity.
 //
