@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "spin/numerics.h"
+#include "spin/status_macros.h"
 
 namespace spin {
 namespace {
@@ -91,7 +92,7 @@ absl::Status ValidateGeometry(const Geometry& g) {
        {check("layers", g.layers, 1, kMaxLayers), check("max_seqs", g.max_seqs, 1, kMaxSequences),
         check("max_slots", g.max_slots, 1, kMaxSlots), check("block_size", g.block_size, 1, 4096),
         check("topk", g.topk, 1, kMaxSlots), check("max_rows", g.max_rows, 1, kMaxRows)}) {
-    if (!s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(s);
   }
   if (g.dtype != StateDtype::kFp32 && g.dtype != StateDtype::kBf16) {
     return absl::InvalidArgumentError(
@@ -169,8 +170,8 @@ void FillHeader(ArenaHeader* h, const Geometry& g, uint64_t seed) {
 
 absl::StatusOr<ArenaView> InitArena(void* base, uint64_t bytes, const Geometry& g, uint64_t seed,
                                     const Policy& policy) {
-  if (absl::Status s = ValidateGeometry(g); !s.ok()) return s;
-  if (absl::Status s = ValidatePolicy(policy); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(ValidateGeometry(g));
+  SPIN_RETURN_IF_ERROR(ValidatePolicy(policy));
   if (base == nullptr || reinterpret_cast<uintptr_t>(base) % kArenaAlign != 0) {
     return absl::InvalidArgumentError("arena base must be non-null and 256-byte aligned");
   }
@@ -195,7 +196,7 @@ absl::StatusOr<ArenaView> InitArena(void* base, uint64_t bytes, const Geometry& 
   std::fill_n(v.vsum, static_cast<uint64_t>(g.max_seqs) * g.layers * v.max_blocks, NAN);
   std::memset(v.fresh, 1, static_cast<size_t>(g.max_seqs) * g.layers);
   v.batch->selected_layer = -1;
-  if (absl::Status s = WritePolicy(v, policy); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(WritePolicy(v, policy));
   // The budget table starts uniform at the target in every mode (as InitDeviceArena does): a
   // per-layer session selects at its target until the probe thread's first table.
   for (uint32_t l = 0; l < g.layers; ++l) v.sparsity[l] = policy.target_sparsity;
@@ -204,7 +205,7 @@ absl::StatusOr<ArenaView> InitArena(void* base, uint64_t bytes, const Geometry& 
 }
 
 absl::StatusOr<ArenaHeader> MakeArenaHeader(const Geometry& g, uint64_t seed) {
-  if (absl::Status s = ValidateGeometry(g); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(ValidateGeometry(g));
   ArenaHeader h;
   FillHeader(&h, g, seed);
   return h;
@@ -260,7 +261,7 @@ absl::StatusOr<ArenaView> ViewArenaWithHeader(void* base, uint64_t bytes,
 }
 
 absl::Status WritePolicy(const ArenaView& a, const Policy& p) {
-  if (absl::Status s = ValidatePolicy(p); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(ValidatePolicy(p));
   FillArenaPolicy(p, a.policy);
   if (p.budget_mode == BudgetMode::kUniform) {
     for (uint32_t l = 0; l < a.geometry.layers; ++l) a.sparsity[l] = p.target_sparsity;

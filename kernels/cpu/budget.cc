@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "spin/numerics.h"
+#include "spin/status_macros.h"
 
 namespace spin {
 namespace {
@@ -299,15 +300,14 @@ absl::StatusOr<std::optional<BudgetUpdate>> BudgetController::Update(const Probe
   in.topk = topk_;
   in.block_size = block_size_;
   in.target_sparsity = target;
-  absl::StatusOr<Allocation> a = AllocateBudgets(in);
-  if (!a.ok()) return a.status();
+  SPIN_ASSIGN_OR_RETURN(Allocation a, AllocateBudgets(in));
   used_ = smoothed_;
   used_blocks_ = num_blocks_;
   used_target_ = target;
   recomputes_ += 1;
   BudgetUpdate u;
-  u.sparsity = a->sparsity;
-  u.allocation = *std::move(a);
+  u.sparsity = a.sparsity;
+  u.allocation = std::move(a);
   u.num_blocks = num_blocks_;
   u.reason = std::move(reason);
   return std::optional<BudgetUpdate>(std::move(u));
@@ -328,7 +328,7 @@ absl::Status ValidateBudgetTable(const Geometry& g, std::span<const double> spar
 }
 
 absl::Status WriteBudgetTable(const ArenaView& a, std::span<const double> sparsity) {
-  if (absl::Status s = ValidateBudgetTable(a.geometry, sparsity); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(ValidateBudgetTable(a.geometry, sparsity));
   std::copy(sparsity.begin(), sparsity.end(), a.sparsity);
   a.policy->epoch += 1;
   return absl::OkStatus();

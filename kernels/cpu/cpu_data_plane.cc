@@ -10,6 +10,7 @@
 #include "spin/arena.h"
 #include "spin/data_plane.h"
 #include "spin/numerics.h"
+#include "spin/status_macros.h"
 
 namespace spin {
 namespace {
@@ -109,7 +110,7 @@ class CpuDataPlane final : public DataPlane {
   }
 
   absl::Status BeginStep(const StepBatch& batch, cudaStream_t) override {
-    if (absl::Status s = ValidateStepBatch(a_, batch); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(ValidateStepBatch(a_, batch));
     const uint32_t period = a_.policy->probe_period;
     // The step's budgets and exploration share, read once as the CUDA backend's selections
     // (all made when the step begins) read them: a policy or budget written during a step
@@ -134,7 +135,7 @@ class CpuDataPlane final : public DataPlane {
 
   absl::Status Select(int32_t layer, const int32_t* block_table, int64_t table_stride,
                       cudaStream_t) override {
-    if (absl::Status s = CheckLayer(layer); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(CheckLayer(layer));
     if (block_table && table_stride < a_.max_blocks) {
       return absl::InvalidArgumentError(absl::StrCat("block table stride ", table_stride,
                                                      " is below the session's max blocks ",
@@ -173,15 +174,13 @@ class CpuDataPlane final : public DataPlane {
 
   absl::Status Observe(int32_t layer, const float* logits, int64_t logits_stride,
                        const int32_t* accepted, cudaStream_t) override {
-    if (absl::Status s = CheckLayer(layer); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(CheckLayer(layer));
     if (a_.batch->selected_layer != layer) {
       return absl::FailedPreconditionError(
           absl::StrCat("Observe of layer ", layer,
                        " without its Select in this step (last: ", a_.batch->selected_layer, ")"));
     }
-    if (absl::Status s = ValidateObserveInputs(a_, logits, logits_stride, accepted); !s.ok()) {
-      return s;
-    }
+    SPIN_RETURN_IF_ERROR(ValidateObserveInputs(a_, logits, logits_stride, accepted));
     if (a_.geometry.dtype == StateDtype::kFp32) {
       ObserveAll<float>(layer, logits, logits_stride, accepted);
     } else {

@@ -31,6 +31,7 @@
 #include "spin/cuda_data_plane.h"
 #include "spin/data_plane.h"
 #include "spin/numerics.h"
+#include "spin/status_macros.h"
 
 namespace spin {
 namespace {
@@ -91,9 +92,7 @@ class CudaDataPlane final : public DataPlane {
     void* p = nullptr;
     auto alloc = [&](size_t bytes, void** out) -> absl::Status {
       if (bytes == 0) bytes = 256;
-      if (absl::Status s = CudaStatus(cudaMalloc(out, bytes), "cudaMalloc scratch"); !s.ok()) {
-        return s;
-      }
+      SPIN_RETURN_IF_ERROR(CudaStatus(cudaMalloc(out, bytes), "cudaMalloc scratch"));
       owned_.push_back(*out);
       return absl::OkStatus();
     };
@@ -111,74 +110,60 @@ class CudaDataPlane final : public DataPlane {
     group_ =
         static_cast<int32_t>(std::clamp<int64_t>(std::min<int64_t>(by_memory, 65535 / S), 1, L));
     const int64_t G = group_;
-    if (auto s = alloc(L * S * MB * sizeof(float), &p); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(alloc(L * S * MB * sizeof(float), &p));
     d_.row0 = static_cast<float*>(p);
-    if (auto s = alloc(G * S * (R - 1) * MB * sizeof(float), &p); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(alloc(G * S * (R - 1) * MB * sizeof(float), &p));
     d_.scores_rest = static_cast<float*>(p);
-    if (auto s = alloc(scratch_keys ? G * S * R * MB : 0, &p); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(alloc(scratch_keys ? G * S * R * MB : 0, &p));
     d_.sel = static_cast<uint8_t*>(p);
-    if (auto s = alloc(scratch_keys ? G * S * R * MB * sizeof(unsigned long long) : 0, &p);
-        !s.ok()) {
-      return s;
-    }
+    SPIN_RETURN_IF_ERROR(alloc(scratch_keys ? G * S * R * MB * sizeof(unsigned long long) : 0, &p));
     d_.keys = static_cast<unsigned long long*>(p);
-    if (auto s = alloc(G * S * MB, &p); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(alloc(G * S * MB, &p));
     d_.gmask = static_cast<uint8_t*>(p);
-    if (auto s = alloc(L * S * MB * sizeof(int32_t), &p); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(alloc(L * S * MB * sizeof(int32_t), &p));
     d_.ahead_ids = static_cast<int32_t*>(p);
-    if (auto s = alloc(L * S * sizeof(int2), &p); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(alloc(L * S * sizeof(int2), &p));
     d_.ahead_info = static_cast<int2*>(p);
-    if (auto s = alloc(L * S * R * sizeof(int32_t), &p); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(alloc(L * S * R * sizeof(int32_t), &p));
     d_.ahead_len = static_cast<int32_t*>(p);
-    if (auto s = alloc(L * S * sizeof(int32_t), &p); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(alloc(L * S * sizeof(int32_t), &p));
     d_.probe_list = static_cast<int32_t*>(p);
-    if (auto s = alloc(L * sizeof(int32_t), &p); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(alloc(L * sizeof(int32_t), &p));
     d_.probe_count = static_cast<int32_t*>(p);
-    if (auto s = CudaStatus(cudaMemset(p, 0, L * sizeof(int32_t)), "clear probe lists"); !s.ok()) {
-      return s;
-    }
-    if (auto s = alloc(L * S * MB, &p); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(CudaStatus(cudaMemset(p, 0, L * sizeof(int32_t)), "clear probe lists"));
+    SPIN_RETURN_IF_ERROR(alloc(L * S * MB, &p));
     d_.probe_lvl = static_cast<uint8_t*>(p);
-    if (auto s = alloc(S * ck::kProbeCap * sizeof(unsigned long long), &p); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(alloc(S * ck::kProbeCap * sizeof(unsigned long long), &p));
     d_.probe_cand = static_cast<unsigned long long*>(p);
-    if (auto s = alloc(S * 2 * sizeof(int32_t), &p); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(alloc(S * 2 * sizeof(int32_t), &p));
     d_.probe_cnt = static_cast<int32_t*>(p);
-    if (auto s = CudaStatus(cudaMemset(p, 0, S * 2 * sizeof(int32_t)), "clear probe counts");
-        !s.ok()) {
-      return s;
-    }
-    if (auto s = alloc(S * sizeof(unsigned), &p); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(
+        CudaStatus(cudaMemset(p, 0, S * 2 * sizeof(int32_t)), "clear probe counts"));
+    SPIN_RETURN_IF_ERROR(alloc(S * sizeof(unsigned), &p));
     d_.probe_arrive = static_cast<unsigned*>(p);
-    if (auto s = CudaStatus(cudaMemset(p, 0, S * sizeof(unsigned)), "clear probe arrivals");
-        !s.ok()) {
-      return s;
-    }
-    if (auto s = alloc(S * sizeof(uint64_t), &p); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(
+        CudaStatus(cudaMemset(p, 0, S * sizeof(unsigned)), "clear probe arrivals"));
+    SPIN_RETURN_IF_ERROR(alloc(S * sizeof(uint64_t), &p));
     d_.xkeys = static_cast<uint64_t*>(p);
-    if (auto s = alloc((L + 1) * sizeof(double), &p); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(alloc((L + 1) * sizeof(double), &p));
     d_.step_rho = static_cast<double*>(p);
-    if (auto s = alloc(G * S * sizeof(unsigned), &p); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(alloc(G * S * sizeof(unsigned), &p));
     d_.arrive = static_cast<unsigned*>(p);
-    if (auto s = CudaStatus(cudaMemset(p, 0, G * S * sizeof(unsigned)), "clear arrival counters");
-        !s.ok()) {
-      return s;
-    }
+    SPIN_RETURN_IF_ERROR(
+        CudaStatus(cudaMemset(p, 0, G * S * sizeof(unsigned)), "clear arrival counters"));
     // ProbeRankKernel: the CTA size that holds the arena's blocks, and its shared memory.
     rank_threads_ = ck::ProbeRankThreads(a_.max_blocks);
-    if (absl::Status s = CudaStatus(ck::SetProbeRankSharedMemory(), "ProbeRank shared memory");
-        !s.ok()) {
-      return s;
-    }
+    SPIN_RETURN_IF_ERROR(CudaStatus(ck::SetProbeRankSharedMemory(), "ProbeRank shared memory"));
     // EmaWordKernel CTAs resident on the device at once, for its persistent grid.
     int dev = 0, sms = 0, per_sm = 0;
     cudaError_t e = cudaGetDevice(&dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     if (e == cudaSuccess) e = ck::EmaWordBlocksPerSm(d_, &per_sm);
-    if (absl::Status s = CudaStatus(e, "EMA occupancy"); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(CudaStatus(e, "EMA occupancy"));
     ema_resident_ = std::max(1, sms * per_sm);
     sms_ = std::max(1, sms);
     e = ck::EmaVecBlocksPerSm(d_, &per_sm);
-    if (absl::Status s = CudaStatus(e, "EMA occupancy"); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(CudaStatus(e, "EMA occupancy"));
     ema_vec_resident_ = std::max(1, sms * per_sm);
     return absl::OkStatus();
   }
@@ -188,18 +173,15 @@ class CudaDataPlane final : public DataPlane {
 
   // Row 0's block scores of `layer` for entries [0, entries), from the step's selection.
   absl::StatusOr<std::vector<float>> BlockScores(int32_t layer, int32_t entries) const {
-    if (absl::Status s = CheckLayer(layer); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(CheckLayer(layer));
     if (entries < 0 || static_cast<uint32_t>(entries) > a_.geometry.max_seqs) {
       return absl::OutOfRangeError(absl::StrCat("entries ", entries, " out of range"));
     }
     std::vector<float> out(static_cast<size_t>(entries) * a_.max_blocks);
     const float* src = d_.row0 + static_cast<int64_t>(layer) * a_.geometry.max_seqs * a_.max_blocks;
-    if (absl::Status s = CudaStatus(
-            cudaMemcpy(out.data(), src, out.size() * sizeof(float), cudaMemcpyDeviceToHost),
-            "read block scores");
-        !s.ok()) {
-      return s;
-    }
+    SPIN_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpy(out.data(), src, out.size() * sizeof(float), cudaMemcpyDeviceToHost),
+                   "read block scores"));
     return out;
   }
 
@@ -240,7 +222,7 @@ class CudaDataPlane final : public DataPlane {
 
   absl::Status Select(int32_t layer, const int32_t* block_table, int64_t table_stride,
                       cudaStream_t stream) override {
-    if (absl::Status s = CheckLayer(layer); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(CheckLayer(layer));
     if (block_table && table_stride < a_.max_blocks) {
       return absl::InvalidArgumentError(absl::StrCat("block table stride ", table_stride,
                                                      " is below the session's max blocks ",
@@ -272,7 +254,7 @@ class CudaDataPlane final : public DataPlane {
 
   absl::Status Observe(int32_t layer, const float* logits, int64_t logits_stride,
                        const int32_t* accepted, cudaStream_t stream) override {
-    if (absl::Status s = CheckLayer(layer); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(CheckLayer(layer));
     if (selected_layer_ != layer) {
       return absl::FailedPreconditionError(
           absl::StrCat("Observe of layer ", layer,
@@ -283,23 +265,8 @@ class CudaDataPlane final : public DataPlane {
       return absl::InvalidArgumentError("logits are required");
     }
     observed_[layer] = 1;
-    // The entries' bookkeeping (validation, fresh flag, probe miss curve), then one EMA launch
-    // per row, in row order (the prefix-valid replay), of the kernel for the arena's state type.
-    cudaError_t e = ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride, accepted, stream);
-    if (e == cudaSuccess) {
-      if (ck::EmaVecFits(d_, logits, logits_stride)) {
-        e = ck::LaunchEmaVec(d_, layer, n_, rows_, logits, logits_stride, accepted,
-                             ema_vec_resident_, stream);
-      } else if (ck::EmaWordFits(d_)) {
-        e = ck::LaunchEmaWord(d_, layer, n_, rows_, logits, logits_stride, accepted, ema_resident_,
-                              stream);
-        if (e == cudaSuccess) e = ck::LaunchVSummary(d_, layer, n_, stream);
-      } else {
-        e = ck::LaunchEma(d_, layer, n_, rows_, logits, logits_stride, accepted, stream);
-        if (e == cudaSuccess) e = ck::LaunchVSummary(d_, layer, n_, stream);
-      }
-    }
-    return CudaStatus(e, "Observe launch");
+    return CudaStatus(LaunchObserve(layer, logits, logits_stride, accepted, stream),
+                      "Observe launch");
   }
 
  private:
@@ -308,16 +275,35 @@ class CudaDataPlane final : public DataPlane {
   // Select grid (rows x (layer, entry)).
   cudaError_t SelectAhead(int32_t l0, int32_t count, cudaStream_t stream) {
     if (n_ == 0) return cudaSuccess;
-    cudaError_t e = cudaSuccess;
-    for (int32_t g0 = l0; g0 < l0 + count && e == cudaSuccess; g0 += group_) {
+    for (int32_t g0 = l0; g0 < l0 + count; g0 += group_) {
       const int32_t layers = std::min(group_, l0 + count - g0);
-      e = ck::LaunchScores(d_, g0, layers, n_, rows_, stream);
-      if (e == cudaSuccess) e = ck::LaunchSelect(d_, g0, layers, n_, rows_, stream);
+      SPIN_CUDA_RETURN_IF_ERROR(ck::LaunchScores(d_, g0, layers, n_, rows_, stream));
+      SPIN_CUDA_RETURN_IF_ERROR(ck::LaunchSelect(d_, g0, layers, n_, rows_, stream));
     }
     // Probing pairs' curve levels, from the row-0 scores just made, and the layers' lists of
     // probing entries.
-    if (e == cudaSuccess) e = ck::LaunchProbeRank(d_, l0, count, n_, rank_threads_, stream);
-    return e;
+    return ck::LaunchProbeRank(d_, l0, count, n_, rank_threads_, stream);
+  }
+
+  // Observe's launches: the entries' bookkeeping (validation, fresh flag, probe miss curve), then
+  // one EMA launch per row, in row order (the prefix-valid replay), of the kernel for the arena's
+  // state type and the logits' layout (after EmaWord or Ema, the V summaries).
+  cudaError_t LaunchObserve(int32_t layer, const float* logits, int64_t logits_stride,
+                            const int32_t* accepted, cudaStream_t stream) {
+    SPIN_CUDA_RETURN_IF_ERROR(
+        ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride, accepted, stream));
+    if (ck::EmaVecFits(d_, logits, logits_stride)) {
+      return ck::LaunchEmaVec(d_, layer, n_, rows_, logits, logits_stride, accepted,
+                              ema_vec_resident_, stream);
+    }
+    if (ck::EmaWordFits(d_)) {
+      SPIN_CUDA_RETURN_IF_ERROR(ck::LaunchEmaWord(d_, layer, n_, rows_, logits, logits_stride,
+                                                  accepted, ema_resident_, stream));
+    } else {
+      SPIN_CUDA_RETURN_IF_ERROR(
+          ck::LaunchEma(d_, layer, n_, rows_, logits, logits_stride, accepted, stream));
+    }
+    return ck::LaunchVSummary(d_, layer, n_, stream);
   }
 
   absl::Status CheckLayer(int32_t layer) const {
@@ -353,15 +339,13 @@ bool CudaAvailable() {
 absl::StatusOr<ArenaView> InitDeviceArena(void* device_base, uint64_t bytes, const Geometry& g,
                                           uint64_t seed, const Policy& policy,
                                           cudaStream_t stream) {
-  if (absl::Status s = ValidatePolicy(policy); !s.ok()) return s;
-  absl::StatusOr<ArenaHeader> h = MakeArenaHeader(g, seed);
-  if (!h.ok()) return h.status();
-  if (bytes < h->total_bytes) {
+  SPIN_RETURN_IF_ERROR(ValidatePolicy(policy));
+  SPIN_ASSIGN_OR_RETURN(const ArenaHeader h, MakeArenaHeader(g, seed));
+  if (bytes < h.total_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "device arena of ", bytes, " bytes is too small: the geometry needs ", h->total_bytes));
+        "device arena of ", bytes, " bytes is too small: the geometry needs ", h.total_bytes));
   }
-  absl::StatusOr<ArenaView> v = ViewArenaWithHeader(device_base, bytes, *h);
-  if (!v.ok()) return v.status();
+  SPIN_ASSIGN_OR_RETURN(const ArenaView v, ViewArenaWithHeader(device_base, bytes, h));
   // Small sections are built in host memory and copied; the state is filled on the device.
   ArenaPolicy ap{};
   FillArenaPolicy(policy, &ap);
@@ -370,46 +354,52 @@ absl::StatusOr<ArenaView> InitDeviceArena(void* device_base, uint64_t bytes, con
   std::vector<uint8_t> fresh(static_cast<size_t>(g.max_seqs) * g.layers, 1);
   BatchHeader bh{0, 0, -1, 0};  // as InitArena leaves it
   // The copies read host memory that lives only until return: synchronise before returning.
-  cudaError_t e = cudaMemsetAsync(device_base, 0, h->total_bytes, stream);
-  if (e == cudaSuccess)
-    e = cudaMemcpyAsync(device_base, &*h, sizeof(ArenaHeader), cudaMemcpyHostToDevice, stream);
-  if (e == cudaSuccess)
-    e = cudaMemcpyAsync(v->policy, &ap, sizeof(ap), cudaMemcpyHostToDevice, stream);
-  if (e == cudaSuccess)
-    e = cudaMemcpyAsync(v->sparsity, sparsity.data(), sparsity.size() * sizeof(double),
-                        cudaMemcpyHostToDevice, stream);
-  if (e == cudaSuccess)
-    e = cudaMemcpyAsync(v->fresh, fresh.data(), fresh.size(), cudaMemcpyHostToDevice, stream);
-  if (e == cudaSuccess)
-    e = cudaMemcpyAsync(v->batch, &bh, sizeof(bh), cudaMemcpyHostToDevice, stream);
-  if (e == cudaSuccess) {
-    e = ck::LaunchFillUnset(v->state, 2ull * g.max_seqs * g.layers * g.max_slots,
-                            static_cast<int>(StateBytes(g.dtype)), v->vsum,
-                            static_cast<uint64_t>(g.max_seqs) * g.layers * v->max_blocks, stream);
-  }
-  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
-  if (absl::Status s = CudaStatus(e, "InitDeviceArena"); !s.ok()) return s;
+  const auto write = [&]() -> cudaError_t {
+    SPIN_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(device_base, 0, h.total_bytes, stream));
+    SPIN_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(device_base, &h, sizeof(ArenaHeader), cudaMemcpyHostToDevice, stream));
+    SPIN_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(v.policy, &ap, sizeof(ap), cudaMemcpyHostToDevice, stream));
+    SPIN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(v.sparsity, sparsity.data(),
+                                              sparsity.size() * sizeof(double),
+                                              cudaMemcpyHostToDevice, stream));
+    SPIN_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(v.fresh, fresh.data(), fresh.size(), cudaMemcpyHostToDevice, stream));
+    SPIN_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(v.batch, &bh, sizeof(bh), cudaMemcpyHostToDevice, stream));
+    SPIN_CUDA_RETURN_IF_ERROR(ck::LaunchFillUnset(
+        v.state, 2ull * g.max_seqs * g.layers * g.max_slots, static_cast<int>(StateBytes(g.dtype)),
+        v.vsum, static_cast<uint64_t>(g.max_seqs) * g.layers * v.max_blocks, stream));
+    return cudaStreamSynchronize(stream);
+  };
+  SPIN_RETURN_IF_ERROR(CudaStatus(write(), "InitDeviceArena"));
   return v;
 }
 
 absl::Status WriteDevicePolicy(const ArenaView& view, const Policy& policy, cudaStream_t stream) {
-  if (absl::Status s = ValidatePolicy(policy); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(ValidatePolicy(policy));
   ArenaPolicy ap{};
-  cudaError_t e = cudaMemcpyAsync(&ap, view.policy, sizeof(ap), cudaMemcpyDeviceToHost, stream);
-  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
-  if (absl::Status s = CudaStatus(e, "read policy"); !s.ok()) return s;
+  const auto read = [&]() -> cudaError_t {
+    SPIN_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(&ap, view.policy, sizeof(ap), cudaMemcpyDeviceToHost, stream));
+    return cudaStreamSynchronize(stream);
+  };
+  SPIN_RETURN_IF_ERROR(CudaStatus(read(), "read policy"));
   const uint64_t epoch = ap.epoch + 1;
   FillArenaPolicy(policy, &ap);
   ap.epoch = epoch;
   std::vector<double> sparsity(view.geometry.layers, policy.target_sparsity);
-  if (policy.budget_mode == BudgetMode::kUniform) {
-    e = cudaMemcpyAsync(view.sparsity, sparsity.data(), sparsity.size() * sizeof(double),
-                        cudaMemcpyHostToDevice, stream);
-  }
-  if (e == cudaSuccess)
-    e = cudaMemcpyAsync(view.policy, &ap, sizeof(ap), cudaMemcpyHostToDevice, stream);
-  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
-  return CudaStatus(e, "write policy");
+  const auto write = [&]() -> cudaError_t {
+    if (policy.budget_mode == BudgetMode::kUniform) {
+      SPIN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(view.sparsity, sparsity.data(),
+                                                sparsity.size() * sizeof(double),
+                                                cudaMemcpyHostToDevice, stream));
+    }
+    SPIN_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(view.policy, &ap, sizeof(ap), cudaMemcpyHostToDevice, stream));
+    return cudaStreamSynchronize(stream);
+  };
+  return CudaStatus(write(), "write policy");
 }
 
 absl::StatusOr<std::unique_ptr<DataPlane>> MakeCudaDataPlane(const ArenaView& view,
@@ -419,15 +409,12 @@ absl::StatusOr<std::unique_ptr<DataPlane>> MakeCudaDataPlane(const ArenaView& vi
         absl::StrCat("ahead_group_layers ", options.ahead_group_layers, " is negative"));
   }
   ArenaHeader h;
-  if (absl::Status s = CudaStatus(cudaMemcpy(&h, view.header, sizeof(h), cudaMemcpyDeviceToHost),
-                                  "read arena header");
-      !s.ok()) {
-    return s;
-  }
-  absl::StatusOr<ArenaView> checked = ViewArenaWithHeader(view.header, h.total_bytes, h);
-  if (!checked.ok()) return checked.status();
-  auto dp = std::make_unique<CudaDataPlane>(*checked, h, options);
-  if (absl::Status s = dp->Init(); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(CudaStatus(cudaMemcpy(&h, view.header, sizeof(h), cudaMemcpyDeviceToHost),
+                                  "read arena header"));
+  SPIN_ASSIGN_OR_RETURN(const ArenaView checked,
+                        ViewArenaWithHeader(view.header, h.total_bytes, h));
+  auto dp = std::make_unique<CudaDataPlane>(checked, h, options);
+  SPIN_RETURN_IF_ERROR(dp->Init());
   return std::unique_ptr<DataPlane>(std::move(dp));
 }
 
@@ -440,11 +427,8 @@ absl::StatusOr<std::vector<float>> ReadDeviceBlockScores(const DataPlane& dp, in
 
 absl::StatusOr<uint32_t> ReadDeviceError(const ArenaView& view) {
   uint32_t err = 0;
-  if (absl::Status s = CudaStatus(cudaMemcpy(&err, view.error, sizeof(err), cudaMemcpyDeviceToHost),
-                                  "read arena error");
-      !s.ok()) {
-    return s;
-  }
+  SPIN_RETURN_IF_ERROR(CudaStatus(cudaMemcpy(&err, view.error, sizeof(err), cudaMemcpyDeviceToHost),
+                                  "read arena error"));
   return err;
 }
 

@@ -621,12 +621,11 @@ cudaError_t EmaPerRow(EmaFn fp32, EmaFn bf16, int64_t chunks, const Dev& d, int 
                       cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(chunks, 1, 65535)),
                   static_cast<unsigned>(n));
-  cudaError_t e = cudaSuccess;
-  for (int r = 0; r < rows && e == cudaSuccess; ++r) {
-    e = Launch(d.dtype_bytes == 4 ? fp32 : bf16, grid, kEmaThreads, stream, d, layer, r, logits,
-               stride, accepted);
+  for (int r = 0; r < rows; ++r) {
+    SPIN_CUDA_RETURN_IF_ERROR(Launch(d.dtype_bytes == 4 ? fp32 : bf16, grid, kEmaThreads, stream, d,
+                                     layer, r, logits, stride, accepted));
   }
-  return e;
+  return cudaSuccess;
 }
 
 }  // namespace
@@ -666,12 +665,12 @@ cudaError_t LaunchEmaVec(const Dev& d, int layer, int n, int rows, const float* 
                                                      : std::min<int64_t>(warp_rounds, resident / n),
                                                 1, 65535)),
       static_cast<unsigned>(flat ? 1 : n));
-  cudaError_t e = cudaSuccess;
-  for (int r = 0; r < rows && e == cudaSuccess; ++r) {
-    e = Launch(d.dtype_bytes == 4 ? EmaVecKernel<float> : EmaVecKernel<uint16_t>, grid, kEmaThreads,
-               stream, d, layer, r, logits, stride, accepted, n);
+  for (int r = 0; r < rows; ++r) {
+    SPIN_CUDA_RETURN_IF_ERROR(
+        Launch(d.dtype_bytes == 4 ? EmaVecKernel<float> : EmaVecKernel<uint16_t>, grid, kEmaThreads,
+               stream, d, layer, r, logits, stride, accepted, n));
   }
-  return e;
+  return cudaSuccess;
 }
 
 cudaError_t LaunchEmaWord(const Dev& d, int layer, int n, int rows, const float* logits,

@@ -14,6 +14,16 @@
 
 #include "dev.h"
 
+// Returns the cudaError_t of `expr` from the enclosing function (which returns cudaError_t)
+// unless it is cudaSuccess: the cudaError_t counterpart of SPIN_RETURN_IF_ERROR, for chains of
+// launches and runtime calls that stop at the first failure.
+#define SPIN_CUDA_RETURN_IF_ERROR(expr)                                                 \
+  do {                                                                                  \
+    if (const cudaError_t spin_cuda_error_ = (expr); spin_cuda_error_ != cudaSuccess) { \
+      return spin_cuda_error_;                                                          \
+    }                                                                                   \
+  } while (false)
+
 namespace spin::cuda_kernels {
 
 // ---- step_kernels.cu

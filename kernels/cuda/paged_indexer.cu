@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "cp_async.cuh"
 #include "spin/paged_indexer.h"
+#include "spin/status_macros.h"
 
 namespace spin {
 namespace internal {
@@ -212,7 +213,7 @@ absl::Status LaunchPagedIndexer(const PagedIndexerArgs& a, cudaStream_t stream) 
   if (!a.q || !a.weights || !a.kv || !a.table || !a.lens || !a.logits) {
     return absl::InvalidArgumentError("paged indexer: every pointer argument is required");
   }
-  const absl::Status s = [&] {
+  auto launch = [&] {
     if (a.kernel == IndexerKernel::kWgmma) return internal::LaunchPagedIndexerWgmma(a, stream);
     switch (a.stages) {
       case 8:
@@ -222,8 +223,8 @@ absl::Status LaunchPagedIndexer(const PagedIndexerArgs& a, cudaStream_t stream) 
       default:
         return Launch<4>(a, stream);
     }
-  }();
-  if (!s.ok()) return s;
+  };
+  SPIN_RETURN_IF_ERROR(launch());
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) {
     return absl::InternalError(absl::StrCat("paged indexer launch: ", cudaGetErrorString(e)));

@@ -379,18 +379,14 @@ __global__ void __launch_bounds__(kProbeThreads)
 }  // namespace
 
 cudaError_t SetProbeRankSharedMemory() {
-  cudaError_t ra =
-      cudaFuncSetAttribute(ProbeRankKernel<256>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(kProbeRankSmemBytes<256>));
-  if (ra == cudaSuccess) {
-    ra = cudaFuncSetAttribute(ProbeRankKernel<512>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              static_cast<int>(kProbeRankSmemBytes<512>));
-  }
-  if (ra == cudaSuccess) {
-    ra = cudaFuncSetAttribute(ProbeRankKernel<1024>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  SPIN_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(ProbeRankKernel<256>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(kProbeRankSmemBytes<256>)));
+  SPIN_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(ProbeRankKernel<512>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(kProbeRankSmemBytes<512>)));
+  return cudaFuncSetAttribute(ProbeRankKernel<1024>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                               static_cast<int>(kProbeRankSmemBytes<1024>));
-  }
-  return ra;
 }
 
 int ProbeRankThreads(int64_t max_blocks) {
@@ -400,8 +396,8 @@ int ProbeRankThreads(int64_t max_blocks) {
 cudaError_t LaunchProbeRank(const Dev& d, int l0, int layers, int n, int threads,
                             cudaStream_t stream) {
   // The layers' lists of probing entries are counted from zero.
-  const cudaError_t e = cudaMemsetAsync(d.probe_count + l0, 0, layers * sizeof(int32_t), stream);
-  if (e != cudaSuccess) return e;
+  SPIN_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(d.probe_count + l0, 0, layers * sizeof(int32_t), stream));
   const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(layers));
   if (threads == 256) {
     return LaunchSmem(ProbeRankKernel<256>, grid, 256, kProbeRankSmemBytes<256>, stream, d, l0);

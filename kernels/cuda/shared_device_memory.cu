@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "spin/shared_device_memory.h"
+#include "spin/status_macros.h"
 
 namespace spin {
 namespace {
@@ -63,7 +64,7 @@ absl::Status ResolveAll(Driver* x) {
       {"cuGetErrorString", 6000, reinterpret_cast<void**>(&x->error_string)},
   };
   for (const auto& t : table) {
-    if (absl::Status s = Resolve(t.name, t.version, t.out); !s.ok()) return s;
+    SPIN_RETURN_IF_ERROR(Resolve(t.name, t.version, t.out));
   }
   return absl::OkStatus();
 }
@@ -109,11 +110,8 @@ absl::Status CheckOrdinal(int ordinal) {
 absl::StatusOr<uint64_t> RoundedSize(const Driver& d, int ordinal, uint64_t bytes) {
   const CUmemAllocationProp prop = Prop(ordinal);
   size_t gran = 0;
-  if (absl::Status s = Check(d, d.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
-                             "cuMemGetAllocationGranularity");
-      !s.ok()) {
-    return s;
-  }
+  SPIN_RETURN_IF_ERROR(Check(d, d.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+                             "cuMemGetAllocationGranularity"));
   return (bytes + gran - 1) / gran * gran;
 }
 
@@ -121,27 +119,22 @@ absl::StatusOr<CUmemGenericAllocationHandle> NewHandle(const Driver& d, int ordi
                                                        uint64_t bytes) {
   const CUmemAllocationProp prop = Prop(ordinal);
   CUmemGenericAllocationHandle h = 0;
-  if (absl::Status s = Check(d, d.create(&h, bytes, &prop, 0), "cuMemCreate"); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(Check(d, d.create(&h, bytes, &prop, 0), "cuMemCreate"));
   return h;
 }
 
 absl::StatusOr<CUmemGenericAllocationHandle> ImportHandle(const Driver& d, int fd) {
   CUmemGenericAllocationHandle h = 0;
-  if (absl::Status s = Check(d,
+  SPIN_RETURN_IF_ERROR(Check(d,
                              d.import_handle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(fd)),
                                              CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
-                             "cuMemImportFromShareableHandle");
-      !s.ok()) {
-    return s;
-  }
+                             "cuMemImportFromShareableHandle"));
   return h;
 }
 
 absl::StatusOr<void*> Reserve(const Driver& d, uint64_t bytes) {
   CUdeviceptr p = 0;
-  if (absl::Status s = Check(d, d.reserve(&p, bytes, 0, 0, 0), "cuMemAddressReserve"); !s.ok()) {
-    return s;
-  }
+  SPIN_RETURN_IF_ERROR(Check(d, d.reserve(&p, bytes, 0, 0, 0), "cuMemAddressReserve"));
   return reinterpret_cast<void*>(p);
 }
 
@@ -149,7 +142,7 @@ absl::StatusOr<void*> Reserve(const Driver& d, uint64_t bytes) {
 absl::Status MapAt(const Driver& d, void* ptr, uint64_t bytes, CUmemGenericAllocationHandle h,
                    int ordinal) {
   const CUdeviceptr p = reinterpret_cast<CUdeviceptr>(ptr);
-  if (absl::Status s = Check(d, d.map(p, bytes, 0, h, 0), "cuMemMap"); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(Check(d, d.map(p, bytes, 0, h, 0), "cuMemMap"));
   CUmemAccessDesc access{};
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   access.location.id = ordinal;
@@ -164,22 +157,18 @@ absl::Status MapAt(const Driver& d, void* ptr, uint64_t bytes, CUmemGenericAlloc
 absl::StatusOr<std::unique_ptr<SharedDeviceMemory>> SharedDeviceMemory::Create(int ordinal,
                                                                                uint64_t bytes) {
   const Driver& d = GetDriver();
-  if (!d.status.ok()) return d.status;
-  if (absl::Status s = CheckOrdinal(ordinal); !s.ok()) return s;
-  absl::StatusOr<uint64_t> size = RoundedSize(d, ordinal, bytes);
-  if (!size.ok()) return size.status();
+  SPIN_RETURN_IF_ERROR(d.status);
+  SPIN_RETURN_IF_ERROR(CheckOrdinal(ordinal));
+  SPIN_ASSIGN_OR_RETURN(const uint64_t size, RoundedSize(d, ordinal, bytes));
   std::unique_ptr<SharedDeviceMemory> m(new SharedDeviceMemory());
   m->ordinal_ = ordinal;
-  m->bytes_ = *size;
-  absl::StatusOr<CUmemGenericAllocationHandle> h = NewHandle(d, ordinal, m->bytes_);
-  if (!h.ok()) return h.status();
-  m->handle_ = *h;
+  m->bytes_ = size;
+  SPIN_ASSIGN_OR_RETURN(const CUmemGenericAllocationHandle h, NewHandle(d, ordinal, m->bytes_));
+  m->handle_ = h;
   m->created_ = true;
-  absl::StatusOr<void*> p = Reserve(d, m->bytes_);
-  if (!p.ok()) return p.status();
-  m->ptr_ = *p;
+  SPIN_ASSIGN_OR_RETURN(m->ptr_, Reserve(d, m->bytes_));
   m->reserved_ = true;
-  if (absl::Status s = MapAt(d, m->ptr_, m->bytes_, *h, ordinal); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(MapAt(d, m->ptr_, m->bytes_, h, ordinal));
   m->mapped_ = true;
   return m;
 }
@@ -187,23 +176,20 @@ absl::StatusOr<std::unique_ptr<SharedDeviceMemory>> SharedDeviceMemory::Create(i
 absl::StatusOr<std::unique_ptr<SharedDeviceMemory>> SharedDeviceMemory::Import(int fd, int ordinal,
                                                                                uint64_t bytes) {
   const Driver& d = GetDriver();
-  if (!d.status.ok()) return d.status;
-  if (absl::Status s = CheckOrdinal(ordinal); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(d.status);
+  SPIN_RETURN_IF_ERROR(CheckOrdinal(ordinal));
   if (fd < 0 || bytes == 0) {
     return absl::InvalidArgumentError("importing device memory needs an fd and its size");
   }
   std::unique_ptr<SharedDeviceMemory> m(new SharedDeviceMemory());
   m->ordinal_ = ordinal;
   m->bytes_ = bytes;
-  absl::StatusOr<CUmemGenericAllocationHandle> h = ImportHandle(d, fd);
-  if (!h.ok()) return h.status();
-  m->handle_ = *h;
+  SPIN_ASSIGN_OR_RETURN(const CUmemGenericAllocationHandle h, ImportHandle(d, fd));
+  m->handle_ = h;
   m->created_ = true;
-  absl::StatusOr<void*> p = Reserve(d, bytes);
-  if (!p.ok()) return p.status();
-  m->ptr_ = *p;
+  SPIN_ASSIGN_OR_RETURN(m->ptr_, Reserve(d, bytes));
   m->reserved_ = true;
-  if (absl::Status s = MapAt(d, m->ptr_, bytes, *h, ordinal); !s.ok()) {
+  if (absl::Status s = MapAt(d, m->ptr_, bytes, h, ordinal); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat(s.message(), " (is the size the exporter's?)"));
   }
   m->mapped_ = true;
@@ -226,36 +212,30 @@ SharedDeviceMemory::~SharedDeviceMemory() {
 
 absl::StatusOr<int> SharedDeviceMemory::ExportFd() const {
   const Driver& d = GetDriver();
-  if (!d.status.ok()) return d.status;
+  SPIN_RETURN_IF_ERROR(d.status);
   int fd = -1;
-  if (absl::Status s =
-          Check(d,
-                d.export_handle(&fd, static_cast<CUmemGenericAllocationHandle>(handle_),
-                                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-                "cuMemExportToShareableHandle");
-      !s.ok()) {
-    return s;
-  }
+  SPIN_RETURN_IF_ERROR(
+      Check(d,
+            d.export_handle(&fd, static_cast<CUmemGenericAllocationHandle>(handle_),
+                            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+            "cuMemExportToShareableHandle"));
   return fd;
 }
 
 absl::StatusOr<std::unique_ptr<DeviceWindow>> DeviceWindow::Create(int ordinal, uint64_t bytes) {
   const Driver& d = GetDriver();
-  if (!d.status.ok()) return d.status;
-  if (absl::Status s = CheckOrdinal(ordinal); !s.ok()) return s;
-  absl::StatusOr<uint64_t> size = RoundedSize(d, ordinal, bytes);
-  if (!size.ok()) return size.status();
+  SPIN_RETURN_IF_ERROR(d.status);
+  SPIN_RETURN_IF_ERROR(CheckOrdinal(ordinal));
+  SPIN_ASSIGN_OR_RETURN(const uint64_t size, RoundedSize(d, ordinal, bytes));
   std::unique_ptr<DeviceWindow> w(new DeviceWindow());
   w->ordinal_ = ordinal;
-  w->bytes_ = *size;
-  absl::StatusOr<void*> p = Reserve(d, w->bytes_);
-  if (!p.ok()) return p.status();
-  w->ptr_ = *p;
+  w->bytes_ = size;
+  SPIN_ASSIGN_OR_RETURN(w->ptr_, Reserve(d, w->bytes_));
   w->reserved_ = true;
-  absl::StatusOr<CUmemGenericAllocationHandle> h = NewHandle(d, ordinal, w->bytes_);
-  if (!h.ok()) return h.status();
-  if (absl::Status s = w->MapHandle(*h); !s.ok()) {
-    d.release(*h);
+  SPIN_ASSIGN_OR_RETURN(const CUmemGenericAllocationHandle h, NewHandle(d, ordinal, w->bytes_));
+  // The window does not own the new handle until MapHandle succeeds.
+  if (absl::Status s = w->MapHandle(h); !s.ok()) {
+    d.release(h);
     return s;
   }
   return w;
@@ -272,11 +252,8 @@ absl::Status DeviceWindow::MapHandle(unsigned long long handle) {
       return absl::InternalError(
           absl::StrCat("cudaDeviceSynchronize before remapping: ", cudaGetErrorString(e)));
     }
-    if (absl::Status s =
-            Check(d, d.unmap(reinterpret_cast<CUdeviceptr>(ptr_), bytes_), "cuMemUnmap");
-        !s.ok()) {
-      return s;
-    }
+    SPIN_RETURN_IF_ERROR(
+        Check(d, d.unmap(reinterpret_cast<CUdeviceptr>(ptr_), bytes_), "cuMemUnmap"));
     mapped_ = false;
   }
   if (absl::Status s = MapAt(d, ptr_, bytes_, handle, ordinal_); !s.ok()) {
@@ -293,11 +270,11 @@ absl::Status DeviceWindow::MapHandle(unsigned long long handle) {
 
 absl::Status DeviceWindow::MapImported(int fd) {
   const Driver& d = GetDriver();
-  if (!d.status.ok()) return d.status;
-  absl::StatusOr<CUmemGenericAllocationHandle> h = ImportHandle(d, fd);
-  if (!h.ok()) return h.status();
-  if (absl::Status s = MapHandle(*h); !s.ok()) {
-    d.release(*h);
+  SPIN_RETURN_IF_ERROR(d.status);
+  SPIN_ASSIGN_OR_RETURN(const CUmemGenericAllocationHandle h, ImportHandle(d, fd));
+  // This window does not own the imported handle until MapHandle succeeds.
+  if (absl::Status s = MapHandle(h); !s.ok()) {
+    d.release(h);
     return s;
   }
   return absl::OkStatus();
@@ -335,7 +312,7 @@ int CudaDeviceCount() {
 }
 
 absl::StatusOr<std::string> CudaDeviceUuid(int ordinal) {
-  if (absl::Status s = CheckOrdinal(ordinal); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(CheckOrdinal(ordinal));
   cudaDeviceProp prop{};
   if (cudaError_t e = cudaGetDeviceProperties(&prop, ordinal); e != cudaSuccess) {
     return absl::InternalError(
@@ -363,7 +340,7 @@ absl::StatusOr<int> CudaOrdinalOfUuid(const std::string& uuid) {
 }
 
 absl::Status CudaSetDevice(int ordinal) {
-  if (absl::Status s = CheckOrdinal(ordinal); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(CheckOrdinal(ordinal));
   if (cudaError_t e = cudaSetDevice(ordinal); e != cudaSuccess) {
     return absl::InternalError(
         absl::StrCat("cudaSetDevice(", ordinal, "): ", cudaGetErrorString(e)));
@@ -372,7 +349,7 @@ absl::Status CudaSetDevice(int ordinal) {
 }
 
 absl::StatusOr<uint64_t> CudaDeviceFreeBytes(int ordinal) {
-  if (absl::Status s = CudaSetDevice(ordinal); !s.ok()) return s;
+  SPIN_RETURN_IF_ERROR(CudaSetDevice(ordinal));
   size_t free = 0, total = 0;
   if (cudaError_t e = cudaMemGetInfo(&free, &total); e != cudaSuccess) {
     return absl::InternalError(absl::StrCat("cudaMemGetInfo: ", cudaGetErrorString(e)));
