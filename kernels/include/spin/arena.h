@@ -50,7 +50,7 @@ struct Geometry {
   StateDtype dtype = StateDtype::kFp32;
 };
 
-/// The default EMA decay; docs/alpha.md has the replay evidence behind it.
+/// The default EMA decay; docs/lab/alpha-sweep.md has the replay evidence behind it.
 inline constexpr float kDefaultAlpha = 0.3f;
 
 /// Policy knobs read by the kernels at launch time (written by the owner of the arena).
