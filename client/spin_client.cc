@@ -222,36 +222,45 @@ absl::StatusOr<ArenaView> Session::MapDevice(int fd, uint64_t bytes, const std::
 #endif
 }
 
-absl::Status Session::KeepAlive() {
-  pb::KeepAliveRequest req;
-  req.mutable_session()->set_session_id(id_);
-  req.mutable_session()->set_token(token_);
-  pb::KeepAliveResponse resp;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  return FromGrpc(stub_->KeepAlive(&ctx, req, &resp), "KeepAlive");
-}
-
 namespace {
+
 // Control calls give up after this long (the daemon answers them from memory).
 constexpr std::chrono::seconds kCallDeadline{10};
+
+// One unary call on a session: its id and token in the request, the deadline, and the admin
+// token (spind requires it for changes over TCP) when there is one.
+template <typename Req, typename Resp>
+absl::Status SessionCall(pb::Spin::Stub& stub,
+                         grpc::Status (pb::Spin::Stub::*rpc)(grpc::ClientContext*, const Req&,
+                                                             Resp*),
+                         const char* what, const std::string& id, const std::string& token,
+                         const std::string& admin_token, Req& req, Resp* resp) {
+  req.mutable_session()->set_session_id(id);
+  req.mutable_session()->set_token(token);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + kCallDeadline);
+  if (!admin_token.empty()) ctx.AddMetadata("authorization", "Bearer " + admin_token);
+  return FromGrpc((stub.*rpc)(&ctx, req, resp), what);
+}
+
 }  // namespace
+
+absl::Status Session::KeepAlive() {
+  pb::KeepAliveRequest req;
+  pb::KeepAliveResponse resp;
+  return SessionCall(*stub_, &pb::Spin::Stub::KeepAlive, "KeepAlive", id_, token_, "", req, &resp);
+}
 
 absl::StatusOr<Policy> Session::GetPolicy() {
   pb::GetPolicyRequest req;
-  req.mutable_session()->set_session_id(id_);
-  req.mutable_session()->set_token(token_);
   pb::GetPolicyResponse resp;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + kCallDeadline);
-  SPIN_RETURN_IF_ERROR(FromGrpc(stub_->GetPolicy(&ctx, req, &resp), "GetPolicy"));
+  SPIN_RETURN_IF_ERROR(
+      SessionCall(*stub_, &pb::Spin::Stub::GetPolicy, "GetPolicy", id_, token_, "", req, &resp));
   return FromProto(resp.policy());
 }
 
 absl::StatusOr<Policy> Session::SetPolicy(const PolicyChange& change) {
   pb::SetPolicyRequest req;
-  req.mutable_session()->set_session_id(id_);
-  req.mutable_session()->set_token(token_);
   if (change.target_sparsity) req.set_target_sparsity(*change.target_sparsity);
   if (change.exploration) req.set_exploration(*change.exploration);
   if (change.alpha) req.set_alpha(*change.alpha);
@@ -261,21 +270,16 @@ absl::StatusOr<Policy> Session::SetPolicy(const PolicyChange& change) {
                                                                      : pb::BUDGET_MODE_UNIFORM);
   }
   pb::SetPolicyResponse resp;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + kCallDeadline);
-  if (!admin_token_.empty()) ctx.AddMetadata("authorization", "Bearer " + admin_token_);
-  SPIN_RETURN_IF_ERROR(FromGrpc(stub_->SetPolicy(&ctx, req, &resp), "SetPolicy"));
+  SPIN_RETURN_IF_ERROR(SessionCall(*stub_, &pb::Spin::Stub::SetPolicy, "SetPolicy", id_, token_,
+                                   admin_token_, req, &resp));
   return FromProto(resp.policy());
 }
 
 absl::StatusOr<Budgets> Session::GetBudgets() {
   pb::GetBudgetsRequest req;
-  req.mutable_session()->set_session_id(id_);
-  req.mutable_session()->set_token(token_);
   pb::GetBudgetsResponse resp;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + kCallDeadline);
-  SPIN_RETURN_IF_ERROR(FromGrpc(stub_->GetBudgets(&ctx, req, &resp), "GetBudgets"));
+  SPIN_RETURN_IF_ERROR(
+      SessionCall(*stub_, &pb::Spin::Stub::GetBudgets, "GetBudgets", id_, token_, "", req, &resp));
   Budgets b;
   b.layer_sparsity.assign(resp.layer_sparsity().begin(), resp.layer_sparsity().end());
   b.epoch = resp.epoch();
@@ -287,12 +291,9 @@ absl::StatusOr<Budgets> Session::GetBudgets() {
 
 absl::StatusOr<std::vector<LayerStats>> Session::GetStats() {
   pb::GetStatsRequest req;
-  req.mutable_session()->set_session_id(id_);
-  req.mutable_session()->set_token(token_);
   pb::GetStatsResponse resp;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + kCallDeadline);
-  SPIN_RETURN_IF_ERROR(FromGrpc(stub_->GetStats(&ctx, req, &resp), "GetStats"));
+  SPIN_RETURN_IF_ERROR(
+      SessionCall(*stub_, &pb::Spin::Stub::GetStats, "GetStats", id_, token_, "", req, &resp));
   std::vector<LayerStats> out(
       view_.geometry.layers > 0 ? view_.geometry.layers : static_cast<uint32_t>(resp.layers_size()),
       LayerStats{});
@@ -308,13 +309,9 @@ absl::StatusOr<std::vector<LayerStats>> Session::GetStats() {
 
 absl::Status Session::Detach() {
   pb::DetachRequest req;
-  req.mutable_session()->set_session_id(id_);
-  req.mutable_session()->set_token(token_);
   pb::DetachResponse resp;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  if (!admin_token_.empty()) ctx.AddMetadata("authorization", "Bearer " + admin_token_);
-  return FromGrpc(stub_->Detach(&ctx, req, &resp), "Detach");
+  return SessionCall(*stub_, &pb::Spin::Stub::Detach, "Detach", id_, token_, admin_token_, req,
+                     &resp);
 }
 
 bool Session::alive() const {
