@@ -1,6 +1,12 @@
 // libspin_client: attach a session in spind, map its arena into this process, and run the data
 // plane on it locally (DESIGN §3). The daemon keeps owning the arena: it writes the policy and
 // budget table the kernels read and serves statistics from the same memory.
+//
+// The library an engine links, whole: this header (Session: attach, map, policy, budgets, stats,
+// lease), spin/data_plane.h (the DataPlane calls of a decode step), resilient_data_plane.h (what
+// an engine should hold: fail-open, dense without a daemon), remote_data_plane.h (the data plane
+// run inside spind over RPC) and log.h (where the library's log lines go). Every call reports
+// failure as an absl::Status with the daemon's code; none throws or raises SIGPIPE.
 #pragma once
 
 #include <memory>
