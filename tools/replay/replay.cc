@@ -14,9 +14,9 @@
 #include "nlohmann/json.hpp"
 #include "score_math.h"
 #include "spin/numerics.h"
+#include "spin/status_macros.h"
 #if SPIN_HAVE_CUDA
 #include "spin/cuda_data_plane.h"
-#include "spin/status_macros.h"
 #endif
 
 namespace spin {
