@@ -1,0 +1,104 @@
+"""spind: SPIN's data plane for Python engines, as torch ops over libspin_client.
+
+    import spind
+    s = spind.Session(layers=61, max_slots=131072, target="unix:///run/spin/spind.sock")
+    s.reset_sequence(0, key)
+    s.begin_step(seq, ctx_len, q_pos, rows)            # int32 tensors, one entry each
+    for layer in range(layers):
+        s.select(layer, block_table)                    # -> s.union_count, s.union_ids, ...
+        ...the engine's indexer over the compacted table, its top-k...
+        s.remap(topk)                                   # in place: compacted -> logical slots
+        s.observe(layer, logits, accepted)
+    s.refresh()                                         # between steps
+
+The ops are torch.ops.spind.*; Session only keeps the handle and the output views. An empty
+target runs a private data plane in this process (offline replay, tests).
+"""
+import os
+
+import torch
+
+torch.ops.load_library(os.path.join(os.path.dirname(__file__), "_C.so"))
+ops = torch.ops.spind
+
+_STATE = {"fp32": 1, "bf16": 2}
+
+
+class Session:
+    """One SPIN session: attached to spind at `target` (fail-open: dense while the daemon is
+    away), or local when `target` is empty."""
+
+    def __init__(self, layers, max_slots, *, block_size=64, topk=2048, max_sequences=1,
+                 max_rows=1, state="fp32", seed=1, target_sparsity=0.5, exploration=0.05,
+                 alpha=0.3, probe_period=0, budget_mode="uniform", target="",
+                 client_name="python"):
+        if state not in _STATE:
+            raise ValueError(f"state must be fp32 or bf16, not {state!r}")
+        self.layers = layers
+        # A session attached to spind on the CPU backend moves its outputs when it switches to
+        # a new daemon session (at begin_step or refresh): the views are taken again there.
+        self._outputs_move = bool(target)
+        self.handle = ops.attach(
+            target, [layers, block_size, topk, max_sequences, max_slots, max_rows, _STATE[state]],
+            seed, [float(target_sparsity), float(exploration), float(alpha), float(probe_period)],
+            budget_mode, client_name)
+        self._fetch_outputs()
+
+    def _fetch_outputs(self):
+        (self.union_count, self.union_ids, self.phys,
+         self.compact_len) = ops.outputs(self.handle)
+
+    def close(self):
+        if self.handle is not None:
+            ops.close(self.handle)
+            self.handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def reset_sequence(self, seq, key):
+        ops.reset_sequence(self.handle, seq, key)
+
+    def begin_step(self, seq, ctx_len, q_pos, rows=1):
+        ops.begin_step(self.handle, seq, ctx_len, q_pos, rows)
+        if self._outputs_move:
+            self._fetch_outputs()
+
+    def select(self, layer, block_table=None):
+        ops.select(self.handle, layer, block_table, self.union_count, self.union_ids, self.phys,
+                   self.compact_len)
+
+    def remap(self, topk):
+        ops.remap(self.handle, topk)
+
+    def observe(self, layer, logits, accepted=None):
+        ops.observe(self.handle, layer, logits, accepted)
+
+    def refresh(self):
+        changed = ops.refresh(self.handle)
+        if changed and self._outputs_move:
+            self._fetch_outputs()
+        return bool(changed)
+
+    def policy(self):
+        p = ops.get_policy(self.handle)
+        return {"target_sparsity": p[0], "exploration": p[1], "alpha": p[2],
+                "probe_period": int(p[3]), "budget_mode": "per-layer" if p[4] else "uniform"}
+
+    def set_policy(self, target_sparsity=None, exploration=None, alpha=None, probe_period=None,
+                   budget_mode=None):
+        ops.set_policy(self.handle, target_sparsity, exploration, alpha, probe_period,
+                       budget_mode)
+
+    def stats(self):
+        return ops.stats(self.handle)
+
+    def budgets(self):
+        return ops.budgets(self.handle)
+
+    def counters(self):
+        epoch, recomputes, attached = ops.counters(self.handle)
+        return {"epoch": epoch, "budget_recomputes": recomputes, "attached": bool(attached)}

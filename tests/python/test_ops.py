@@ -1,0 +1,148 @@
+"""The spind torch ops on the CPU backend: a local session's step, every bad input refused with
+its reason and nothing changed, the fail-open attach (dense without a daemon, SPIN with one),
+and gRPC/protobuf's Python modules loaded in the same process first.
+Run by CTest (label python) with PYTHONPATH=<build>/python and SPIND=<spind binary>."""
+import os
+import signal
+import subprocess
+import tempfile
+import time
+import unittest
+
+import google.protobuf  # noqa: F401  (loaded before spind, as in a vLLM worker)
+import grpc
+import torch
+
+import spind
+
+B = 64
+
+
+def i32(*v):
+    return torch.tensor(v, dtype=torch.int32)
+
+
+def run_step(s, ctx, layers, logits_fill=1.0):
+    """One step of sequence 0 over every layer; returns each layer's kept block count."""
+    s.begin_step(i32(0), i32(ctx), i32(ctx - 1), 1)
+    kept = []
+    width = s.union_ids.shape[1] * B
+    for layer in range(layers):
+        s.select(layer)
+        kept.append(int(s.union_count[0]))
+        logits = torch.full((1, width), float("-inf"))
+        logits[0, : int(s.compact_len[0, 0])] = logits_fill
+        s.observe(layer, logits, i32(1))
+    s.refresh()
+    return kept
+
+
+class LocalSession(unittest.TestCase):
+    def test_a_step_selects_the_budget(self):
+        with spind.Session(2, 32 * B, topk=64, target_sparsity=0.5, exploration=0.0) as s:
+            s.reset_sequence(0, 7)
+            self.assertEqual(run_step(s, 32 * B, 2), [32, 32], "a fresh sequence is dense")
+            kept = run_step(s, 32 * B, 2)
+            self.assertEqual(kept, [16, 16])
+            ids = s.union_ids[0, :16].tolist()
+            self.assertEqual(ids, sorted(ids))
+            stats = s.stats()
+            self.assertEqual(stats.shape, (2, 11))
+            self.assertEqual(stats[:, 0].tolist(), [2, 2])  # steps
+            self.assertEqual(stats[:, 1].tolist(), [1, 1])  # dense steps
+
+    def test_remap_maps_compacted_slots_to_logical_ones(self):
+        with spind.Session(1, 32 * B, topk=64, target_sparsity=0.5, exploration=0.0) as s:
+            s.reset_sequence(0, 1)
+            run_step(s, 32 * B, 1)
+            s.begin_step(i32(0), i32(32 * B), i32(32 * B - 1), 1)
+            s.select(0)
+            ids = s.union_ids[0, : int(s.union_count[0])].tolist()
+            topk = torch.tensor([[0, B + 3, -1, 10**6]], dtype=torch.int32)
+            s.remap(topk)
+            self.assertEqual(topk.tolist(), [[ids[0] * B, ids[1] * B + 3, -1, -1]])
+
+    def test_policy_changes_apply_at_the_next_step(self):
+        with spind.Session(1, 32 * B, topk=64, target_sparsity=0.5, exploration=0.0) as s:
+            s.reset_sequence(0, 1)
+            run_step(s, 32 * B, 1)
+            s.set_policy(target_sparsity=0.75)
+            self.assertEqual(s.policy()["target_sparsity"], 0.75)
+            self.assertEqual(run_step(s, 32 * B, 1), [8])
+            with self.assertRaisesRegex(RuntimeError, "exploration"):
+                s.set_policy(exploration=1.5)
+            self.assertEqual(s.policy()["exploration"], 0.0, "a refused change changes nothing")
+
+    def test_bad_inputs_are_refused_and_change_nothing(self):
+        with spind.Session(2, 32 * B, topk=64, exploration=0.0) as s:
+            s.reset_sequence(0, 1)
+            before = s.stats().clone()
+            bad = [
+                (lambda: s.begin_step(i32(5), i32(100), i32(99), 1), "sequence"),
+                (lambda: s.begin_step(torch.tensor([0]), i32(100), i32(99), 1), "int32"),
+                (lambda: s.begin_step(i32(0), i32(10**6), i32(99), 1), "ctx_len"),
+                (lambda: s.reset_sequence(3, 1), "outside"),
+            ]
+            for call, why in bad:
+                with self.subTest(why=why):
+                    with self.assertRaisesRegex(RuntimeError, why):
+                        call()
+            self.assertTrue(torch.equal(s.stats(), before))
+            s.begin_step(i32(0), i32(100), i32(99), 1)
+            with self.assertRaisesRegex(RuntimeError, "layer 7 outside"):
+                s.select(7)
+            with self.assertRaisesRegex(RuntimeError, "not this session's output buffers"):
+                spind.ops.select(s.handle, 0, None, torch.zeros(1, dtype=torch.int32),
+                                 s.union_ids, s.phys, s.compact_len)
+            s.select(0)
+            with self.assertRaisesRegex(RuntimeError, "float32"):
+                s.observe(0, torch.zeros(1, 4 * B, dtype=torch.float64))
+            with self.assertRaisesRegex(RuntimeError, "stride|covers|width"):
+                s.observe(0, torch.zeros(1, 1))
+            nan = torch.full((1, 2 * B), float("nan"))
+            s.observe(0, nan)  # non-finite scores are skipped and counted, not an error
+            self.assertEqual(int(s.stats()[0, 8]), 100)  # bad_scores
+        with self.assertRaisesRegex(RuntimeError, "no session with handle"):
+            spind.ops.reset_sequence(s.handle or 12345, 0, 1)
+        with self.assertRaisesRegex(RuntimeError, "geometry|layers"):
+            spind.Session(0, 32 * B)
+        with self.assertRaisesRegex(RuntimeError, "target_sparsity|sparsity"):
+            spind.Session(1, 32 * B, target_sparsity=1.0)
+        with self.assertRaisesRegex(ValueError, "state"):
+            spind.Session(1, 32 * B, state="fp8")
+
+
+@unittest.skipUnless(os.environ.get("SPIND"), "SPIND (the spind binary) is not set")
+class AttachedSession(unittest.TestCase):
+    def test_dense_without_a_daemon_then_spin_once_it_is_there(self):
+        d = tempfile.mkdtemp()
+        sock = os.path.join(d, "spind.sock")
+        target = "unix://" + sock
+        # grpcio in the same process, on the same socket: the extension's own gRPC must not
+        # clash with it.
+        channel = grpc.insecure_channel(target)
+        with spind.Session(1, 32 * B, topk=64, target_sparsity=0.5, exploration=0.0,
+                           target=target) as s:
+            self.assertFalse(s.counters()["attached"])
+            s.reset_sequence(0, 1)
+            self.assertEqual(run_step(s, 32 * B, 1), [32])
+            self.assertEqual(run_step(s, 32 * B, 1), [32], "no daemon: dense")
+            daemon = subprocess.Popen([os.environ["SPIND"], "--listen", target, "--backend", "cpu"],
+                                      stderr=subprocess.DEVNULL)
+            try:
+                deadline = time.monotonic() + 15
+                while not s.counters()["attached"] and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    run_step(s, 32 * B, 1)
+                self.assertTrue(s.counters()["attached"], "attached once spind is up")
+                grpc.channel_ready_future(channel).result(timeout=5)
+                run_step(s, 32 * B, 1)  # the reopened sequence's first step is dense
+                self.assertEqual(run_step(s, 32 * B, 1), [16], "SPIN through the daemon")
+            finally:
+                daemon.send_signal(signal.SIGTERM)
+                daemon.wait(timeout=20)
+        channel.close()
+
+
+if __name__ == "__main__":
+    unittest.main()
