@@ -23,6 +23,13 @@
 
 #include "resilient_data_plane.h"
 #include "spin/arena.h"
+#if SPIN_HAVE_CUDA
+#include "spin/cuda_data_plane.h"
+#include "spin/shared_device_memory.h"
+#endif
+#if SPIN_TORCH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
 #include "spin/budget.h"
 #include "spin/data_plane.h"
 #include "spin_client.h"
@@ -48,8 +55,10 @@ struct Handle {
   spin::Geometry geometry;
   // Attached to spind.
   std::unique_ptr<spin::client::ResilientDataPlane> resilient;
+  int device = -1;  // CUDA ordinal of the arena, -1: host memory
   // Local.
   std::unique_ptr<void, FreeDeleter> mem;
+  void* device_mem = nullptr;  // local session on a GPU (DeviceAlloc)
   std::unique_ptr<DataPlane> local;
   std::optional<spin::BudgetController> budgets;
   std::vector<uint64_t> curves;
@@ -58,7 +67,57 @@ struct Handle {
   bool write_uniform_table = false;  // local per-layer: the table starts uniform at the target
 
   DataPlane& dp() { return resilient ? static_cast<DataPlane&>(*resilient) : *local; }
+  ~Handle() {
+    resilient.reset();
+    local.reset();
+#if SPIN_HAVE_CUDA
+    if (device_mem != nullptr) spin::DeviceFree(device_mem);
+#endif
+  }
 };
+
+// Reads arena memory: a host copy, or a synchronous device copy (control calls only).
+void ArenaRead(Handle& h, void* dst, const void* src, uint64_t bytes, const char* op) {
+  if (!h.dp().on_device()) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+#if SPIN_HAVE_CUDA
+  Check(spin::CopyToHost(dst, src, bytes), op);
+#else
+  TORCH_CHECK(false, "spind.", op, ": a device arena in a build without CUDA");
+#endif
+}
+
+// The stream the per-step ops enqueue on: torch's current CUDA stream for device sessions.
+cudaStream_t Stream(Handle& h) {
+#if SPIN_TORCH_CUDA
+  if (h.dp().on_device()) return c10::cuda::getCurrentCUDAStream(h.device).stream();
+#endif
+  return nullptr;
+}
+
+spin::ArenaPolicy PolicyOf(Handle& h, const char* op) {
+  spin::ArenaPolicy p;
+  ArenaRead(h, &p, h.dp().arena().policy, sizeof(p), op);
+  return p;
+}
+
+// A local session's new budget table, with a new epoch (the next step uses it).
+void WriteTable(Handle& h, const std::vector<double>& table, const char* op) {
+  const ArenaView& a = h.local->arena();
+  if (!h.local->on_device()) {
+    Check(spin::WriteBudgetTable(a, table), op);
+    return;
+  }
+#if SPIN_HAVE_CUDA
+  Check(spin::ValidateBudgetTable(a.geometry, table), op);
+  Check(spin::CopyToDevice(a.sparsity, table.data(), table.size() * sizeof(double)), op);
+  spin::ArenaPolicy p = PolicyOf(h, op);
+  p.epoch += 1;
+  Check(spin::CopyToDevice(&a.policy->epoch, &p.epoch, sizeof(p.epoch)), op);
+#endif
+}
 
 std::mutex registry_mu;
 std::map<int64_t, std::shared_ptr<Handle>> registry;
@@ -80,9 +139,12 @@ BudgetMode ModeOf(const std::string& m) {
 
 // geometry: [layers, block_size, topk, max_sequences, max_slots, max_rows, state (1 fp32,
 // 2 bf16)]; policy: [target_sparsity, exploration, alpha, probe_period].
+// device: -1 for an arena in host memory (spind's CPU backend, or a local CPU data plane), else
+// the CUDA ordinal the engine runs on (spind's CUDA backend on that GPU, or a local CUDA data
+// plane), which becomes the calling thread's current device.
 int64_t Attach(const std::string& target, std::vector<int64_t> geometry, int64_t seed,
                std::vector<double> policy, const std::string& budget_mode,
-               const std::string& client_name) {
+               const std::string& client_name, int64_t device) {
   TORCH_CHECK(geometry.size() == 7,
               "spind.attach: geometry is [layers, block_size, topk, max_sequences, max_slots, "
               "max_rows, state (1 fp32, 2 bf16)]");
@@ -113,6 +175,48 @@ int64_t Attach(const std::string& target, std::vector<int64_t> geometry, int64_t
   Check(spin::ValidatePolicy(p), "attach");
   TORCH_CHECK(seed >= 0, "spind.attach: seed must be >= 0");
   h->target = target;
+  h->device = static_cast<int>(device);
+#if SPIN_TORCH_CUDA
+  if (device >= 0) {
+    Check(spin::CudaSetDevice(static_cast<int>(device)), "attach");
+    if (!target.empty()) {
+      spin::client::AttachOptions o;
+      o.geometry = g;
+      o.policy = p;
+      o.seed = static_cast<uint64_t>(seed);
+      o.client_name = client_name;
+      absl::StatusOr<std::unique_ptr<spin::client::ResilientDataPlane>> r =
+          spin::client::ResilientDataPlane::CreateOnDevice(target, o,
+                                                           std::chrono::milliseconds(1000));
+      Check(r.status(), "attach");
+      h->resilient = std::move(*r);
+    } else {
+      const uint64_t bytes = spin::ArenaBytes(g);
+      absl::StatusOr<void*> m = spin::DeviceAlloc(bytes);
+      Check(m.status(), "attach");
+      h->device_mem = *m;
+      absl::StatusOr<ArenaView> view =
+          spin::InitDeviceArena(h->device_mem, bytes, g, static_cast<uint64_t>(seed), p);
+      Check(view.status(), "attach");
+      absl::StatusOr<std::unique_ptr<DataPlane>> dp = spin::MakeCudaDataPlane(*view);
+      Check(dp.status(), "attach");
+      h->local = std::move(*dp);
+      if (p.budget_mode == BudgetMode::kPerLayer) {
+        h->budgets.emplace(g);
+        h->curves.resize(static_cast<size_t>(g.layers) * spin::kCurvePoints);
+        h->stats.resize(g.layers);
+        h->write_uniform_table = true;
+      }
+    }
+    std::lock_guard<std::mutex> lock(registry_mu);
+    const int64_t id = next_handle++;
+    registry[id] = std::move(h);
+    return id;
+  }
+#else
+  TORCH_CHECK(device < 0, "spind.attach: this build of the spind package has no CUDA (torch ",
+              TORCH_VERSION, " without CUDA, or spind built without the CUDA toolkit)");
+#endif
   if (!target.empty()) {
     spin::client::AttachOptions o;
     o.geometry = g;
@@ -160,7 +264,7 @@ void ResetSequence(int64_t h, int64_t seq, int64_t key) {
   auto s = Get(h);
   TORCH_CHECK(seq >= 0 && seq < s->geometry.max_seqs, "spind.reset_sequence: sequence ", seq,
               " outside [0, ", s->geometry.max_seqs, ")");
-  Check(s->dp().ResetSequence(static_cast<int32_t>(seq), static_cast<uint64_t>(key)),
+  Check(s->dp().ResetSequence(static_cast<int32_t>(seq), static_cast<uint64_t>(key), Stream(*s)),
         "reset_sequence");
 }
 
@@ -179,8 +283,11 @@ void CheckPlace(Handle& s, const at::Tensor& t, const char* what) {
               s.dp().on_device() ? "on the GPU" : "on the CPU");
 }
 
+// `token` (one int32 on the session's device, never written) is declared mutated by every
+// per-step op: the ops' order on it is the data plane's call order, and a compiler keeps and
+// orders them even though their effects on the arena are invisible to it.
 void BeginStep(int64_t h, const at::Tensor& seq, const at::Tensor& ctx_len, const at::Tensor& q_pos,
-               int64_t rows) {
+               int64_t rows, at::Tensor& token) {
   auto s = Get(h);
   const int64_t n = seq.numel();
   TORCH_CHECK(n <= s->geometry.max_seqs, "spind.begin_step: ", n, " entries; the session holds ",
@@ -189,13 +296,13 @@ void BeginStep(int64_t h, const at::Tensor& seq, const at::Tensor& ctx_len, cons
   const spin::StepBatch b{Int32Data(seq, "seq", n), Int32Data(ctx_len, "ctx_len", n),
                           Int32Data(q_pos, "q_pos", n), static_cast<int32_t>(n),
                           static_cast<int32_t>(rows)};
-  if (s->write_uniform_table) {
-    const ArenaView& a = s->local->arena();
-    const std::vector<double> uniform(a.geometry.layers, a.policy->target_sparsity);
-    Check(spin::WriteBudgetTable(a, uniform), "begin_step");
+  if (s->write_uniform_table) {  // before the first step: a control-plane write
+    const std::vector<double> uniform(s->geometry.layers,
+                                      PolicyOf(*s, "begin_step").target_sparsity);
+    WriteTable(*s, uniform, "begin_step");
     s->write_uniform_table = false;
   }
-  Check(s->dp().BeginStep(b), "begin_step");
+  Check(s->dp().BeginStep(b, Stream(*s)), "begin_step");
   ++s->steps_begun;
 }
 
@@ -217,7 +324,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> Outputs(int64_t h) {
 
 void Select(int64_t h, int64_t layer, const c10::optional<at::Tensor>& block_table,
             at::Tensor& union_count, at::Tensor& union_ids, at::Tensor& phys,
-            at::Tensor& compact_len) {
+            at::Tensor& compact_len, at::Tensor& token) {
   auto s = Get(h);
   const spin::Outputs o = s->dp().outputs();
   TORCH_CHECK(union_count.data_ptr() == o.union_count && union_ids.data_ptr() == o.union_ids &&
@@ -234,20 +341,20 @@ void Select(int64_t h, int64_t layer, const c10::optional<at::Tensor>& block_tab
     table = Int32Data(*block_table, "block_table", 0);
     stride = block_table->size(1);
   }
-  Check(s->dp().Select(static_cast<int32_t>(layer), table, stride), "select");
+  Check(s->dp().Select(static_cast<int32_t>(layer), table, stride, Stream(*s)), "select");
 }
 
-void Remap(int64_t h, at::Tensor& topk) {
+void Remap(int64_t h, at::Tensor& topk, at::Tensor& token) {
   auto s = Get(h);
   CheckPlace(*s, topk, "topk");
   TORCH_CHECK(topk.dim() == 2, "spind.remap: topk must be [entries * rows, count]");
   Check(s->dp().Remap(const_cast<int32_t*>(Int32Data(topk, "topk", 0)),
-                      static_cast<int32_t>(topk.size(1))),
+                      static_cast<int32_t>(topk.size(1)), Stream(*s)),
         "remap");
 }
 
 void Observe(int64_t h, int64_t layer, const at::Tensor& logits,
-             const c10::optional<at::Tensor>& accepted) {
+             const c10::optional<at::Tensor>& accepted, at::Tensor& token) {
   auto s = Get(h);
   CheckPlace(*s, logits, "logits");
   TORCH_CHECK(logits.scalar_type() == at::kFloat, "spind.observe: logits must be float32");
@@ -260,9 +367,9 @@ void Observe(int64_t h, int64_t layer, const at::Tensor& logits,
     CheckPlace(*s, *accepted, "accepted");
     acc = Int32Data(*accepted, "accepted", 0);
   }
-  Check(
-      s->dp().Observe(static_cast<int32_t>(layer), logits.data_ptr<float>(), logits.stride(0), acc),
-      "observe");
+  Check(s->dp().Observe(static_cast<int32_t>(layer), logits.data_ptr<float>(), logits.stride(0),
+                        acc, Stream(*s)),
+        "observe");
 }
 
 // Between steps. Attached: notices a lost daemon and switches in a new session. Local with
@@ -278,23 +385,23 @@ int64_t Refresh(int64_t h) {
   }
   if (!s->budgets) return 0;
   const ArenaView& a = s->local->arena();
-  const uint32_t period = a.policy->probe_period;
+  const spin::ArenaPolicy policy = PolicyOf(*s, "refresh");
   const int64_t t = s->steps_begun - 1;
-  if (period == 0 || t < 0 || t % period != 0) return 0;
-  std::copy(a.curves, a.curves + s->curves.size(), s->curves.begin());
-  std::copy(a.stats, a.stats + s->stats.size(), s->stats.begin());
+  if (policy.probe_period == 0 || t < 0 || t % policy.probe_period != 0) return 0;
+  ArenaRead(*s, s->curves.data(), a.curves, s->curves.size() * sizeof(uint64_t), "refresh");
+  ArenaRead(*s, s->stats.data(), a.stats, s->stats.size() * sizeof(spin::LayerStats), "refresh");
   absl::StatusOr<std::optional<spin::BudgetUpdate>> u =
-      s->budgets->Update(spin::ProbeSnapshot{s->curves, s->stats}, a.policy->target_sparsity);
+      s->budgets->Update(spin::ProbeSnapshot{s->curves, s->stats}, policy.target_sparsity);
   Check(u.status(), "refresh");
   if (!u->has_value()) return 0;
-  Check(spin::WriteBudgetTable(a, (*u)->sparsity), "refresh");
+  WriteTable(*s, (*u)->sparsity, "refresh");
   return 1;
 }
 
 // [target_sparsity, exploration, alpha, probe_period, budget_mode (0 uniform, 1 per-layer)]
 std::vector<double> GetPolicy(int64_t h) {
   auto s = Get(h);
-  const spin::ArenaPolicy& p = *s->dp().arena().policy;
+  const spin::ArenaPolicy p = PolicyOf(*s, "get_policy");
   return {p.target_sparsity, p.exploration, p.alpha, static_cast<double>(p.probe_period),
           p.budget_mode == static_cast<uint32_t>(BudgetMode::kPerLayer) ? 1.0 : 0.0};
 }
@@ -306,7 +413,7 @@ void SetPolicy(int64_t h, c10::optional<double> target_sparsity, c10::optional<d
   TORCH_CHECK(!s->resilient,
               "spind.set_policy: attached sessions are tuned through spind "
               "(spinctl policy set); set_policy changes local sessions");
-  const spin::ArenaPolicy& cur = *s->dp().arena().policy;
+  const spin::ArenaPolicy cur = PolicyOf(*s, "set_policy");
   spin::Policy p;
   p.target_sparsity = target_sparsity.value_or(cur.target_sparsity);
   p.exploration = exploration.value_or(cur.exploration);
@@ -316,7 +423,13 @@ void SetPolicy(int64_t h, c10::optional<double> target_sparsity, c10::optional<d
   p.probe_period = probe_period ? static_cast<uint32_t>(*probe_period) : cur.probe_period;
   p.budget_mode = budget_mode ? ModeOf(*budget_mode) : static_cast<BudgetMode>(cur.budget_mode);
   Check(spin::ValidatePolicy(p), "set_policy");
-  Check(spin::WritePolicy(s->local->arena(), p), "set_policy");
+  if (!s->local->on_device()) {
+    Check(spin::WritePolicy(s->local->arena(), p), "set_policy");
+  } else {
+#if SPIN_HAVE_CUDA
+    Check(spin::WriteDevicePolicy(s->local->arena(), p, Stream(*s)), "set_policy");
+#endif
+  }
 }
 
 // Per layer: steps, dense_steps, probe_steps, blocks_kept, blocks_total, sparse_blocks_kept,
@@ -326,7 +439,8 @@ at::Tensor Stats(int64_t h) {
   const ArenaView& a = s->dp().arena();
   static_assert(sizeof(spin::LayerStats) == 11 * sizeof(uint64_t), "11 counters");
   at::Tensor out = at::empty({static_cast<int64_t>(a.geometry.layers), 11}, at::kLong);
-  std::memcpy(out.data_ptr<int64_t>(), a.stats, a.geometry.layers * sizeof(spin::LayerStats));
+  ArenaRead(*s, out.data_ptr<int64_t>(), a.stats, a.geometry.layers * sizeof(spin::LayerStats),
+            "stats");
   return out;
 }
 
@@ -335,15 +449,14 @@ at::Tensor Budgets(int64_t h) {
   auto s = Get(h);
   const ArenaView& a = s->dp().arena();
   at::Tensor out = at::empty({static_cast<int64_t>(a.geometry.layers)}, at::kDouble);
-  std::memcpy(out.data_ptr<double>(), a.sparsity, a.geometry.layers * sizeof(double));
+  ArenaRead(*s, out.data_ptr<double>(), a.sparsity, a.geometry.layers * sizeof(double), "budgets");
   return out;
 }
 
 // [epoch, budget recomputes (local per-layer), attached (1/0; local sessions 1)]
 std::vector<int64_t> Counters(int64_t h) {
   auto s = Get(h);
-  const ArenaView& a = s->dp().arena();
-  return {static_cast<int64_t>(a.policy->epoch),
+  return {static_cast<int64_t>(PolicyOf(*s, "counters").epoch),
           s->budgets ? static_cast<int64_t>(s->budgets->recomputes()) : 0,
           s->resilient ? (s->resilient->attached() ? 1 : 0) : 1};
 }
@@ -353,19 +466,22 @@ std::vector<int64_t> Counters(int64_t h) {
 TORCH_LIBRARY(spind, m) {
   m.def(
       "attach(str target, int[] geometry, int seed, float[] policy, str budget_mode, "
-      "str client_name) -> int",
+      "str client_name, int device=-1) -> int",
       &Attach);
   m.def("close(int handle) -> ()", &Close);
   m.def("reset_sequence(int handle, int seq, int key) -> ()", &ResetSequence);
-  m.def("begin_step(int handle, Tensor seq, Tensor ctx_len, Tensor q_pos, int rows) -> ()",
-        &BeginStep);
+  m.def(
+      "begin_step(int handle, Tensor seq, Tensor ctx_len, Tensor q_pos, int rows, "
+      "Tensor(t!) token) -> ()",
+      &BeginStep);
   m.def("outputs(int handle) -> (Tensor, Tensor, Tensor, Tensor)", &Outputs);
   m.def(
       "select(int handle, int layer, Tensor? block_table, Tensor(a!) union_count, "
-      "Tensor(b!) union_ids, Tensor(c!) phys, Tensor(d!) compact_len) -> ()",
+      "Tensor(b!) union_ids, Tensor(c!) phys, Tensor(d!) compact_len, Tensor(t!) token) -> ()",
       &Select);
-  m.def("remap(int handle, Tensor(a!) topk) -> ()", &Remap);
-  m.def("observe(int handle, int layer, Tensor logits, Tensor? accepted) -> ()", &Observe);
+  m.def("remap(int handle, Tensor(a!) topk, Tensor(t!) token) -> ()", &Remap);
+  m.def("observe(int handle, int layer, Tensor logits, Tensor? accepted, Tensor(t!) token) -> ()",
+        &Observe);
   m.def("refresh(int handle) -> int", &Refresh);
   m.def("get_policy(int handle) -> float[]", &GetPolicy);
   m.def(

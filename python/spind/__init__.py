@@ -23,6 +23,15 @@ ops = torch.ops.spind
 
 _STATE = {"fp32": 1, "bf16": 2}
 
+# Fake implementations (torch >= 2.4) so torch.compile can trace the per-step ops: they return
+# nothing and change only what their schemas declare mutated.
+if hasattr(torch.library, "register_fake"):
+    def _none(*args, **kwargs):
+        return None
+
+    for _name in ("begin_step", "select", "remap", "observe", "reset_sequence"):
+        torch.library.register_fake(f"spind::{_name}")(_none)
+
 
 class Session:
     """One SPIN session: attached to spind at `target` (fail-open: dense while the daemon is
@@ -31,17 +40,24 @@ class Session:
     def __init__(self, layers, max_slots, *, block_size=64, topk=2048, max_sequences=1,
                  max_rows=1, state="fp32", seed=1, target_sparsity=0.5, exploration=0.05,
                  alpha=0.3, probe_period=0, budget_mode="uniform", target="",
-                 client_name="python"):
+                 client_name="python", device=None):
         if state not in _STATE:
             raise ValueError(f"state must be fp32 or bf16, not {state!r}")
         self.layers = layers
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = device
+        ordinal = -1
+        if device.type == "cuda":
+            ordinal = device.index if device.index is not None else torch.cuda.current_device()
         # A session attached to spind on the CPU backend moves its outputs when it switches to
         # a new daemon session (at begin_step or refresh): the views are taken again there.
-        self._outputs_move = bool(target)
+        self._outputs_move = bool(target) and device.type == "cpu"
         self.handle = ops.attach(
             target, [layers, block_size, topk, max_sequences, max_slots, max_rows, _STATE[state]],
             seed, [float(target_sparsity), float(exploration), float(alpha), float(probe_period)],
-            budget_mode, client_name)
+            budget_mode, client_name, ordinal)
+        # Declared mutated by every per-step op (see ops.cc): orders them.
+        self.token = torch.zeros(1, dtype=torch.int32, device=device)
         self._fetch_outputs()
 
     def _fetch_outputs(self):
@@ -63,19 +79,19 @@ class Session:
         ops.reset_sequence(self.handle, seq, key)
 
     def begin_step(self, seq, ctx_len, q_pos, rows=1):
-        ops.begin_step(self.handle, seq, ctx_len, q_pos, rows)
+        ops.begin_step(self.handle, seq, ctx_len, q_pos, rows, self.token)
         if self._outputs_move:
             self._fetch_outputs()
 
     def select(self, layer, block_table=None):
         ops.select(self.handle, layer, block_table, self.union_count, self.union_ids, self.phys,
-                   self.compact_len)
+                   self.compact_len, self.token)
 
     def remap(self, topk):
-        ops.remap(self.handle, topk)
+        ops.remap(self.handle, topk, self.token)
 
     def observe(self, layer, logits, accepted=None):
-        ops.observe(self.handle, layer, logits, accepted)
+        ops.observe(self.handle, layer, logits, accepted, self.token)
 
     def refresh(self):
         changed = ops.refresh(self.handle)

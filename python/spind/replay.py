@@ -109,13 +109,14 @@ def replay(args, meta, scores, session, dump, progress):
     start = session.stats().tolist()
     start_epoch = session.counters()["epoch"]
     mode = session.policy()["budget_mode"]
-    seq = torch.zeros(1, dtype=torch.int32)
-    ctx_t = torch.zeros(1, dtype=torch.int32)
-    q_t = torch.zeros(1, dtype=torch.int32)
-    acc_t = torch.zeros(1, dtype=torch.int32)
-    logits = torch.empty(rows, stride, dtype=torch.float32)
-    topk = torch.empty(rows, k, dtype=torch.int32)
-    offsets = torch.arange(b, dtype=torch.int64)
+    dev = session.device
+    seq = torch.zeros(1, dtype=torch.int32, device=dev)
+    ctx_t = torch.zeros(1, dtype=torch.int32, device=dev)
+    q_t = torch.zeros(1, dtype=torch.int32, device=dev)
+    acc_t = torch.zeros(1, dtype=torch.int32, device=dev)
+    logits = torch.empty(rows, stride, dtype=torch.float32, device=dev)
+    topk = torch.empty(rows, k, dtype=torch.int32, device=dev)
+    offsets = torch.arange(b, dtype=torch.int64, device=dev)
     miss = [[] for _ in range(layers)]
     for t in range(steps):
         ctx = meta["ctx_len"][t]
@@ -126,7 +127,8 @@ def replay(args, meta, scores, session, dump, progress):
             session.begin_step(seq, ctx_t, q_t, rows)
         except RuntimeError as e:
             raise RuntimeError(f"step {t} layer -1: {e}") from None
-        step_scores = torch.from_numpy(numpy.array(scores[t]))  # a copy: the trace is read-only
+        # a copy: the trace is read-only
+        step_scores = torch.from_numpy(numpy.array(scores[t])).to(dev)
         for layer in range(layers):
             try:
                 dense_before = int(session.stats()[layer, DENSE])
@@ -237,9 +239,8 @@ def main(argv=None):
         print(f"spind.replay: error: {msg}", file=sys.stderr)
         return 1
 
-    if args.backend == "cuda":
-        return fail("--backend cuda: the CUDA path of the torch ops is not built yet "
-                    "(this package drives the CPU backend; use spinctl replay --backend cuda)")
+    if args.backend == "cuda" and not torch.cuda.is_available():
+        return fail("--backend cuda: torch sees no CUDA device")
     if args.budget == "per-layer" and args.probe_period == 0:
         return fail("--budget per-layer needs --probe-period > 0 (the probe steps give the "
                     "miss curves)")
@@ -253,7 +254,7 @@ def main(argv=None):
             max_rows=meta["rows"], state=args.state, seed=args.seed,
             target_sparsity=args.sparsity, exploration=args.exploration, alpha=args.alpha,
             probe_period=args.probe_period, budget_mode=args.budget, target=args.target,
-            client_name="spind.replay")
+            client_name="spind.replay", device="cuda" if args.backend == "cuda" else None)
     except RuntimeError as e:
         return fail(str(e))
     with session:

@@ -93,7 +93,7 @@ class LocalSession(unittest.TestCase):
                 s.select(7)
             with self.assertRaisesRegex(RuntimeError, "not this session's output buffers"):
                 spind.ops.select(s.handle, 0, None, torch.zeros(1, dtype=torch.int32),
-                                 s.union_ids, s.phys, s.compact_len)
+                                 s.union_ids, s.phys, s.compact_len, s.token)
             s.select(0)
             with self.assertRaisesRegex(RuntimeError, "float32"):
                 s.observe(0, torch.zeros(1, 4 * B, dtype=torch.float64))
