@@ -463,6 +463,9 @@ std::vector<int64_t> Counters(int64_t h) {
 
 }  // namespace
 
+// The per-step ops take tensors and are registered per backend (CPU, CUDA), so torch can trace
+// them with the fake implementations the package registers; the control ops take none and have
+// one catch-all kernel.
 TORCH_LIBRARY(spind, m) {
   m.def(
       "attach(str target, int[] geometry, int seed, float[] policy, str budget_mode, "
@@ -470,18 +473,7 @@ TORCH_LIBRARY(spind, m) {
       &Attach);
   m.def("close(int handle) -> ()", &Close);
   m.def("reset_sequence(int handle, int seq, int key) -> ()", &ResetSequence);
-  m.def(
-      "begin_step(int handle, Tensor seq, Tensor ctx_len, Tensor q_pos, int rows, "
-      "Tensor(t!) token) -> ()",
-      &BeginStep);
   m.def("outputs(int handle) -> (Tensor, Tensor, Tensor, Tensor)", &Outputs);
-  m.def(
-      "select(int handle, int layer, Tensor? block_table, Tensor(a!) union_count, "
-      "Tensor(b!) union_ids, Tensor(c!) phys, Tensor(d!) compact_len, Tensor(t!) token) -> ()",
-      &Select);
-  m.def("remap(int handle, Tensor(a!) topk, Tensor(t!) token) -> ()", &Remap);
-  m.def("observe(int handle, int layer, Tensor logits, Tensor? accepted, Tensor(t!) token) -> ()",
-        &Observe);
   m.def("refresh(int handle) -> int", &Refresh);
   m.def("get_policy(int handle) -> float[]", &GetPolicy);
   m.def(
@@ -491,6 +483,28 @@ TORCH_LIBRARY(spind, m) {
   m.def("stats(int handle) -> Tensor", &Stats);
   m.def("budgets(int handle) -> Tensor", &Budgets);
   m.def("counters(int handle) -> int[]", &Counters);
+  m.def(
+      "begin_step(int handle, Tensor seq, Tensor ctx_len, Tensor q_pos, int rows, "
+      "Tensor(t!) token) -> ()");
+  m.def(
+      "select(int handle, int layer, Tensor? block_table, Tensor(a!) union_count, "
+      "Tensor(b!) union_ids, Tensor(c!) phys, Tensor(d!) compact_len, Tensor(t!) token) -> ()");
+  m.def("remap(int handle, Tensor(a!) topk, Tensor(t!) token) -> ()");
+  m.def("observe(int handle, int layer, Tensor logits, Tensor? accepted, Tensor(t!) token) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(spind, CPU, m) {
+  m.impl("begin_step", &BeginStep);
+  m.impl("select", &Select);
+  m.impl("remap", &Remap);
+  m.impl("observe", &Observe);
+}
+
+TORCH_LIBRARY_IMPL(spind, CUDA, m) {
+  m.impl("begin_step", &BeginStep);
+  m.impl("select", &Select);
+  m.impl("remap", &Remap);
+  m.impl("observe", &Observe);
 }
 
 }  // namespace spind_torch
