@@ -322,15 +322,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> Outputs(int64_t h) {
           view(o.phys, {S, o.max_blocks}), view(o.compact_len, {S, o.max_rows})};
 }
 
+// Select writes the layer's outputs into the four tensors. Given the arena's own buffers (from
+// `outputs`, as an eager engine does) that is where the data plane writes anyway; given other
+// tensors of the same shapes (what torch.compile's functionalization passes: copies of them),
+// the buffers are copied into them on the same stream after the selection.
 void Select(int64_t h, int64_t layer, const c10::optional<at::Tensor>& block_table,
             at::Tensor& union_count, at::Tensor& union_ids, at::Tensor& phys,
             at::Tensor& compact_len, at::Tensor& token) {
   auto s = Get(h);
   const spin::Outputs o = s->dp().outputs();
-  TORCH_CHECK(union_count.data_ptr() == o.union_count && union_ids.data_ptr() == o.union_ids &&
-                  phys.data_ptr() == o.phys && compact_len.data_ptr() == o.compact_len,
-              "spind.select: the output tensors are not this session's output buffers (take "
-              "them from spind.outputs, again after a refresh)");
+  const int64_t S = s->geometry.max_seqs;
+  struct Out {
+    at::Tensor* t;
+    const int32_t* arena;
+    int64_t numel;
+    const char* name;
+  };
+  const Out outs[] = {{&union_count, o.union_count, S, "union_count"},
+                      {&union_ids, o.union_ids, S * o.max_blocks, "union_ids"},
+                      {&phys, o.phys, S * o.max_blocks, "phys"},
+                      {&compact_len, o.compact_len, S * o.max_rows, "compact_len"}};
+  for (const Out& x : outs) {
+    CheckPlace(*s, *x.t, x.name);
+    TORCH_CHECK(x.t->scalar_type() == at::kInt && x.t->is_contiguous() && x.t->numel() == x.numel,
+                "spind.select: ", x.name, " must be a contiguous int32 tensor of ", x.numel,
+                " elements (the shapes spind.outputs gives)");
+  }
   TORCH_CHECK(layer >= 0 && layer < s->geometry.layers, "spind.select: layer ", layer,
               " outside [0, ", s->geometry.layers, ")");
   const int32_t* table = nullptr;
@@ -341,7 +358,21 @@ void Select(int64_t h, int64_t layer, const c10::optional<at::Tensor>& block_tab
     table = Int32Data(*block_table, "block_table", 0);
     stride = block_table->size(1);
   }
-  Check(s->dp().Select(static_cast<int32_t>(layer), table, stride, Stream(*s)), "select");
+  cudaStream_t stream = Stream(*s);
+  Check(s->dp().Select(static_cast<int32_t>(layer), table, stride, stream), "select");
+  for (const Out& x : outs) {
+    if (x.t->data_ptr() == x.arena) continue;
+    const size_t bytes = static_cast<size_t>(x.numel) * sizeof(int32_t);
+    if (!s->dp().on_device()) {
+      std::memcpy(x.t->data_ptr(), x.arena, bytes);
+      continue;
+    }
+#if SPIN_TORCH_CUDA
+    const cudaError_t e =
+        cudaMemcpyAsync(x.t->data_ptr(), x.arena, bytes, cudaMemcpyDeviceToDevice, stream);
+    TORCH_CHECK(e == cudaSuccess, "spind.select: copying ", x.name, ": ", cudaGetErrorString(e));
+#endif
+  }
 }
 
 void Remap(int64_t h, at::Tensor& topk, at::Tensor& token) {

@@ -91,9 +91,16 @@ class LocalSession(unittest.TestCase):
             s.begin_step(i32(0), i32(100), i32(99), 1)
             with self.assertRaisesRegex(RuntimeError, "layer 7 outside"):
                 s.select(7)
-            with self.assertRaisesRegex(RuntimeError, "not this session's output buffers"):
-                spind.ops.select(s.handle, 0, None, torch.zeros(1, dtype=torch.int32),
+            with self.assertRaisesRegex(RuntimeError, "union_count must be a contiguous int32"):
+                spind.ops.select(s.handle, 0, None, torch.zeros(2, dtype=torch.int32),
                                  s.union_ids, s.phys, s.compact_len, s.token)
+            # Other tensors of the right shapes (torch.compile passes copies): filled the same.
+            outs = [torch.full_like(t, -7) for t in (s.union_count, s.union_ids, s.phys,
+                                                     s.compact_len)]
+            spind.ops.select(s.handle, 1, None, *outs, s.token)
+            for got, arena in zip(outs, (s.union_count, s.union_ids, s.phys, s.compact_len)):
+                self.assertTrue(torch.equal(got, arena))
+            self.assertEqual(int(outs[0][0]), 2, "100 slots: 2 blocks, dense")
             s.select(0)
             with self.assertRaisesRegex(RuntimeError, "float32"):
                 s.observe(0, torch.zeros(1, 4 * B, dtype=torch.float64))
