@@ -62,6 +62,19 @@ class LocalSession(unittest.TestCase):
             s.remap(topk)
             self.assertEqual(topk.tolist(), [[ids[0] * B, ids[1] * B + 3, -1, -1]])
 
+    def test_select_maps_the_engine_block_table_to_the_compacted_one(self):
+        with spind.Session(1, 32 * B, topk=64, target_sparsity=0.5, exploration=0.0) as s:
+            s.reset_sequence(0, 1)
+            run_step(s, 32 * B, 1)
+            s.begin_step(i32(0), i32(32 * B), i32(32 * B - 1), 1)
+            table = (torch.arange(32, dtype=torch.int32) * 7 + 100)[None]  # physical blocks
+            s.select(0, table)
+            n = int(s.union_count[0])
+            ids = s.union_ids[0, :n].long()
+            self.assertEqual(n, 16)
+            self.assertTrue(torch.equal(s.phys[0, :n], table[0, ids]))
+            self.assertEqual(int(s.compact_len[0, 0]), n * B)
+
     def test_policy_changes_apply_at_the_next_step(self):
         with spind.Session(1, 32 * B, topk=64, target_sparsity=0.5, exploration=0.0) as s:
             s.reset_sequence(0, 1)
