@@ -524,18 +524,16 @@ TORCH_LIBRARY(spind, m) {
   m.def("observe(int handle, int layer, Tensor logits, Tensor? accepted, Tensor(t!) token) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(spind, CPU, m) {
+// One kernel per backend; the functions themselves dispatch on the session.
+void ImplPerStep(torch::Library& m) {
   m.impl("begin_step", &BeginStep);
   m.impl("select", &Select);
   m.impl("remap", &Remap);
   m.impl("observe", &Observe);
 }
 
-TORCH_LIBRARY_IMPL(spind, CUDA, m) {
-  m.impl("begin_step", &BeginStep);
-  m.impl("select", &Select);
-  m.impl("remap", &Remap);
-  m.impl("observe", &Observe);
-}
+TORCH_LIBRARY_IMPL(spind, CPU, m) { ImplPerStep(m); }
+
+TORCH_LIBRARY_IMPL(spind, CUDA, m) { ImplPerStep(m); }
 
 }  // namespace spind_torch

@@ -65,9 +65,16 @@ class Session:
          self.compact_len) = ops.outputs(self.handle)
 
     def close(self):
-        if self.handle is not None:
+        if getattr(self, "handle", None) is not None:
             ops.close(self.handle)
             self.handle = None
+
+    def __del__(self):
+        # A session nobody closed is freed with its object (spind then reclaims its lease).
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the ops may be gone already
+            pass
 
     def __enter__(self):
         return self
