@@ -2,7 +2,8 @@
 exactly what CPU sessions select on the same inputs, a whole step captures in one CUDA graph
 and replays, the per-step ops run under torch.compile(fullgraph=True), opcheck on the ops, and
 a session attached to spind keeps its captured graph through a daemon SIGKILL and restart
-(dense while spind is away, SPIN again once it is back). Run on the GPU machine by
+(dense while spind is away, SPIN again once it is back), with grpcio and protobuf loaded first.
+Run on the GPU machine by
 scripts/gpu-check with PYTHONPATH=<bundle>/python-gpu and SPIND=<bundle>/spind."""
 import os
 import signal
@@ -11,6 +12,8 @@ import tempfile
 import time
 import unittest
 
+import google.protobuf  # noqa: F401  (loaded before spind, as in a vLLM worker)
+import grpc
 import torch
 
 import spind
@@ -212,6 +215,10 @@ class GpuAttached(unittest.TestCase):
             time.sleep(0.05)
             s.refresh()
         self.assertTrue(s.counters()["attached"], "attached to spind")
+        # grpcio in the same process, on the same socket, beside the extension's own gRPC.
+        channel = grpc.insecure_channel(target)
+        grpc.channel_ready_future(channel).result(timeout=5)
+        channel.close()
         s.reset_sequence(0, 5)
         dev = torch.device("cuda")
         seq = torch.zeros(1, dtype=torch.int32, device=dev)
