@@ -18,6 +18,7 @@
 #include "budget_probe.h"
 #include "config.h"
 #include "fd_server.h"
+#include "google/protobuf/stubs/logging.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -55,6 +56,34 @@ void Log(const spin::service::Config& c, const char* level, const std::string& m
   std::fwrite(line.data(), 1, line.size(), stderr);
 }
 
+// protobuf's own log lines (e.g. a request whose string fields are not UTF-8, which any client
+// can send) go through Log, so a JSON log stays JSON, and at most one a second: the rest are
+// counted and reported with the next one, so clients cannot flood the log.
+const spin::service::Config* protobuf_log_config = nullptr;
+
+void ProtobufLog(google::protobuf::LogLevel level, const char* file, int line,
+                 const std::string& message) {
+  static std::mutex mu;
+  static std::chrono::steady_clock::time_point last{};
+  static uint64_t suppressed = 0;
+  std::string text = "protobuf: " + message;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto now = std::chrono::steady_clock::now();
+    if (level < google::protobuf::LOGLEVEL_FATAL && last.time_since_epoch().count() != 0 &&
+        now - last < std::chrono::seconds(1)) {
+      ++suppressed;
+      return;
+    }
+    last = now;
+    if (suppressed > 0) {
+      text += " (and " + std::to_string(suppressed) + " protobuf messages in the last second)";
+    }
+    suppressed = 0;
+  }
+  Log(*protobuf_log_config, level >= google::protobuf::LOGLEVEL_ERROR ? "warning" : "info", text);
+}
+
 // What --max-arena-bytes 0 means: half of the memory where arenas live.
 uint64_t DefaultArenaBytes(spin::service::Backend backend, int device) {
   const uint64_t there = backend == spin::service::Backend::kCuda
@@ -73,6 +102,8 @@ int main(int argc, char** argv) {
     return parsed.exit_code;
   }
   const Config& c = parsed.config;
+  protobuf_log_config = &c;
+  google::protobuf::SetLogHandler(&ProtobufLog);
   // A fixed mmap threshold (glibc raises it after each large free otherwise): blocks of 256 KiB
   // and more, such as the 1 MiB blocks of the request arenas, are mapped and unmapped whole.
   mallopt(M_MMAP_THRESHOLD, 256 << 10);

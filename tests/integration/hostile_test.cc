@@ -587,6 +587,34 @@ TEST(Hostile, JsonLogLinesStayParseableWhateverClientsSend) {
   EXPECT_GE(parsed, 3) << d.log();  // start lines and the two refusals
 }
 
+// Requests whose strings are not UTF-8 make protobuf log from inside spind: those lines go
+// through spind's own log (JSON here) and are rate-limited, so a client cannot flood the log.
+TEST(Hostile, ProtobufLogLinesAreSpindLinesAndRateLimited) {
+  Daemon d({"--log-format", "json"});
+  ASSERT_TRUE(d.ready());
+  auto stub = pb::Spin::NewStub(
+      grpc::CreateChannel("unix://" + d.socket(), grpc::InsecureChannelCredentials()));
+  for (int i = 0; i < 300; ++i) {
+    pb::KeepAliveRequest r;
+    r.mutable_session()->set_session_id(std::string("s-\xff\xfe") + std::to_string(i));
+    r.mutable_session()->set_token("\xc3\x28");
+    pb::KeepAliveResponse resp;
+    grpc::ClientContext ctx;
+    EXPECT_FALSE(stub->KeepAlive(&ctx, r, &resp).ok());
+  }
+  std::this_thread::sleep_for(milliseconds(100));
+  std::istringstream lines(d.log());
+  int protobuf_lines = 0;
+  for (std::string line; std::getline(lines, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    ASSERT_FALSE(j.is_discarded()) << "not a spind JSON line: " << line;
+    if (j.value("msg", "").find("protobuf") != std::string::npos) ++protobuf_lines;
+  }
+  EXPECT_GE(protobuf_lines, 1) << d.log();
+  EXPECT_LE(protobuf_lines, 10) << "300 bad requests, at most one protobuf line a second: "
+                                << d.log();
+}
+
 // Defect 4c: a WatchBudgets subscriber that never reads costs spind O(1) memory.
 TEST(Hostile, SlowBudgetWatchersAreCoalescedNotQueued) {
   Daemon d;
