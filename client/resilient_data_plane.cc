@@ -6,8 +6,8 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "spin/status_macros.h"
 #include "log.h"
+#include "spin/status_macros.h"
 
 #if SPIN_HAVE_CUDA
 #include <cuda_runtime.h>

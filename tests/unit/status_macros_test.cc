@@ -59,10 +59,9 @@ absl::Status UseTwice(bool fail_second) {
   SPIN_ASSIGN_OR_RETURN(std::unique_ptr<int> a,
                         absl::StatusOr<std::unique_ptr<int>>(std::make_unique<int>(1)));
   SPIN_ASSIGN_OR_RETURN(std::unique_ptr<int> b,
-                        fail_second ? absl::StatusOr<std::unique_ptr<int>>(
-                                          absl::NotFoundError("second"))
-                                    : absl::StatusOr<std::unique_ptr<int>>(
-                                          std::make_unique<int>(2)));
+                        fail_second
+                            ? absl::StatusOr<std::unique_ptr<int>>(absl::NotFoundError("second"))
+                            : absl::StatusOr<std::unique_ptr<int>>(std::make_unique<int>(2)));
   return *a + *b == 3 ? absl::OkStatus() : absl::InternalError("sum");
 }
 

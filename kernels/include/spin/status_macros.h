@@ -1,7 +1,8 @@
 // Error propagation over absl::Status, the one way the project passes errors up.
 //
 //   SPIN_RETURN_IF_ERROR(expr);           // expr is an absl::Status (or a StatusOr's .status())
-//   SPIN_ASSIGN_OR_RETURN(T x, expr);     // expr is an absl::StatusOr<T>; x is declared or assigned
+//   SPIN_ASSIGN_OR_RETURN(T x, expr);     // expr is an absl::StatusOr<T>; x is declared or
+//   assigned
 //
 // Both return the failing absl::Status from the enclosing function, which must return
 // absl::Status or absl::StatusOr<U>. Anything else a caller needs to add (context, another code)
@@ -16,11 +17,11 @@
 #define SPIN_STATUS_CONCAT_INNER_(a, b) a##b
 #define SPIN_STATUS_CONCAT_(a, b) SPIN_STATUS_CONCAT_INNER_(a, b)
 
-#define SPIN_RETURN_IF_ERROR(expr)                                           \
-  do {                                                                       \
-    if (::absl::Status spin_status_ = (expr); !spin_status_.ok()) {          \
-      return spin_status_;                                                   \
-    }                                                                        \
+#define SPIN_RETURN_IF_ERROR(expr)                                  \
+  do {                                                              \
+    if (::absl::Status spin_status_ = (expr); !spin_status_.ok()) { \
+      return spin_status_;                                          \
+    }                                                               \
   } while (false)
 
 #define SPIN_ASSIGN_OR_RETURN(lhs, expr) \
