@@ -51,7 +51,6 @@ struct FreeDeleter {
 };
 
 struct Handle {
-  std::string target;
   spin::Geometry geometry;
   // Attached to spind.
   std::unique_ptr<spin::client::ResilientDataPlane> resilient;
@@ -174,46 +173,8 @@ int64_t Attach(const std::string& target, std::vector<int64_t> geometry, int64_t
   Check(spin::ValidateGeometry(g), "attach");
   Check(spin::ValidatePolicy(p), "attach");
   TORCH_CHECK(seed >= 0, "spind.attach: seed must be >= 0");
-  h->target = target;
   h->device = static_cast<int>(device);
-#if SPIN_TORCH_CUDA
-  if (device >= 0) {
-    Check(spin::CudaSetDevice(static_cast<int>(device)), "attach");
-    if (!target.empty()) {
-      spin::client::AttachOptions o;
-      o.geometry = g;
-      o.policy = p;
-      o.seed = static_cast<uint64_t>(seed);
-      o.client_name = client_name;
-      absl::StatusOr<std::unique_ptr<spin::client::ResilientDataPlane>> r =
-          spin::client::ResilientDataPlane::CreateOnDevice(target, o,
-                                                           std::chrono::milliseconds(1000));
-      Check(r.status(), "attach");
-      h->resilient = std::move(*r);
-    } else {
-      const uint64_t bytes = spin::ArenaBytes(g);
-      absl::StatusOr<void*> m = spin::DeviceAlloc(bytes);
-      Check(m.status(), "attach");
-      h->device_mem = *m;
-      absl::StatusOr<ArenaView> view =
-          spin::InitDeviceArena(h->device_mem, bytes, g, static_cast<uint64_t>(seed), p);
-      Check(view.status(), "attach");
-      absl::StatusOr<std::unique_ptr<DataPlane>> dp = spin::MakeCudaDataPlane(*view);
-      Check(dp.status(), "attach");
-      h->local = std::move(*dp);
-      if (p.budget_mode == BudgetMode::kPerLayer) {
-        h->budgets.emplace(g);
-        h->curves.resize(static_cast<size_t>(g.layers) * spin::kCurvePoints);
-        h->stats.resize(g.layers);
-        h->write_uniform_table = true;
-      }
-    }
-    std::lock_guard<std::mutex> lock(registry_mu);
-    const int64_t id = next_handle++;
-    registry[id] = std::move(h);
-    return id;
-  }
-#else
+#if !SPIN_TORCH_CUDA
   TORCH_CHECK(device < 0, "spind.attach: this build of the spind package has no CUDA (torch ",
               TORCH_VERSION, " without CUDA, or spind built without the CUDA toolkit)");
 #endif
@@ -223,19 +184,45 @@ int64_t Attach(const std::string& target, std::vector<int64_t> geometry, int64_t
     o.policy = p;
     o.seed = static_cast<uint64_t>(seed);
     o.client_name = client_name;
-    // Host arenas: spind's CPU backend (the CUDA engine path is CreateOnDevice).
-    o.require_backend = 1;
-    h->resilient = std::make_unique<spin::client::ResilientDataPlane>(
-        target, o, std::chrono::milliseconds(1000));
+    if (device < 0) {
+      o.require_backend = 1;  // host arenas: spind's CPU backend
+      h->resilient = std::make_unique<spin::client::ResilientDataPlane>(
+          target, o, std::chrono::milliseconds(1000));
+    } else {
+#if SPIN_TORCH_CUDA
+      Check(spin::CudaSetDevice(static_cast<int>(device)), "attach");
+      absl::StatusOr<std::unique_ptr<spin::client::ResilientDataPlane>> r =
+          spin::client::ResilientDataPlane::CreateOnDevice(target, o,
+                                                           std::chrono::milliseconds(1000));
+      Check(r.status(), "attach");
+      h->resilient = std::move(*r);
+#endif
+    }
   } else {
     const uint64_t bytes = spin::ArenaBytes(g);
-    h->mem.reset(std::aligned_alloc(spin::kArenaAlign, (bytes + spin::kArenaAlign - 1) /
-                                                           spin::kArenaAlign * spin::kArenaAlign));
-    TORCH_CHECK(h->mem != nullptr, "spind.attach: cannot allocate a ", bytes, "-byte arena");
-    absl::StatusOr<ArenaView> view =
-        spin::InitArena(h->mem.get(), bytes, g, static_cast<uint64_t>(seed), p);
-    Check(view.status(), "attach");
-    h->local = spin::MakeCpuDataPlane(*view);
+    if (device < 0) {
+      h->mem.reset(std::aligned_alloc(
+          spin::kArenaAlign,
+          (bytes + spin::kArenaAlign - 1) / spin::kArenaAlign * spin::kArenaAlign));
+      TORCH_CHECK(h->mem != nullptr, "spind.attach: cannot allocate a ", bytes, "-byte arena");
+      absl::StatusOr<ArenaView> view =
+          spin::InitArena(h->mem.get(), bytes, g, static_cast<uint64_t>(seed), p);
+      Check(view.status(), "attach");
+      h->local = spin::MakeCpuDataPlane(*view);
+    } else {
+#if SPIN_TORCH_CUDA
+      Check(spin::CudaSetDevice(static_cast<int>(device)), "attach");
+      absl::StatusOr<void*> m = spin::DeviceAlloc(bytes);
+      Check(m.status(), "attach");
+      h->device_mem = *m;
+      absl::StatusOr<ArenaView> view =
+          spin::InitDeviceArena(h->device_mem, bytes, g, static_cast<uint64_t>(seed), p);
+      Check(view.status(), "attach");
+      absl::StatusOr<std::unique_ptr<DataPlane>> dp = spin::MakeCudaDataPlane(*view);
+      Check(dp.status(), "attach");
+      h->local = std::move(*dp);
+#endif
+    }
     if (p.budget_mode == BudgetMode::kPerLayer) {
       h->budgets.emplace(g);
       h->curves.resize(static_cast<size_t>(g.layers) * spin::kCurvePoints);
