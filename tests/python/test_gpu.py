@@ -27,6 +27,19 @@ def step_inputs(device, steps, ctx0, width, seed):
     return [torch.randn(1, width, generator=g).to(device) for _ in range(steps)]
 
 
+def capture(step):
+    """Runs step() once eagerly on a side stream (as graph capture wants), then captures it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def run(s, layers, ctx, logits, topk_count):
     """One eager step of sequence 0: per layer select, top-K of the given logits over the
     compacted width, remap, observe. Returns per layer (union ids, remapped top-K)."""
@@ -100,19 +113,12 @@ class Gpu(unittest.TestCase):
                 s.remap(top)
                 s.observe(layer, logits[layer], acc)
 
-        # Warm up eagerly on a side stream, as graph capture wants, then capture.
+        # One eager step (the warm-up, its logits kept for the reference), then the capture.
         g = torch.Generator().manual_seed(9)
         host_logits = []
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            host_logits.append(torch.randn(layers, 1, slots, generator=g))
-            logits.copy_(host_logits[-1].cuda())
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        host_logits.append(torch.randn(layers, 1, slots, generator=g))
+        logits.copy_(host_logits[-1].cuda())
+        graph = capture(step)
         # The eager CPU reference runs the same steps: the warm-up one, then each replay.
         def ref_step(z):
             ref.begin_step(torch.tensor([0], dtype=torch.int32),
@@ -235,14 +241,7 @@ class GpuAttached(unittest.TestCase):
                 kept[layer].copy_(s.union_count[0])
                 s.observe(layer, logits, acc)
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = capture(step)
 
         def replay():
             s.refresh()  # between replays: notices a lost daemon, switches sessions
