@@ -1,0 +1,145 @@
+"""spind_vllm::sparse_attn_indexer, our registered torch op: the indexer with SPIN on decode.
+
+Same arguments as the pinned vllm::sparse_attn_indexer plus `spin_layer`; it mutates
+`topk_indices_buffer` and returns nothing (the layer returns the buffer). It is added to
+CompilationConfig._attention_ops (a splitting op): eager inside piecewise graphs, captured
+inside FULL decode graphs, so the SPIN path below launches only graph-safe work (spind's ops on
+the current stream, the engine's kernels, copies between fixed buffers).
+
+Decode on SPIN, per layer: select(layer, block_table) -> the engine's paged logits over s.phys
+with s.compact_len (and schedule metadata for those lengths) -> top-K over the compacted
+lengths -> s.remap(topk) -> s.observe(layer, logits) (no accepted argument: every row is
+observed; DESIGN §5 holds the data plane's MTP contract). Everything else (prefill, mixed or
+non-uniform batches, profiling runs, MTP draft layers, FP4 caches, compressed caches) calls
+vLLM's own indexer function: dense.
+"""
+import importlib
+import logging
+
+import torch
+
+from . import _state
+from .pinned import SPIND_INDEXER_OP
+
+log = logging.getLogger("spind_vllm")
+
+_SCHEMA = ("sparse_attn_indexer(Tensor hidden_states, str k_cache_prefix, Tensor kv_cache, "
+           "Tensor q_quant, Tensor? q_scale, Tensor? k, Tensor weights, int quant_block_size, "
+           "str? scale_fmt, int topk_tokens, int head_dim, int max_model_len, "
+           "int total_seq_lens, Tensor(a!) topk_indices_buffer, bool skip_k_cache_insert, "
+           "bool use_fp4_cache, int spin_layer) -> ()")
+
+_lib = None
+
+
+def _mod(name):
+    return importlib.import_module(name)
+
+
+def _dense(args, reason):
+    """vLLM's own indexer (the pinned function, called with its 16 positional arguments)."""
+    _state.STATE.note_dense(reason)
+    sai = _mod("vllm.model_executor.layers.sparse_attn_indexer")
+    sai.sparse_attn_indexer(*args)
+
+
+def _why_not_spin(st, layer, md, q_scale, use_fp4_cache, topk_tokens, max_model_len):
+    if st.session is None:
+        return "no session"
+    if not st.spin_step:
+        return st.dense_reason or "step not begun"
+    if layer < 0 or layer >= st.layers:
+        return "layer outside the session (e.g. an MTP draft layer)"
+    if use_fp4_cache or q_scale is not None:
+        return "FP4 indexer cache"
+    if md.num_prefills > 0 or md.decode is None:
+        return "prefill or mixed batch"
+    dec = md.decode
+    if dec.requires_padding or dec.seq_lens.dim() != 2 or dec.seq_lens.shape[1] != st.rows:
+        return "non-uniform or flattened decode"
+    if dec.decode_lens.shape[0] != st.batch_size:
+        return "batch differs from the begun step"
+    if topk_tokens != st.topk:
+        return "top-K differs from the session's"
+    return None
+
+
+def sparse_attn_indexer(hidden_states, k_cache_prefix, kv_cache, q_quant, q_scale, k, weights,
+                        quant_block_size, scale_fmt, topk_tokens, head_dim, max_model_len,
+                        total_seq_lens, topk_indices_buffer, skip_k_cache_insert,
+                        use_fp4_cache, spin_layer):
+    args = (hidden_states, k_cache_prefix, kv_cache, q_quant, q_scale, k, weights,
+            quant_block_size, scale_fmt, topk_tokens, head_dim, max_model_len, total_seq_lens,
+            topk_indices_buffer, skip_k_cache_insert, use_fp4_cache)
+    st = _state.STATE
+    attn_metadata = _mod("vllm.forward_context").get_forward_context().attn_metadata
+    if not isinstance(attn_metadata, dict):  # profiling run: vLLM reserves its workspaces
+        return _dense(args, "profiling run")
+    md = attn_metadata[k_cache_prefix]
+    reason = _why_not_spin(st, spin_layer, md, q_scale, use_fp4_cache, topk_tokens,
+                           max_model_len)
+    if reason is not None:
+        return _dense(args, reason)
+    st.counters["spin_calls"] += 1
+    ops = _mod("vllm._custom_ops")
+    deep_gemm = _mod("vllm.utils.deep_gemm")
+    sai = _mod("vllm.model_executor.layers.sparse_attn_indexer")
+    s = st.session
+
+    # The step's K goes into the indexer cache first, as the dense path does.
+    num_tokens = md.slot_mapping.shape[0]
+    if not skip_k_cache_insert:
+        ops.indexer_k_quant_and_cache(k[:num_tokens], kv_cache, md.slot_mapping,
+                                      quant_block_size, scale_fmt)
+    topk_indices_buffer[: hidden_states.shape[0]] = -1
+
+    dec = md.decode
+    batch = dec.decode_lens.shape[0]
+    next_n = st.rows
+    rows = batch * next_n
+    q = q_quant[:rows].reshape(batch, next_n, *q_quant.shape[1:])
+    s.select(spin_layer, dec.block_table)
+    # [batch, next_n] compacted lengths and the compacted physical block table: prefixes of
+    # the arena's [max_seqs, max_rows] and [max_seqs, max_blocks] buffers (contiguous).
+    compact_len = s.compact_len[:batch, :next_n]
+    phys = s.phys[:batch]
+    schedule = deep_gemm.get_paged_mqa_logits_metadata(compact_len, st.block_size, st.num_sms)
+    logits = deep_gemm.fp8_fp4_paged_mqa_logits(
+        (q, None), sai.kv_cache_as_quant_view(kv_cache, head_dim, False), weights[:rows],
+        compact_len, phys, schedule, max_model_len=max_model_len, clean_logits=False)
+    topk = st.topk_buf
+    topk.fill_(-1)
+    torch.ops._C.top_k_per_row_decode(logits, next_n, compact_len, topk[:rows], rows,
+                                      logits.stride(0), logits.stride(1), topk_tokens)
+    s.remap(topk)  # compacted slots -> logical slots, every begun entry's rows
+    topk_indices_buffer[:rows, :topk_tokens] = topk[:rows]
+    s.observe(spin_layer, logits)
+
+
+def _fake(*args):
+    return None
+
+
+def register_op():
+    """Defines spind_vllm::sparse_attn_indexer once per process (CPU and CUDA kernels, a fake
+    implementation where torch has torch.library.register_fake). Returns the op."""
+    global _lib
+    if _lib is not None:
+        return torch.ops.spind_vllm.sparse_attn_indexer
+    ns, name = SPIND_INDEXER_OP.split("::")
+    lib = torch.library.Library(ns, "DEF")
+    lib.define(_SCHEMA)
+    impl = sparse_attn_indexer
+    try:  # vLLM's breakable-CUDA-graph break point, as its own indexer op has (pinned vLLM)
+        from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+        impl = eager_break_during_capture(impl)
+    except Exception:  # noqa: BLE001 - absent in other versions: nothing to break on
+        pass
+    for key in ("CPU", "CUDA"):
+        lib.impl(name, impl, key)
+    if hasattr(torch.library, "register_fake"):
+        torch.library.register_fake(SPIND_INDEXER_OP)(_fake)
+    else:
+        lib.impl(name, _fake, "Meta")
+    _lib = lib
+    return torch.ops.spind_vllm.sparse_attn_indexer

@@ -1,0 +1,239 @@
+"""The per-step prologue, outside any CUDA graph: request id -> sequence slot, resets, the
+tensor-parallel control broadcast, refresh, and the begin_step of each forward.
+
+Two hooks drive it (docs/vllm.md, "Why a worker class and a builder wrapper"):
+  - `on_schedule(scheduler_output)`, from the --worker-cls subclass before every
+    execute_model: only the scheduler output says which requests are new, finished, preempted or
+    resumed. It frees and assigns slots, resets reopened sequences, adopts rank 0's control
+    (TP > 1) and refreshes the session. This is the step boundary.
+  - `on_build(builder, common_attn_metadata, metadata)`, wrapped around the indexer metadata
+    builder's build: only there are the batch order (decode requests first) and the lengths
+    final. It calls begin_step with one entry per session slot row (padding after the decode
+    requests), and records whether this forward's indexer runs on SPIN.
+"""
+import hashlib
+import logging
+import re
+
+import torch
+
+log = logging.getLogger("spind_vllm")
+
+
+def sequence_key(request_id):
+    """A stable 64-bit key for a request id: blake2b with an 8-byte digest, as a signed int64
+    (spind.Session.reset_sequence takes an int64 and reads its 64 bits unsigned). The same on
+    every process and tensor-parallel rank, unlike Python's salted hash()."""
+    digest = hashlib.blake2b(str(request_id).encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_index(prefix):
+    """The decoder layer number in a vLLM layer prefix ("model.layers.12.self_attn.indexer.
+    k_cache" -> 12); -1 when there is none (such a layer always runs dense)."""
+    m = _LAYER_RE.search(str(prefix))
+    return int(m.group(1)) if m else -1
+
+
+class SlotMap:
+    """Request id -> sequence slot in [0, capacity). Released slots are reused lowest first."""
+
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.slot_of = {}
+        self._free = list(range(capacity - 1, -1, -1))  # pop() gives the lowest
+
+    def assign(self, request_id):
+        """The request's slot, taking a free one if it has none; None when all are taken."""
+        slot = self.slot_of.get(request_id)
+        if slot is None and self._free:
+            slot = self._free.pop()
+            self.slot_of[request_id] = slot
+        return slot
+
+    def release(self, request_id):
+        slot = self.slot_of.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+            self._free.sort(reverse=True)
+        return slot
+
+    def get(self, request_id):
+        return self.slot_of.get(request_id)
+
+
+def broadcast_control(session, group, broadcast=None):
+    """Tensor parallelism: make every rank adopt rank 0's control (policy + budget table) at
+    this step boundary, so that all ranks select identically from the next begin_step on.
+
+    Called only when the group has more than one rank. Every rank takes its own snapshot
+    (`session.control()`, a CPU float64 tensor; all ranks have the same geometry, so the same
+    shape), rank 0's values are broadcast over the group's CPU (gloo) group, and every rank,
+    rank 0 included, adopts the broadcast values: rank 0 too, because its daemon may publish
+    again between the snapshot and the next begin_step. Returns the adopted tensor, or None when
+    it did nothing. `broadcast(tensor, src, group)` defaults to torch.distributed.broadcast over
+    `group.cpu_group`; `group` needs world_size, rank_in_group, ranks (vLLM's GroupCoordinator
+    has them)."""
+    if group is None or group.world_size <= 1:
+        return None
+    if not hasattr(session, "control") or not hasattr(session, "adopt_control"):
+        log.warning("spind_vllm: this spind.Session has no control()/adopt_control(): tensor-"
+                    "parallel ranks may adopt budget changes at different steps")
+        return None
+    snapshot = session.control()
+    if snapshot.dtype != torch.float64 or snapshot.device.type != "cpu":
+        raise RuntimeError(f"spind_vllm: Session.control() gave {snapshot.dtype} on "
+                           f"{snapshot.device}; a CPU float64 tensor is expected")
+    t = snapshot.contiguous().clone()
+    if broadcast is None:
+        torch.distributed.broadcast(t, src=group.ranks[0], group=group.cpu_group)
+    else:
+        broadcast(t, group.ranks[0], group)
+    session.adopt_control(t)
+    return t
+
+
+class PluginState:
+    """What the plugin knows in one worker process. `STATE` below is the process's instance."""
+
+    def __init__(self):
+        self.session = None
+        self.layers = 0           # indexer layers on SPIN: 0 .. layers-1 (MTP layers beyond)
+        self.rows = 1             # 1 + speculative tokens
+        self.block_size = 64
+        self.topk = 2048
+        self.max_seqs = 0
+        self.slots = None
+        self.runner = None        # the model runner (its input_batch.req_ids: the batch order)
+        self.tp_group = None      # a GroupCoordinator when TP > 1
+        self.in_step = False      # inside a real execute_model (not a dummy or capture run)
+        self.step_pending = False # on_schedule ran; the next indexer build begins the step
+        self.spin_step = False    # this forward's indexer batch was begun on SPIN
+        self.dense_reason = "no session"
+        self.batch_size = 0       # decode entries of the begun batch
+        self.num_sms = 0
+        self.topk_layers = []     # (layer, topk_tokens) the SPIN-capable indexer layers noted
+        self.counters = {"resets": 0, "begin_steps": 0, "spin_calls": 0, "dense_calls": 0,
+                         "broadcasts": 0}
+        self.dense_reasons = {}
+        self._buffers = None
+        self.topk_buf = None
+
+    # ---- set-up ----------------------------------------------------------------------------
+    def note_layer(self, layer, topk_tokens):
+        self.topk_layers.append((layer, topk_tokens))
+
+    def attach(self, session, *, layers, rows, block_size, topk, max_seqs, tp_group=None):
+        """Adopt a spind.Session (opened by the worker, or by a test)."""
+        self.session = session
+        self.layers, self.rows, self.block_size = layers, rows, block_size
+        self.topk, self.max_seqs = topk, max_seqs
+        self.slots = SlotMap(max_seqs)
+        self.tp_group = tp_group
+        device = getattr(session, "device", torch.device("cpu"))
+        i32 = dict(dtype=torch.int32, device=device)
+        self._buffers = (torch.full((max_seqs,), -1, **i32), torch.ones(max_seqs, **i32),
+                         torch.zeros(max_seqs, **i32))
+        # Top-K over the compacted logits, remapped in place for all begun entries (padding
+        # entries' rows become -1), then copied into the engine's buffer.
+        self.topk_buf = torch.full((max_seqs * rows, topk), -1, **i32)
+
+    def detach(self):
+        self.__init__()
+
+    # ---- the step boundary (worker) --------------------------------------------------------
+    def _open(self, request_id):
+        slot = self.slots.assign(request_id)
+        if slot is None:
+            log.error("spind_vllm: no free sequence slot for request %s (max_seqs %d)",
+                      request_id, self.max_seqs)
+            return None
+        self.session.reset_sequence(slot, sequence_key(request_id))
+        self.counters["resets"] += 1
+        return slot
+
+    def on_schedule(self, scheduler_output):
+        if self.session is None:
+            return
+        for rid in getattr(scheduler_output, "finished_req_ids", None) or ():
+            self.slots.release(rid)
+        # A preempted request lost its KV cache: its slot is freed; if it comes back it is
+        # resumed (below) and starts over as a fresh sequence.
+        for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            self.slots.release(rid)
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+            self._open(new.req_id)
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        for rid in (getattr(cached, "resumed_req_ids", None) or ()) if cached else ():
+            self.slots.release(rid)  # reset even if it kept its slot: its KV was recomputed
+            self._open(rid)
+        if self.tp_group is not None and self.tp_group.world_size > 1:
+            if broadcast_control(self.session, self.tp_group) is not None:
+                self.counters["broadcasts"] += 1
+        self.session.refresh()
+        self.step_pending = True
+
+    # ---- each forward (indexer metadata builder) -------------------------------------------
+    def _dense_step(self, reason):
+        self.spin_step = False
+        self.dense_reason = reason
+
+    def on_build(self, builder, common_attn_metadata, metadata):
+        if self.session is None:
+            return self._dense_step("no session (is --worker-cls spind_vllm.worker.SpindWorker set?)")
+        real = self.in_step
+        if real and not self.step_pending:
+            return  # a second build in the same step (another group, the MTP drafter)
+        self.step_pending = False
+        if getattr(builder, "compress_ratio", 1) != 1:
+            return self._dense_step("compressed indexer cache (DeepSeek-V4)")
+        spec = getattr(builder, "kv_cache_spec", None)
+        if spec is not None and getattr(spec, "block_size", self.block_size) != self.block_size:
+            return self._dense_step("indexer block size differs from the session's")
+        if metadata.num_prefills > 0 or metadata.decode is None:
+            return self._dense_step("prefill or mixed batch")
+        dec = metadata.decode
+        if dec.requires_padding:
+            return self._dense_step("non-uniform decode lengths")
+        if dec.seq_lens.dim() != 2 or dec.seq_lens.shape[1] != self.rows:
+            return self._dense_step("flattened MTP decode")
+        nd = metadata.num_decodes
+        if nd > self.max_seqs:
+            return self._dense_step("more decode requests than session slots")
+        seq, ctx, qpos = self._buffers
+        seq.fill_(-1)
+        ctx.fill_(1)
+        if real:
+            req_ids = list(self.runner.input_batch.req_ids[:nd]) if self.runner else []
+            slots = [self.slots.get(r) for r in req_ids]
+            if len(slots) != nd or any(s is None for s in slots):
+                # Cannot happen while every scheduled request has a slot; begin an all-padding
+                # batch so no stale batch is replayed, and say so.
+                log.error("spind_vllm: decode requests without a sequence slot: %s", req_ids)
+                nd_live = 0
+            else:
+                seq[:nd] = torch.tensor(slots, dtype=torch.int32)
+                nd_live = nd
+        else:
+            nd_live = 0  # a dummy or capture run: padding entries, the SPIN path is captured
+        if nd_live:
+            # Row 0 of request b sees N = seq_lens[b, 0] slots (vLLM's 2-D decode seq_lens are
+            # L - next_n + j + 1), and its own key is the last of them.
+            ctx[:nd_live] = dec.seq_lens[:nd_live, 0].to(ctx.device, torch.int32)
+        torch.sub(ctx, 1, out=qpos)
+        self.session.begin_step(seq, ctx, qpos, self.rows)
+        self.counters["begin_steps"] += 1
+        self.batch_size = nd
+        self.num_sms = getattr(builder, "num_sms", 0)
+        self.spin_step = True
+        self.dense_reason = None
+
+    def note_dense(self, reason):
+        self.counters["dense_calls"] += 1
+        self.dense_reasons[reason] = self.dense_reasons.get(reason, 0) + 1
+
+
+STATE = PluginState()

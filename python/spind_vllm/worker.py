@@ -1,0 +1,96 @@
+"""SpindWorker: `--worker-cls spind_vllm.worker.SpindWorker`.
+
+vLLM's GPU worker plus spind: after the model is loaded it opens this rank's spind.Session
+(geometry from the vLLM config, policy from SPIND_* environment variables, the same seed on every
+rank), and before every execute_model it runs the step boundary (spind_vllm._state.on_schedule:
+slots, resets, rank 0's control broadcast when TP > 1, refresh). The batch itself is begun by
+the indexer metadata builder's wrapper, inside execute_model.
+"""
+import logging
+import os
+
+from vllm.v1.worker.gpu_worker import Worker
+
+from . import _state
+
+log = logging.getLogger("spind_vllm")
+
+
+def session_options(env=None):
+    """spind.Session keyword arguments from SPIND_* variables (defaults: spind's socket, bf16
+    state, sparsity 0.5, exploration 0.05, alpha 0.3, seed 1, no probes, uniform budgets)."""
+    env = os.environ if env is None else env
+    return dict(
+        target=env.get("SPIND_TARGET", "unix:///run/spin/spind.sock"),
+        state=env.get("SPIND_STATE", "bf16"),
+        seed=int(env.get("SPIND_SEED", "1")),
+        target_sparsity=float(env.get("SPIND_SPARSITY", "0.5")),
+        exploration=float(env.get("SPIND_EXPLORATION", "0.05")),
+        alpha=float(env.get("SPIND_ALPHA", "0.3")),
+        probe_period=int(env.get("SPIND_PROBE_PERIOD", "0")),
+        budget_mode=env.get("SPIND_BUDGET", "uniform"),
+    )
+
+
+def open_session(vllm_config, device, rank, env=None):
+    """Opens the rank's session and hands it to the plugin state; None when SPIND_DISABLE=1 or
+    the model has no SPIN-capable indexer layer."""
+    import spind
+    env = os.environ if env is None else env
+    st = _state.STATE
+    if env.get("SPIND_DISABLE") == "1":
+        log.info("spind_vllm: SPIND_DISABLE=1, every step is dense")
+        return None
+    model = vllm_config.model_config
+    layers = getattr(model.hf_config, "num_hidden_layers", None)
+    noted = [(layer, k) for layer, k in st.topk_layers if layer >= 0]
+    if layers is None:
+        layers = 1 + max((layer for layer, _ in noted), default=-1)
+    noted = [(layer, k) for layer, k in noted if layer < layers]
+    if not noted:
+        log.info("spind_vllm: no DSA indexer layer in this model, spind stays off")
+        return None
+    topk = noted[0][1]
+    block_size = int(env.get("SPIND_BLOCK_SIZE", "64"))  # the indexer cache's page size
+    spec = getattr(vllm_config, "speculative_config", None)
+    rows = 1 + (spec.num_speculative_tokens if spec else 0)
+    max_seqs = vllm_config.scheduler_config.max_num_seqs
+    max_slots = -(-model.max_model_len // block_size) * block_size
+    session = spind.Session(layers, max_slots, block_size=block_size, topk=topk,
+                            max_sequences=max_seqs, max_rows=rows, device=device,
+                            client_name=f"vllm-rank{rank}", **session_options(env))
+    tp_group = None
+    if vllm_config.parallel_config.tensor_parallel_size > 1:
+        from vllm.distributed.parallel_state import get_tp_group
+        tp_group = get_tp_group()
+    st.attach(session, layers=layers, rows=rows, block_size=block_size, topk=topk,
+              max_seqs=max_seqs, tp_group=tp_group)
+    log.info("spind_vllm: rank %d session: %d layers, %d slots, %d sequences, %d rows", rank,
+             layers, max_slots, max_seqs, rows)
+    return session
+
+
+class SpindWorker(Worker):
+    def load_model(self, *args, **kwargs):
+        result = super().load_model(*args, **kwargs)
+        try:
+            open_session(self.vllm_config, self.device, self.rank)
+        except Exception:  # noqa: BLE001 - fail open: vLLM serves dense without spind
+            log.exception("spind_vllm: could not open a session; every step is dense")
+        _state.STATE.runner = self.model_runner
+        return result
+
+    def execute_model(self, scheduler_output):
+        st = _state.STATE
+        st.runner = self.model_runner
+        try:
+            st.on_schedule(scheduler_output)
+        except Exception:  # noqa: BLE001 - never block the engine on SPIN
+            log.exception("spind_vllm: step prologue failed")
+        st.spin_step, st.dense_reason = False, "step not begun"  # until the builder begins it
+        st.in_step = True
+        try:
+            return super().execute_model(scheduler_output)
+        finally:
+            st.in_step = False
+            st.step_pending = False

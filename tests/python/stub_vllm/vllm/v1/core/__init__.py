@@ -1,0 +1,1 @@
+"""STUB (see vllm/__init__.py)."""
