@@ -142,6 +142,52 @@ def kept_blocks(num_blocks, topk, block_size, sparsity):
     return min(num_blocks, max(floor_blocks, max(0, want)))
 
 
+def check_paged_indexer(device, kernel="auto", seed=7):
+    """Self-check of torch.ops.spind.paged_indexer on `device` against float64 on a small random
+    problem (next_n 2, ragged lengths, scattered pages): every logit within the kernels'
+    tolerance (docs/cuda-backend.md: 1e-5 of sum_h |w_h||q_h.k| scale, plus for wgmma, whose fp8
+    tensor cores accumulate with fewer bits, 2^-10 of sum_h |w_h| sum_d |q_hd k_d| scale) and
+    every slot past a row's length untouched. Returns the worst error as a fraction of the
+    tolerance; raises RuntimeError when a logit is out of it."""
+    g = torch.Generator().manual_seed(seed)
+    batch, next_n, pages, width = 4, 2, 40, 10
+    rows = batch * next_n
+    q = torch.randint(0, 255, (rows, INDEX_HEADS, INDEX_DIM), dtype=torch.uint8, generator=g)
+    q[(q & 0x7F) == 0x7F] = 0  # no NaN
+    w = torch.randn(rows, INDEX_HEADS, generator=g)
+    kv = torch.randint(0, 255, (pages, PAGE_BYTES), dtype=torch.uint8, generator=g)
+    kv[:, :KEY_BYTES][(kv[:, :KEY_BYTES] & 0x7F) == 0x7F] = 0
+    kv[:, KEY_BYTES:] = (0.001 + 0.01 * torch.rand(pages, PAGE, generator=g)).view(torch.uint8)
+    table = torch.randperm(pages, generator=g)[: batch * width].view(batch, width).int()
+    lens = torch.randint(1, width * PAGE, (batch, next_n), generator=g).int()
+    out = torch.full((rows, width * PAGE), -1.0, device=device)
+    ops.paged_indexer(q.to(device), w.to(device), kv.to(device), table.to(device),
+                      lens.to(device), out, width, next_n, kernel)
+    out = out.cpu().double()
+    values = fp8_e4m3_values().double()
+    worst = 0.0
+    for row in range(rows):
+        b, r = divmod(row, next_n)
+        n = int(lens[b, r])
+        pg = table[b, : -(-n // PAGE)].long()
+        keys = values[kv[pg, :KEY_BYTES].reshape(-1, INDEX_DIM).long()][:n]
+        scales = kv[pg, KEY_BYTES:].contiguous().view(torch.float32).reshape(-1)[:n].double()
+        qf = values[q[row].long()]
+        wr = w[row].double()[:, None]
+        dots = qf @ keys.t()
+        logit = (wr * torch.relu(dots)).sum(0) * scales
+        mag = (wr.abs() * dots.abs()).sum(0) * scales
+        abs_mag = (wr.abs() * (qf.abs() @ keys.abs().t())).sum(0) * scales
+        tol = 1e-5 * mag + 2.0 ** -10 * abs_mag + 1e-6
+        worst = max(worst, float(((out[row, :n] - logit).abs() / tol).max()))
+        if not bool((out[row, n:] == -1.0).all()):
+            raise RuntimeError(f"paged_indexer on {device}: row {row} wrote past its length {n}")
+    if not worst <= 1.0:
+        raise RuntimeError(f"paged_indexer on {device}: a logit is {worst:.3g} times the "
+                           "tolerance away from float64")
+    return worst
+
+
 class DsaEngine:
     """The engine; see the module docstring. Typical use:
 
