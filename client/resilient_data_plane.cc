@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "log.h"
+#include "spin/budget.h"
 #include "spin/status_macros.h"
 
 #if SPIN_HAVE_CUDA
@@ -192,8 +193,58 @@ absl::Status ResilientDataPlane::Refresh() {
     session_ = std::move(next);
     has_session_ = true;
     lost_ = false;
+    generation_ += 1;
+    if (adopted_policy_) {
+      if (absl::Status s = WriteAdopted(nullptr); !s.ok()) {
+        Log(LogLevel::kError, absl::StrCat("cannot write the adopted control into session ",
+                                           session_->id(), ": ", s.message()));
+      }
+    }
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<Control> ResilientDataPlane::GetControl() {
+  if (!session_) return absl::UnavailableError("no spind session (running dense)");
+  return session_->GetControl();
+}
+
+absl::StatusOr<Policy> ResilientDataPlane::SetPolicy(const PolicyChange& change) {
+  if (!session_) return absl::UnavailableError("no spind session (running dense)");
+  return session_->SetPolicy(change);
+}
+
+absl::Status ResilientDataPlane::AdoptControl(const Policy& policy,
+                                              std::span<const double> layer_sparsity,
+                                              cudaStream_t stream) {
+  SPIN_RETURN_IF_ERROR(ValidatePolicy(policy));
+  SPIN_RETURN_IF_ERROR(ValidateBudgetTable(options_.geometry, layer_sparsity));
+  adopted_policy_ = policy;
+  adopted_table_.assign(layer_sparsity.begin(), layer_sparsity.end());
+  if (!session_) return absl::OkStatus();  // written into the first session switched in
+  return WriteAdopted(stream);
+}
+
+// The adopted policy, then (per-layer mode) the table, into the arena the steps run on.
+absl::Status ResilientDataPlane::WriteAdopted(cudaStream_t stream) {
+  const ArenaView& a = current().arena();
+  const bool per_layer = adopted_policy_->budget_mode == BudgetMode::kPerLayer;
+  if (!on_device_) {
+    SPIN_RETURN_IF_ERROR(WritePolicy(a, *adopted_policy_));
+    if (per_layer) SPIN_RETURN_IF_ERROR(WriteBudgetTable(a, adopted_table_));
+    return absl::OkStatus();
+  }
+#if SPIN_HAVE_CUDA
+  SPIN_RETURN_IF_ERROR(WriteDevicePolicy(a, *adopted_policy_, stream));
+  if (per_layer) {
+    SPIN_RETURN_IF_ERROR(
+        CopyToDevice(a.sparsity, adopted_table_.data(), adopted_table_.size() * sizeof(double)));
+  }
+  return absl::OkStatus();
+#else
+  (void)stream;
+  return absl::InternalError("a device arena in a build without CUDA");
+#endif
 }
 
 absl::Status ResilientDataPlane::Select(int32_t layer, const int32_t* block_table,

@@ -20,6 +20,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -49,6 +51,23 @@ class ResilientDataPlane final : public DataPlane {
 
   /// True while the steps run on a daemon session's arena.
   bool attached() const;
+  /// Sessions switched in so far (0 until the first); each one starts with fresh state.
+  uint64_t generation() const { return generation_; }
+
+  /// The current session's control as spind keeps it (an RPC; between steps). UNAVAILABLE
+  /// without a session.
+  absl::StatusOr<Control> GetControl();
+  /// Asks spind to change the current session's policy (Session::SetPolicy; an RPC, between
+  /// steps). UNAVAILABLE without a session. In an engine_control session it changes the
+  /// proposal, which takes effect once the engine adopts it.
+  absl::StatusOr<Policy> SetPolicy(const PolicyChange& change);
+  /// Writes a policy and budget table into the arena the steps run on, so the next BeginStep
+  /// uses them (engine_control sessions: the engine's step-boundary switch, the same step on
+  /// every tensor-parallel rank). The control is kept and written again into every session
+  /// switched in later; while no session is attached it waits (the dense fallback stays
+  /// dense). Checks everything before writing; on the GPU it synchronises `stream`.
+  absl::Status AdoptControl(const Policy& policy, std::span<const double> layer_sparsity,
+                            cudaStream_t stream = nullptr);
   /// The current session's id ("" when degraded).
   std::string session_id() const;
 
@@ -67,6 +86,7 @@ class ResilientDataPlane final : public DataPlane {
                      DeviceTag);
   void Retry();
   DataPlane& current() const;
+  absl::Status WriteAdopted(cudaStream_t stream);
 
   std::string target_;
   AttachOptions options_;
@@ -82,6 +102,9 @@ class ResilientDataPlane final : public DataPlane {
   std::unique_ptr<Session> ready_;        // attached by the retry thread, switched in at BeginStep
   std::map<int32_t, uint64_t> open_;      // sequences the engine opened, with their keys
   bool lost_ = false;                     // the current session's daemon went away (logged)
+  uint64_t generation_ = 0;               // sessions switched in
+  std::optional<Policy> adopted_policy_;  // the engine's last AdoptControl
+  std::vector<double> adopted_table_;
   std::atomic<bool> has_session_{false};  // session_ != nullptr, for the retry thread's log
   mutable std::mutex mu_;
   std::condition_variable cv_;

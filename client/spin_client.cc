@@ -89,6 +89,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Attach(const std::string& targ
   req.set_seed(o.seed);
   *req.mutable_policy() = ToProto(o.policy);
   req.set_client_name(o.client_name);
+  req.set_engine_control(o.engine_control);
   pb::AttachResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
@@ -106,6 +107,17 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Attach(const std::string& targ
         gpu ? "spind keeps arenas on the GPU; this engine runs on the CPU"
             : "spind keeps arenas in host memory; this engine runs on the GPU (start spind "
               "with --backend cuda on its GPU)");
+  }
+  if (o.engine_control) {
+    // An older spind ignores the field and would write changes into the arena itself.
+    absl::StatusOr<Control> c = s->GetControl();
+    if (!c.ok() || !c->engine_control) {
+      (void)s->Detach();
+      return absl::FailedPreconditionError(absl::StrCat(
+          "spind at ", target, " does not support engine_control sessions (",
+          c.ok() ? "it keeps writing changes into the arena" : c.status().message(),
+          "): upgrade spind"));
+    }
   }
   s->header_ = {};
   if (resp.arena_header().size() == sizeof(ArenaHeader)) {
@@ -287,6 +299,29 @@ absl::StatusOr<Budgets> Session::GetBudgets() {
   b.recomputes = resp.recomputes();
   b.reason = resp.reason();
   return b;
+}
+
+absl::StatusOr<Control> Session::GetControl() {
+  pb::GetBudgetsRequest req;
+  pb::GetBudgetsResponse resp;
+  SPIN_RETURN_IF_ERROR(
+      SessionCall(*stub_, &pb::Spin::Stub::GetBudgets, "GetBudgets", id_, token_, "", req, &resp));
+  if (!resp.has_policy()) {
+    return absl::UnimplementedError(
+        "this spind sends no policy with its budgets (it predates engine control): upgrade it");
+  }
+  Control c;
+  SPIN_ASSIGN_OR_RETURN(c.policy, FromProto(resp.policy()));
+  c.layer_sparsity.assign(resp.layer_sparsity().begin(), resp.layer_sparsity().end());
+  c.version = resp.control_version();
+  c.engine_control = resp.engine_control();
+  const uint32_t layers = view_.geometry.layers;
+  if (layers > 0 && c.layer_sparsity.size() != layers) {
+    return absl::DataLossError(absl::StrCat("spind sent a budget table of ",
+                                            c.layer_sparsity.size(), " layers for a session of ",
+                                            layers));
+  }
+  return c;
 }
 
 absl::StatusOr<std::vector<LayerStats>> Session::GetStats() {

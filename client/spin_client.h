@@ -41,6 +41,10 @@ struct AttachOptions {
   /// Refuse a daemon whose arenas live elsewhere (checked right after Attach, before any fd
   /// is fetched or memory imported): 0 = either, 1 = host memory only, 2 = GPU only.
   int require_backend = 0;
+  /// The engine adopts policy and budget changes itself (Session::GetControl, then a write into
+  /// the arena at a step boundary): spind only proposes them. For tensor-parallel groups, whose
+  /// ranks must switch at the same step (docs/vllm.md).
+  bool engine_control = false;
 };
 
 /// A policy change (Session::SetPolicy): the fields that are set change, the rest stay. Takes
@@ -60,6 +64,15 @@ struct Budgets {
   BudgetMode mode = BudgetMode::kUniform;
   uint64_t recomputes = 0;  ///< per-layer mode: tables written so far
   std::string reason;       ///< why the last one was written (docs/budgets.md)
+};
+
+/// A session's control as spind keeps it: the policy and the per-layer budget table, with a
+/// version bumped by every change of either. An engine_control session's engine adopts it.
+struct Control {
+  Policy policy;
+  std::vector<double> layer_sparsity;
+  uint64_t version = 0;
+  bool engine_control = false;
 };
 
 /// The fd-socket handshake (docs/spind.md): connects to `path`, asks for session `id`'s arena
@@ -101,6 +114,8 @@ class Session {
   absl::StatusOr<Policy> SetPolicy(const PolicyChange& change);
   /// The per-layer budget table.
   absl::StatusOr<Budgets> GetBudgets();
+  /// The policy and budget table together, with their version (one call, one snapshot).
+  absl::StatusOr<Control> GetControl();
   /// Per-layer statistics since attach, indexed by layer.
   absl::StatusOr<std::vector<LayerStats>> GetStats();
   /// False once spind closed the session's fd connection (it exited or freed the session).

@@ -9,18 +9,22 @@ namespace spin::service {
 
 absl::Status WriteSessionPolicy(Session& s, const Policy& p) {
   SPIN_RETURN_IF_ERROR(ValidatePolicy(p));
-  SPIN_RETURN_IF_ERROR(s.arena->WritePolicy(p));
+  // An engine_control session's engine writes the arena at a step boundary (the proposal is
+  // what GetBudgets returns).
+  if (!s.engine_control) SPIN_RETURN_IF_ERROR(s.arena->WritePolicy(p));
   s.policy = p;
   if (p.budget_mode == BudgetMode::kUniform) {
     s.budgets_written.assign(s.geometry.layers, p.target_sparsity);
   }
+  s.control_version += 1;
   return absl::OkStatus();
 }
 
 absl::Status WriteSessionBudgets(Session& s, const std::vector<double>& sparsity) {
   SPIN_RETURN_IF_ERROR(ValidateBudgetTable(s.geometry, sparsity));
-  SPIN_RETURN_IF_ERROR(s.arena->WriteBudgets(sparsity.data()));
+  if (!s.engine_control) SPIN_RETURN_IF_ERROR(s.arena->WriteBudgets(sparsity.data()));
   s.budgets_written = sparsity;
+  s.control_version += 1;
   return absl::OkStatus();
 }
 

@@ -41,7 +41,8 @@ bool ConstantTimeEquals(std::string_view a, std::string_view b) {
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const Geometry& g, uint64_t seed,
                                                                 const Policy& policy,
-                                                                const std::string& client_name) {
+                                                                const std::string& client_name,
+                                                                bool engine_control) {
   SPIN_RETURN_IF_ERROR(ValidateGeometry(g));
   SPIN_RETURN_IF_ERROR(ValidatePolicy(policy));
   const uint64_t bytes = ArenaBytes(g);
@@ -72,6 +73,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const Geometry& 
   s->created_unix_seconds = static_cast<int64_t>(std::time(nullptr));
   s->bytes = bytes;
   s->policy = policy;
+  s->engine_control = engine_control;
   if (executor_ != nullptr) s->strand = std::make_shared<Strand>(executor_);
   s->budgets_written.assign(g.layers, policy.target_sparsity);
   absl::StatusOr<std::string> id = RandomHex(8), token = RandomHex(16);

@@ -48,6 +48,12 @@ struct Session {
   Policy policy;
   /// The budget table spind wrote last (one sparsity per layer), for the same reason.
   std::vector<double> budgets_written;
+  /// The engine adopts policy and budget changes at a step boundary (AttachRequest
+  /// engine_control): spind keeps `policy` and `budgets_written` as the proposed control and
+  /// never writes them into the arena.
+  bool engine_control = false;
+  /// Bumped by every change of `policy` or `budgets_written`.
+  uint64_t control_version = 0;
   /// Remote mode: the step spind began (its own copy; the arena's batch header is not trusted).
   int32_t remote_n = 0, remote_rows = 0;
   bool remote_selected = false;  ///< a PredictMasks of the current remote step ran
@@ -91,7 +97,8 @@ class SessionManager {
   /// bad values, RESOURCE_EXHAUSTED past the limits.
   absl::StatusOr<std::shared_ptr<Session>> Attach(const Geometry& g, uint64_t seed,
                                                   const Policy& policy,
-                                                  const std::string& client_name);
+                                                  const std::string& client_name,
+                                                  bool engine_control = false);
 
   /// The session `id` if `token` matches: NOT_FOUND for an unknown id, PERMISSION_DENIED for a
   /// wrong token. A successful Get renews the session's lease.

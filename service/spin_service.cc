@@ -35,6 +35,9 @@ pb::GetBudgetsResponse Budgets(const Session& s) {
   r.set_budget_mode(ToProto(s.policy).budget_mode());
   r.set_recomputes(s.budget_recomputes);
   r.set_reason(s.budget_reason);
+  *r.mutable_policy() = ToProto(s.policy);
+  r.set_control_version(s.control_version);
+  r.set_engine_control(s.engine_control);
   return r;
 }
 
@@ -357,7 +360,7 @@ grpc::ServerUnaryReactor* SpinService::Attach(grpc::CallbackServerContext* ctx,
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   executor_.Post([this, reactor, req, resp, t0, g = *g, p] {
     absl::StatusOr<std::shared_ptr<Session>> s =
-        sessions_->Attach(g, req->seed(), p, req->client_name());
+        sessions_->Attach(g, req->seed(), p, req->client_name(), req->engine_control());
     absl::Status st = s.status();
     if (s.ok()) {
       const Session& session = **s;

@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <map>
 #include <memory>
@@ -143,7 +144,7 @@ BudgetMode ModeOf(const std::string& m) {
 // plane), which becomes the calling thread's current device.
 int64_t Attach(const std::string& target, std::vector<int64_t> geometry, int64_t seed,
                std::vector<double> policy, const std::string& budget_mode,
-               const std::string& client_name, int64_t device) {
+               const std::string& client_name, int64_t device, bool engine_control) {
   TORCH_CHECK(geometry.size() == 7,
               "spind.attach: geometry is [layers, block_size, topk, max_sequences, max_slots, "
               "max_rows, state (1 fp32, 2 bf16)]");
@@ -184,6 +185,7 @@ int64_t Attach(const std::string& target, std::vector<int64_t> geometry, int64_t
     o.policy = p;
     o.seed = static_cast<uint64_t>(seed);
     o.client_name = client_name;
+    o.engine_control = engine_control;
     if (device < 0) {
       o.require_backend = 1;  // host arenas: spind's CPU backend
       h->resilient = std::make_unique<spin::client::ResilientDataPlane>(
@@ -428,16 +430,25 @@ void SetPolicy(int64_t h, c10::optional<double> target_sparsity, c10::optional<d
                c10::optional<double> alpha, c10::optional<int64_t> probe_period,
                c10::optional<std::string> budget_mode) {
   auto s = Get(h);
-  TORCH_CHECK(!s->resilient,
-              "spind.set_policy: attached sessions are tuned through spind "
-              "(spinctl policy set); set_policy changes local sessions");
+  TORCH_CHECK(!probe_period || (*probe_period >= 0 && *probe_period <= UINT32_MAX),
+              "spind.set_policy: probe_period out of range");
+  if (s->resilient) {
+    // Attached: spind changes it (from the next step; in an engine_control session, once the
+    // engine adopts its control).
+    spin::client::PolicyChange c;
+    if (target_sparsity) c.target_sparsity = *target_sparsity;
+    if (exploration) c.exploration = *exploration;
+    if (alpha) c.alpha = static_cast<float>(*alpha);
+    if (probe_period) c.probe_period = static_cast<uint32_t>(*probe_period);
+    if (budget_mode) c.budget_mode = ModeOf(*budget_mode);
+    Check(s->resilient->SetPolicy(c).status(), "set_policy");
+    return;
+  }
   const spin::ArenaPolicy cur = PolicyOf(*s, "set_policy");
   spin::Policy p;
   p.target_sparsity = target_sparsity.value_or(cur.target_sparsity);
   p.exploration = exploration.value_or(cur.exploration);
   p.alpha = static_cast<float>(alpha.value_or(cur.alpha));
-  TORCH_CHECK(!probe_period || (*probe_period >= 0 && *probe_period <= UINT32_MAX),
-              "spind.set_policy: probe_period out of range");
   p.probe_period = probe_period ? static_cast<uint32_t>(*probe_period) : cur.probe_period;
   p.budget_mode = budget_mode ? ModeOf(*budget_mode) : static_cast<BudgetMode>(cur.budget_mode);
   Check(spin::ValidatePolicy(p), "set_policy");
@@ -471,12 +482,105 @@ at::Tensor Budgets(int64_t h) {
   return out;
 }
 
-// [epoch, budget recomputes (local per-layer), attached (1/0; local sessions 1)]
+// The session's control as one float64 tensor, what a tensor-parallel group broadcasts from
+// rank 0 (docs/vllm.md): [version, attached, target_sparsity, exploration, alpha, probe_period,
+// budget_mode (0 uniform, 1 per-layer), sparsity of layer 0 .. L-1]. Attached sessions ask spind
+// (an RPC; between steps): its proposal in an engine_control session. Without a session (dense,
+// or spind away), and for local sessions, it is what the arena holds, with version -1 and
+// attached 0 (local: version = the arena's epoch, attached 1).
+constexpr int64_t kControlHead = 7;
+
+at::Tensor GetControl(int64_t h) {
+  auto s = Get(h);
+  const int64_t L = s->geometry.layers;
+  at::Tensor out = at::empty({kControlHead + L}, at::kDouble);
+  double* o = out.data_ptr<double>();
+  auto fill = [&](double version, double attached, const spin::Policy& p, const double* table) {
+    o[0] = version;
+    o[1] = attached;
+    o[2] = p.target_sparsity;
+    o[3] = p.exploration;
+    o[4] = p.alpha;
+    o[5] = p.probe_period;
+    o[6] = p.budget_mode == BudgetMode::kPerLayer ? 1.0 : 0.0;
+    std::copy(table, table + L, o + kControlHead);
+  };
+  if (s->resilient) {
+    absl::StatusOr<spin::client::Control> c = s->resilient->GetControl();
+    if (c.ok()) {
+      TORCH_CHECK(static_cast<int64_t>(c->layer_sparsity.size()) == L,
+                  "spind.control: spind sent ", c->layer_sparsity.size(), " layers, not ", L);
+      fill(static_cast<double>(c->version), 1.0, c->policy, c->layer_sparsity.data());
+      return out;
+    }
+  }
+  const ArenaView& a = s->dp().arena();
+  const spin::ArenaPolicy ap = PolicyOf(*s, "control");
+  std::vector<double> table(L);
+  ArenaRead(*s, table.data(), a.sparsity, L * sizeof(double), "control");
+  spin::Policy p;
+  p.target_sparsity = ap.target_sparsity;
+  p.exploration = ap.exploration;
+  p.alpha = ap.alpha;
+  p.probe_period = ap.probe_period;
+  p.budget_mode = static_cast<BudgetMode>(ap.budget_mode);
+  if (s->resilient) {
+    fill(-1.0, 0.0, p, table.data());
+  } else {
+    fill(static_cast<double>(ap.epoch), 1.0, p, table.data());
+  }
+  return out;
+}
+
+// Writes a control tensor (GetControl's layout; version and attached are not read) into the
+// session: it takes effect at the next begin_step. Everything is checked first; a bad tensor
+// changes nothing.
+void AdoptControl(int64_t h, const at::Tensor& control) {
+  auto s = Get(h);
+  const int64_t L = s->geometry.layers;
+  TORCH_CHECK(control.device().is_cpu() && control.scalar_type() == at::kDouble &&
+                  control.dim() == 1 && control.numel() == kControlHead + L,
+              "spind.adopt_control: control must be a CPU float64 tensor of ", kControlHead + L,
+              " values (what control() returns), got ", control.scalar_type(), " ",
+              control.sizes(), " on ", control.device());
+  const at::Tensor c = control.contiguous();
+  const double* v = c.data_ptr<double>();
+  TORCH_CHECK(v[5] >= 0 && v[5] <= UINT32_MAX && v[5] == std::floor(v[5]),
+              "spind.adopt_control: probe_period ", v[5], " is not a count");
+  TORCH_CHECK(v[6] == 0.0 || v[6] == 1.0, "spind.adopt_control: budget_mode ", v[6],
+              " is neither 0 (uniform) nor 1 (per-layer)");
+  spin::Policy p;
+  p.target_sparsity = v[2];
+  p.exploration = v[3];
+  p.alpha = static_cast<float>(v[4]);
+  p.probe_period = static_cast<uint32_t>(v[5]);
+  p.budget_mode = v[6] == 1.0 ? BudgetMode::kPerLayer : BudgetMode::kUniform;
+  const std::vector<double> table(v + kControlHead, v + kControlHead + L);
+  Check(spin::ValidatePolicy(p), "adopt_control");
+  Check(spin::ValidateBudgetTable(s->geometry, table), "adopt_control");
+  if (s->resilient) {
+    Check(s->resilient->AdoptControl(p, table, Stream(*s)), "adopt_control");
+    return;
+  }
+  // Local: the policy, then a per-layer table (uniform mode writes its own).
+  if (!s->local->on_device()) {
+    Check(spin::WritePolicy(s->local->arena(), p), "adopt_control");
+  } else {
+#if SPIN_HAVE_CUDA
+    Check(spin::WriteDevicePolicy(s->local->arena(), p, Stream(*s)), "adopt_control");
+#endif
+  }
+  if (p.budget_mode == BudgetMode::kPerLayer) WriteTable(*s, table, "adopt_control");
+}
+
+// [epoch, budget recomputes (local per-layer), attached (1/0; local sessions 1), generation
+// (spind sessions switched in so far; each starts with fresh state)]
 std::vector<int64_t> Counters(int64_t h) {
   auto s = Get(h);
   return {static_cast<int64_t>(PolicyOf(*s, "counters").epoch),
           s->budgets ? static_cast<int64_t>(s->budgets->recomputes()) : 0,
-          s->resilient ? (s->resilient->attached() ? 1 : 0) : 1};
+          s->resilient ? (s->resilient->attached() ? 1 : 0) : 1,
+          s->resilient ? static_cast<int64_t>(s->resilient->generation()) : 0};
 }
 
 }  // namespace
@@ -487,7 +591,7 @@ std::vector<int64_t> Counters(int64_t h) {
 TORCH_LIBRARY(spind, m) {
   m.def(
       "attach(str target, int[] geometry, int seed, float[] policy, str budget_mode, "
-      "str client_name, int device=-1) -> int",
+      "str client_name, int device=-1, bool engine_control=False) -> int",
       &Attach);
   m.def("close(int handle) -> ()", &Close);
   m.def("reset_sequence(int handle, int seq, int key) -> ()", &ResetSequence);
@@ -501,6 +605,8 @@ TORCH_LIBRARY(spind, m) {
   m.def("stats(int handle) -> Tensor", &Stats);
   m.def("budgets(int handle) -> Tensor", &Budgets);
   m.def("counters(int handle) -> int[]", &Counters);
+  m.def("control(int handle) -> Tensor", &GetControl);
+  m.def("adopt_control(int handle, Tensor control) -> ()", &AdoptControl);
   m.def(
       "begin_step(int handle, Tensor seq, Tensor ctx_len, Tensor q_pos, int rows, "
       "Tensor(t!) token) -> ()");

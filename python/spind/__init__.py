@@ -40,7 +40,7 @@ class Session:
     def __init__(self, layers, max_slots, *, block_size=64, topk=2048, max_sequences=1,
                  max_rows=1, state="fp32", seed=1, target_sparsity=0.5, exploration=0.05,
                  alpha=0.3, probe_period=0, budget_mode="uniform", target="",
-                 client_name="python", device=None):
+                 client_name="python", device=None, engine_control=False):
         if state not in _STATE:
             raise ValueError(f"state must be fp32 or bf16, not {state!r}")
         self.layers = layers
@@ -55,7 +55,7 @@ class Session:
         self.handle = ops.attach(
             target, [layers, block_size, topk, max_sequences, max_slots, max_rows, _STATE[state]],
             seed, [float(target_sparsity), float(exploration), float(alpha), float(probe_period)],
-            budget_mode, client_name, ordinal)
+            budget_mode, client_name, ordinal, bool(engine_control))
         # Declared mutated by every per-step op (see ops.cc): orders them.
         self.token = torch.zeros(1, dtype=torch.int32, device=device)
         self._fetch_outputs()
@@ -123,5 +123,19 @@ class Session:
         return ops.budgets(self.handle)
 
     def counters(self):
-        epoch, recomputes, attached = ops.counters(self.handle)
-        return {"epoch": epoch, "budget_recomputes": recomputes, "attached": bool(attached)}
+        epoch, recomputes, attached, generation = ops.counters(self.handle)
+        return {"epoch": epoch, "budget_recomputes": recomputes, "attached": bool(attached),
+                "generation": generation}
+
+    def control(self):
+        """The session's control, a CPU float64 tensor: [version, attached, target_sparsity,
+        exploration, alpha, probe_period, budget_mode (0 uniform, 1 per-layer), the sparsity
+        of each layer]. Attached: what spind proposes (an RPC; call between steps). What a
+        tensor-parallel group's rank 0 broadcasts (docs/vllm.md)."""
+        return ops.control(self.handle)
+
+    def adopt_control(self, control):
+        """Makes `control` (control()'s layout) the session's policy and budget table from the
+        next begin_step. With engine_control=True spind never changes them itself, so every
+        rank that adopts the same tensor at the same step boundary selects the same blocks."""
+        ops.adopt_control(self.handle, control)
