@@ -99,6 +99,45 @@ Geometry TraceGeometry(const TraceMeta& meta, int64_t n_max, StateDtype dtype) {
   return g;
 }
 
+namespace {
+
+// What the CPU backend's Observe reads about a step besides the logits: the batch header, the
+// entry of slot 0 and the last Select's outputs. The emulated MTP modes put a step's context
+// back to observe its rows later (host arena, one entry).
+struct StepContext {
+  BatchHeader header{};
+  StepEntry entry{};
+  int32_t count = 0;
+  std::vector<int32_t> ids, clen;
+
+  void Save(const ArenaView& a) {
+    header = *a.batch;
+    entry = a.entries[0];
+    count = a.union_count[0];
+    ids.assign(a.union_ids, a.union_ids + a.max_blocks);
+    clen.assign(a.compact_len, a.compact_len + a.geometry.max_rows);
+  }
+  void Restore(const ArenaView& a) const {
+    *a.batch = header;
+    a.entries[0] = entry;
+    a.union_count[0] = count;
+    std::copy(ids.begin(), ids.end(), a.union_ids);
+    std::copy(clen.begin(), clen.end(), a.compact_len);
+  }
+};
+
+}  // namespace
+
+absl::StatusOr<MtpObserve> ParseMtpObserve(const std::string& name) {
+  if (name == "same-step") return MtpObserve::kSameStep;
+  if (name == "row0") return MtpObserve::kRow0;
+  if (name == "all") return MtpObserve::kAll;
+  if (name == "deferred") return MtpObserve::kDeferred;
+  if (name == "late") return MtpObserve::kLate;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown MTP observe mode '", name, "' (expected same-step, row0, all, deferred or late)"));
+}
+
 absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
                                        const ReplayOptions& options) {
   const TraceMeta& meta = trace.meta();
@@ -126,13 +165,13 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
   const int64_t stride = static_cast<int64_t>(max_blocks) * b;
   PlaneMemory mem(dp.on_device());
   // The engine's per-step buffers, in the data plane's memory (fixed addresses).
-  absl::StatusOr<void*> p_batch = mem.Alloc(4 * sizeof(int32_t));
+  absl::StatusOr<void*> p_batch = mem.Alloc(6 * sizeof(int32_t));
   absl::StatusOr<void*> p_logits = mem.Alloc(stride * rows * sizeof(float));
   absl::StatusOr<void*> p_topk = mem.Alloc(static_cast<size_t>(rows) * k * sizeof(int32_t));
   for (const auto* p : {&p_batch, &p_logits, &p_topk}) {
     if (!p->ok()) return p->status();
   }
-  int32_t* d_batch = static_cast<int32_t*>(*p_batch);  // seq, ctx, q, accepted
+  int32_t* d_batch = static_cast<int32_t*>(*p_batch);  // seq, ctx, q, accepted, 1, rows
   float* d_logits = static_cast<float*>(*p_logits);
   int32_t* d_topk = static_cast<int32_t*>(*p_topk);
 
@@ -185,15 +224,46 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
     return write_table();
   };
 
+  // The emulated MTP modes keep each layer's last step (its context and logits) to observe it
+  // at the next step.
+  const MtpObserve mtp = options.mtp_observe;
+  const bool emulated = mtp == MtpObserve::kDeferred || mtp == MtpObserve::kLate;
+  if (emulated && (dp.on_device() || policy.probe_period != 0 || mode != BudgetMode::kUniform)) {
+    return absl::InvalidArgumentError(
+        "the deferred and late MTP observe modes are emulated on the CPU backend with uniform "
+        "budgets and no probe steps (use --backend cpu --probe-period 0 --budget uniform)");
+  }
+  std::vector<StepContext> held(emulated ? meta.layers : 0);
+  std::vector<std::vector<float>> held_logits(held.size());
+  std::vector<int32_t> held_accepted(held.size(), 0);
+  StepContext now_ctx;
+  auto observe_held = [&](int l, bool restore_outputs) -> absl::Status {
+    if (held_accepted[l] == 0) return {};
+    now_ctx.Save(a);
+    held[l].Restore(a);
+    int32_t acc = held_accepted[l];
+    SPIN_RETURN_IF_ERROR(dp.Observe(l, held_logits[l].data(), stride, &acc));
+    held_accepted[l] = 0;
+    if (restore_outputs) {
+      now_ctx.Restore(a);
+    } else {
+      *a.batch = now_ctx.header;
+      a.entries[0] = now_ctx.entry;
+    }
+    return {};
+  };
+
   for (int t = 0; t < meta.steps; ++t) {
     const int32_t ctx = meta.ctx_len[t];
-    const int32_t host_batch[4] = {0, ctx, meta.q_pos[t],
-                                   meta.accepted.empty() ? rows : meta.accepted[t]};
+    const int32_t accepted_t = meta.accepted.empty() ? rows : meta.accepted[t];
+    const int32_t host_batch[6] = {0, ctx, meta.q_pos[t], accepted_t, 1, rows};
     SPIN_RETURN_IF_ERROR(mem.Put(d_batch, host_batch, sizeof(host_batch)));
     const StepBatch batch{d_batch, d_batch + 1, d_batch + 2, 1, rows};
     if (absl::Status s = dp.BeginStep(batch); !s.ok()) return fail(t, -1, s);
     for (int l = 0; l < meta.layers; ++l) {
-      absl::Status s = mem.Get(&before, a.stats + l, sizeof(before));
+      // deferred: the draft rows of the last step go in before this step selects.
+      absl::Status s = mtp == MtpObserve::kDeferred ? observe_held(l, false) : absl::OkStatus();
+      if (s.ok()) s = mem.Get(&before, a.stats + l, sizeof(before));
       if (s.ok()) s = dp.Select(l);
       if (s.ok()) s = mem.Get(&after, a.stats + l, sizeof(after));
       int32_t count = 0;
@@ -225,7 +295,36 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
       if (s.ok()) s = dp.Remap(d_topk, k);
       if (s.ok()) s = mem.Get(sparse_topk.data(), d_topk, sparse_topk.size() * sizeof(int32_t));
       if (s.ok()) s = mem.Put(d_logits, logits.data(), logits.size() * sizeof(float));
-      if (s.ok()) s = dp.Observe(l, d_logits, stride, d_batch + 3);
+      switch (mtp) {
+        case MtpObserve::kSameStep:
+          if (s.ok()) s = dp.Observe(l, d_logits, stride, d_batch + 3);
+          break;
+        case MtpObserve::kRow0:
+          if (s.ok()) s = dp.Observe(l, d_logits, stride, d_batch + 4);
+          break;
+        case MtpObserve::kAll:
+          if (s.ok()) s = dp.Observe(l, d_logits, stride, d_batch + 5);
+          break;
+        case MtpObserve::kDeferred:
+          // Row 0 now; rows 1.. are held, with row 0 blanked (non-finite scores are skipped).
+          if (s.ok()) s = dp.Observe(l, d_logits, stride, d_batch + 4);
+          if (s.ok() && accepted_t > 1) {
+            held[l].Save(a);
+            held_logits[l] = logits;
+            std::fill(held_logits[l].begin(), held_logits[l].begin() + stride, NAN);
+            held_accepted[l] = accepted_t;
+          }
+          break;
+        case MtpObserve::kLate:
+          // The last step's rows now, after this step's selection; this step's wait.
+          if (s.ok()) s = observe_held(l, true);
+          if (s.ok()) {
+            held[l].Save(a);
+            held_logits[l] = logits;
+            held_accepted[l] = accepted_t;
+          }
+          break;
+      }
       if (!s.ok()) return fail(t, l, s);
       // Miss of row 0: dense top-K slots that the sparse top-K lost, i.e. that lie in skipped
       // blocks (a dense top-K slot in a selected block is in the sparse top-K too).

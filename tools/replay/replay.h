@@ -22,6 +22,20 @@ namespace spin {
 /// Which data plane runs the replay.
 enum class ReplayBackend { kCpu, kCuda };
 
+/// When the rows of an MTP step are observed (DESIGN §5, docs/lab/mtp-contract.md). kSameStep,
+/// kRow0 and kAll need nothing the data plane lacks; kDeferred and kLate are emulated here on the
+/// CPU backend (uniform budgets, no probes) to measure what the others would cost.
+enum class MtpObserve {
+  kSameStep,  ///< rows 0..accepted-1 at the step itself (acceptance known in advance: offline)
+  kRow0,      ///< row 0 at once, draft rows never (the engine contract)
+  kAll,       ///< every row at once, accepted or not
+  kDeferred,  ///< row 0 at once, rows 1..accepted-1 at the next step before its selection
+  kLate,      ///< rows 0..accepted-1 at the next step, after its selection
+};
+
+/// Parses "same-step", "row0", "all", "deferred" or "late".
+absl::StatusOr<MtpObserve> ParseMtpObserve(const std::string& name);
+
 /// What to replay with.
 struct ReplayOptions {
   ReplayBackend backend = ReplayBackend::kCpu;
@@ -30,6 +44,7 @@ struct ReplayOptions {
   uint64_t sequence_key = 0;  ///< the trace's sequence key
   StateDtype dtype = StateDtype::kFp32;
   std::string dump_path;  ///< JSONL, one line per (step, layer); empty = none
+  MtpObserve mtp_observe = MtpObserve::kSameStep;  ///< MTP traces: when draft rows are observed
   /// Per-layer budgets (the arena's policy in kPerLayer mode): run the daemon's
   /// BudgetController in process, fed after every probe step, writing the budget table and
   /// advancing the epoch when it recomputes; the table starts uniform at the target. False: the

@@ -165,6 +165,9 @@ int main(int argc, char** argv) {
   g->add_option("--needles", gen.shift_needles, "Needle runs per shift")->capture_default_str();
   g->add_option("--noise", gen.noise_scale, "Scale of the per-step noise")->capture_default_str();
   g->add_option("--drift", gen.drift_scale, "Scale of the slow drift")->capture_default_str();
+  g->add_flag("--shuffle-rejected", gen.shuffle_rejected,
+             "MTP: shuffle each rejected draft row's scores over its slots (rejected drafts "
+             "then carry no information about where later queries look)");
   g->add_option("--nonfinite-rate", gen.nonfinite_rate,
                 "Fraction of scores replaced by NaN/inf (to exercise bad-score handling)")
       ->capture_default_str();
@@ -211,6 +214,15 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   r->add_option("--backend", backend, "Data plane: cpu (reference) or cuda (needs a GPU)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  std::string mtp_observe = "same-step";
+  r->add_option("--mtp-observe", mtp_observe,
+                "MTP traces: when draft rows are observed: same-step (acceptance known, offline), "
+                "row0 (the engine contract: drafts never), all (every row, accepted or not), "
+                "or the emulated deferred (drafts at the "
+                "next step, before it selects) and late (all rows one step late); "
+                "docs/lab/mtp-contract.md")
+      ->check(CLI::IsMember({"same-step", "row0", "all", "deferred", "late"}))
       ->capture_default_str();
   r->add_option("--dump", ro.dump_path,
                 "Write JSONL, one line per (step, layer): selected blocks and row-0 miss");
@@ -335,6 +347,11 @@ int main(int argc, char** argv) {
   ro.dtype = state == "bf16" ? StateDtype::kBf16 : StateDtype::kFp32;
   ro.backend = backend == "cuda" ? ReplayBackend::kCuda : ReplayBackend::kCpu;
   ro.policy.budget_mode = budget == "per-layer" ? BudgetMode::kPerLayer : BudgetMode::kUniform;
+  if (absl::StatusOr<MtpObserve> m = ParseMtpObserve(mtp_observe); m.ok()) {
+    ro.mtp_observe = *m;
+  } else {
+    return Fail(m.status());
+  }
   if (absl::Status s = ValidatePolicy(ro.policy); !s.ok()) return Fail(s);
   if (ro.policy.budget_mode == BudgetMode::kPerLayer) {
     if (ro.policy.probe_period == 0) {

@@ -309,6 +309,14 @@ absl::Status GenerateTrace(const std::string& dir, const GenTraceOptions& o) {
     if (o.rows > 1) {
       while (accepted < o.rows && rng.Uniform() < o.accept_rate) ++accepted;
     }
+    if (o.shuffle_rejected) {
+      for (int l = 0; l < L; ++l) {
+        for (int r = accepted; r < o.rows; ++r) {
+          float* out = step_scores.data() + (static_cast<size_t>(l) * o.rows + r) * n;
+          for (int i = ctx + r - 1; i > 0; --i) std::swap(out[i], out[rng.Between(0, i)]);
+        }
+      }
+    }
     SPIN_RETURN_IF_ERROR(writer.WriteStep(step_scores.data(), q0, ctx, o.rows > 1 ? accepted : -1));
     ctx += accepted;
   }

@@ -35,6 +35,10 @@ struct GenTraceOptions {
   double noise_scale = 1.0;     ///< multiplies the per-step score noise of every layer
   double drift_scale = 1.0;     ///< multiplies the speed of the slow drift of every layer
   double nonfinite_rate = 0.0;  ///< fraction of valid scores replaced by NaN/+inf/-inf
+  /// rows > 1: shuffle the scores of each rejected draft row over its valid slots, so a
+  /// rejected draft's query looks at unrelated places (the worst case for observing it; by
+  /// default a rejected row is drawn like an accepted one).
+  bool shuffle_rejected = false;
 };
 
 /// Checks the options (positive sizes, prompt fits, rates in [0, 1]); one line per problem.
