@@ -326,7 +326,7 @@ class CpuDataPlane final : public DataPlane {
       T* d = v + g.max_slots;
       const int32_t* ids = a_.union_ids + static_cast<int64_t>(e) * a_.max_blocks;
       const int32_t count = a_.union_count[e];
-      const int32_t acc = accepted ? accepted[e] : rows;
+      const int32_t acc = accepted ? accepted[e] : 1;  // no acceptance known: row 0
       uint64_t observed = 0, bad = 0;
       // The V summary of each block the last applied row touched (earlier rows touch a subset;
       // other union blocks keep their V, so their summaries stand) is folded during that row's

@@ -287,21 +287,23 @@ class CudaDataPlane final : public DataPlane {
 
   // Observe's launches: the entries' bookkeeping (validation, fresh flag, probe miss curve), then
   // one EMA launch per row, in row order (the prefix-valid replay), of the kernel for the arena's
-  // state type and the logits' layout (after EmaWord or Ema, the V summaries).
+  // state type and the logits' layout (after EmaWord or Ema, the V summaries). Without an
+  // accepted array only row 0 is applied (the engine contract), so only its launch is made.
   cudaError_t LaunchObserve(int32_t layer, const float* logits, int64_t logits_stride,
                             const int32_t* accepted, cudaStream_t stream) {
     SPIN_CUDA_RETURN_IF_ERROR(
         ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride, accepted, stream));
+    const int32_t rows = accepted ? rows_ : 1;
     if (ck::EmaVecFits(d_, logits, logits_stride)) {
-      return ck::LaunchEmaVec(d_, layer, n_, rows_, logits, logits_stride, accepted,
+      return ck::LaunchEmaVec(d_, layer, n_, rows, logits, logits_stride, accepted,
                               ema_vec_resident_, stream);
     }
     if (ck::EmaWordFits(d_)) {
-      SPIN_CUDA_RETURN_IF_ERROR(ck::LaunchEmaWord(d_, layer, n_, rows_, logits, logits_stride,
+      SPIN_CUDA_RETURN_IF_ERROR(ck::LaunchEmaWord(d_, layer, n_, rows, logits, logits_stride,
                                                   accepted, ema_resident_, stream));
     } else {
       SPIN_CUDA_RETURN_IF_ERROR(
-          ck::LaunchEma(d_, layer, n_, rows_, logits, logits_stride, accepted, stream));
+          ck::LaunchEma(d_, layer, n_, rows, logits, logits_stride, accepted, stream));
     }
     return ck::LaunchVSummary(d_, layer, n_, stream);
   }

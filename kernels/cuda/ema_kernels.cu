@@ -27,8 +27,8 @@ constexpr int kEmaSegs = 1;
 // itself with independent loads (e < the host's n <= max_seqs, so they are in bounds), so the
 // CTA waits for one memory latency and no barrier; rows <= kMaxRows <= 32, so lane rr checks
 // row rr's compacted length against the stride. `active` (uniform over the CTA) is false when
-// the row is not applied: padding, r >= accepted, accepted out of range, or a stride below a
-// compacted row. (The fresh flag is ProbeKernel's.)
+// the row is not applied: padding, r >= accepted (1 without an accepted array), accepted out of
+// range, or a stride below a compacted row. (The fresh flag is ProbeKernel's.)
 struct EmaRow {
   StepEntry en;
   int rows, len;
@@ -49,7 +49,7 @@ __device__ __forceinline__ EmaRow EmaRowOf(const Dev& d, int layer, int r, int64
   w.alpha = d.policy->alpha;
   w.beta = d.policy->beta;
   w.len = __shfl_sync(kAll, lane_len, r % 32);
-  w.active = RowApplied(e, batch_n, w.en.seq, r, w.rows, accepted ? acc_in : w.rows, fit);
+  w.active = RowApplied(e, batch_n, w.en.seq, r, w.rows, accepted ? acc_in : 1, fit);
   return w;
 }
 
@@ -361,7 +361,7 @@ __global__ void __launch_bounds__(kEmaThreads)
       const int acc_in = accepted ? accepted[e] : 0;
       int len;
       const bool fit = RowsFitStride(d, e, rows, stride, r, len);
-      const bool ok = RowApplied(e, batch_n, en.seq, r, rows, accepted ? acc_in : rows, fit);
+      const bool ok = RowApplied(e, batch_n, en.seq, r, rows, accepted ? acc_in : 1, fit);
       cnt[u] = ok ? (len + 63) / 64 : 0;
       s_len[i] = len;
       s_q[i] = en.q_pos + r;

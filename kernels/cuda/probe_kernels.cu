@@ -355,7 +355,7 @@ __global__ void __launch_bounds__(kProbeThreads)
   if (threadIdx.x < 32) {
     for (int e = g; e < batch_n; e += G) {
       const StepEntry en = d.entries[e];
-      const int acc = accepted ? accepted[e] : rows;
+      const int acc = accepted ? accepted[e] : 1;
       const bool fit = RowsFitWarp(LaneRowLen(d, e), rows, stride);
       if (lane == 0 && en.seq >= 0) {
         uint8_t* fresh = d.fresh + static_cast<int64_t>(en.seq) * d.layers + layer;

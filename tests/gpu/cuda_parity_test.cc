@@ -171,8 +171,12 @@ class Twin {
       ASSERT_TRUE(cpu_.dp().Remap(idx.data(), kTopK).ok());
       ASSERT_TRUE(gpu_->Remap(d_idx_->as<int32_t>(), kTopK).ok());
       ASSERT_EQ(ToHost(d_idx_->as<int32_t>(), idx.size()), idx) << "remap, step " << step;
-      ASSERT_TRUE(cpu_.dp().Observe(l, logits.data(), stride_, acc.data()).ok());
-      ASSERT_TRUE(gpu_->Observe(l, d_logits_->as<float>(), stride_, d_acc_->as<int32_t>()).ok());
+      // The engine contract passes no accepted counts: row 0 only on both backends.
+      ASSERT_TRUE(cpu_.dp().Observe(l, logits.data(), stride_, no_accepted_ ? nullptr : acc.data())
+                      .ok());
+      ASSERT_TRUE(gpu_->Observe(l, d_logits_->as<float>(), stride_,
+                                no_accepted_ ? nullptr : d_acc_->as<int32_t>())
+                      .ok());
       if (after_observe_) after_observe_(step, l);
     }
     CUDA_OK(cudaDeviceSynchronize());
@@ -184,6 +188,8 @@ class Twin {
 
   // Called after each layer's Observe in Step (step, layer): events in the middle of a step.
   void AfterObserve(std::function<void(int, int)> f) { after_observe_ = std::move(f); }
+  // Observe without accepted counts (the engine's MTP contract).
+  void NoAccepted() { no_accepted_ = true; }
 
   // Select(l) on both backends now, and their outputs compared.
   void SelectAndCompare(int l, int n, int rows, const std::string& what) {
@@ -242,6 +248,7 @@ class Twin {
   int64_t stride_ = 0;
   std::mt19937 rng_{3};
   std::function<void(int, int)> after_observe_;
+  bool no_accepted_ = false;
   ScoreFn score_ = Score;
 };
 
@@ -250,6 +257,7 @@ struct Scenario {
   int rows;
   double rho, gamma;
   uint32_t period;
+  bool engine_contract = false;  ///< Observe without accepted counts (row 0 only)
 };
 
 // max_slots 64 * 40 + 17 runs the word-access EMA kernel (EmaWordKernel) and slot-by-slot block
@@ -283,6 +291,7 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uin
   CudaDataPlaneOptions options;
   options.ahead_group_layers = ahead_group;
   Twin t(g, p, 99, stride_pad, options);
+  if (sc.engine_contract) t.NoAccepted();
   int step_n = 0;  // entries of the current step
   if (mid_step) {
     t.AfterObserve([&](int step, int l) {
@@ -315,7 +324,7 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uin
     step_n = static_cast<int>(seq.size());
     t.Step(seq, c, q, sc.rows, acc, step);
     for (size_t e = 0; e < seq.size(); ++e) {
-      if (seq[e] >= 0) ctx[seq[e]] += std::max(1, acc[e]);
+      if (seq[e] >= 0) ctx[seq[e]] += std::max(1, acc[e]);  // the engine's contexts still grow
     }
   }
   t.ExpectSameArena("end of run");
@@ -333,6 +342,13 @@ TEST_F(CudaTest, ParityFp32SingleRow) { RunScenario({StateDtype::kFp32, 1, 0.5, 
 TEST_F(CudaTest, ParityFp32Mtp) { RunScenario({StateDtype::kFp32, 3, 0.6, 0.2, 4}); }
 TEST_F(CudaTest, ParityBf16SingleRow) { RunScenario({StateDtype::kBf16, 1, 0.4, 0.05, 5}); }
 TEST_F(CudaTest, ParityBf16Mtp) { RunScenario({StateDtype::kBf16, 2, 0.7, 0.25, 2}); }
+// MTP as an engine runs it: Observe with no accepted counts applies row 0 only.
+TEST_F(CudaTest, ParityFp32MtpEngineContract) {
+  RunScenario({StateDtype::kFp32, 4, 0.5, 0.1, 3, true});
+}
+TEST_F(CudaTest, ParityBf16MtpEngineContract) {
+  RunScenario({StateDtype::kBf16, 3, 0.6, 0.2, 0, true});
+}
 TEST_F(CudaTest, ParityNoExplorationNoProbes) { RunScenario({StateDtype::kFp32, 1, 0.3, 0.0, 0}); }
 
 // The step's selections made ahead in groups of 1 and 2 layers instead of all 3 at once, and

@@ -2,6 +2,7 @@
 // curves, reset) and the no-change guarantee of rejected calls, on the CPU backend.
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -122,6 +123,35 @@ TEST(Observe, MtpReplaysOnlyAcceptedRowsInOrder) {
   EXPECT_TRUE(std::isnan(u.Get(0, 0, 0, 5)));
   // Not a byte of the arena changed: state, summaries, statistics, curves, outputs.
   EXPECT_TRUE(u.Snapshot() == before) << "Observe with accepted = 0 changed the arena";
+}
+
+// The engine contract for MTP: acceptance is unknown when a layer observes, so Observe without
+// accepted counts applies row 0 only: byte for byte what accepted = 1 does, and not what
+// accepting every row does.
+TEST(Observe, WithoutAcceptedCountsOnlyRowZeroIsApplied) {
+  OneSeqStep s{0, 100, 99};
+  const int stride = 128;
+  std::vector<float> z(3 * stride, 0.0f);
+  for (int r = 0; r < 3; ++r) {
+    for (int i = 0; i < 100 + r; ++i) z[r * stride + i] = static_cast<float>(10 * (r + 1) + i % 7);
+  }
+  auto run = [&](const int32_t* accepted) {
+    auto t = std::make_unique<TestArena>(Geo(256, 64, 3), Pol(0.0, 0.5f));
+    EXPECT_TRUE(t->dp().ResetSequence(0, 1).ok());
+    EXPECT_TRUE(t->dp().BeginStep(s.batch(3)).ok());
+    EXPECT_TRUE(t->dp().Select(0).ok());
+    EXPECT_TRUE(t->dp().Observe(0, z.data(), stride, accepted).ok());
+    return t;
+  };
+  const int32_t one = 1, all = 3;
+  auto none = run(nullptr);
+  auto row0 = run(&one);
+  auto every = run(&all);
+  EXPECT_TRUE(none->Snapshot() == row0->Snapshot()) << "no accepted counts != accepted 1";
+  EXPECT_FALSE(none->Snapshot() == every->Snapshot()) << "draft rows were applied";
+  EXPECT_EQ(none->Get(0, 0, 0, 5), 15.0f);                // row 0's score, 10 + 5 % 7
+  EXPECT_TRUE(std::isnan(none->Get(0, 0, 0, 100)));       // only draft rows reach slot 100
+  EXPECT_FALSE(none->Fresh(0, 0));
 }
 
 // The probe tests' sequence: 10 blocks, K = 128 (2 blocks at least), probe period 2, target 0.5.

@@ -87,8 +87,10 @@ class DataPlane {
 
   /// Feeds back the indexer logits of layer `layer` for the current step. Entry e, row r,
   /// compacted slot c is logits[(e * rows + r) * logits_stride + c], for c below the row's
-  /// compacted length. Rows 0..accepted[e]-1 are applied in order (accepted == nullptr: all
-  /// rows). Non-finite scores are skipped and counted. On a probe step, row 0's dense top-K
+  /// compacted length. Rows 0..accepted[e]-1 are applied in order; accepted == nullptr applies
+  /// row 0 only, the engine contract for MTP (an engine learns acceptance after every layer's
+  /// Observe of the step; docs/lab/mtp-contract.md has the measurements behind it). An offline
+  /// replay that knows acceptance passes it. Non-finite scores are skipped and counted. On a probe step, row 0's dense top-K
   /// (computed from the logits) is scored against the layer's miss curve first.
   virtual absl::Status Observe(int32_t layer, const float* logits, int64_t logits_stride,
                                const int32_t* accepted = nullptr,
