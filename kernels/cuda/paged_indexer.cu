@@ -232,16 +232,4 @@ absl::Status LaunchPagedIndexer(const PagedIndexerArgs& a, cudaStream_t stream) 
   return absl::OkStatus();
 }
 
-const char* IndexerKernelName(IndexerKernel k) {
-  return k == IndexerKernel::kWgmma ? "wgmma" : "mma.sync";
-}
-
-float Fp8E4m3ToFloat(uint8_t v) {
-  const int sign = v >> 7, exp = (v >> 3) & 0xF, man = v & 7;
-  if (exp == 0xF && man == 7) return NAN;
-  const float mag = exp == 0 ? std::ldexp(static_cast<float>(man) / 8.0f, -6)
-                             : std::ldexp(1.0f + static_cast<float>(man) / 8.0f, exp - 7);
-  return sign ? -mag : mag;
-}
-
 }  // namespace spin

@@ -1,6 +1,7 @@
 // torch.ops.spind.paged_indexer: the reference fp8 paged indexer (kernels/include/spin/
 // paged_indexer.h) as a torch op, for the DSA decode engine (python/spind/dsa_engine.py) and
-// its tests and benchmark.
+// its tests and benchmark; and torch.ops.spind.row_topk, the engine's top-k over each row's
+// valid prefix (kernels/include/spin/row_topk.h).
 //
 //   logits[row][s] = sum_h w[row][h] * ReLU(q[row][h] . k[s]) * scale[s]
 //
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "spin/paged_indexer.h"
+#include "spin/row_topk.h"
 #if SPIN_TORCH_CUDA
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -42,19 +44,7 @@ using spin::kPageSlots;
 const std::array<float, 256>& Fp8Table() {
   static const std::array<float, 256> table = [] {
     std::array<float, 256> t{};
-    for (int v = 0; v < 256; ++v) {
-#if SPIN_HAVE_CUDA
-      t[v] = spin::Fp8E4m3ToFloat(static_cast<uint8_t>(v));
-#else
-      // Built without the CUDA toolkit, kernels/cuda (where spin::Fp8E4m3ToFloat lives) is not
-      // linked: the same decoding (bias 7, subnormals below exponent field 1, NaN at S.1111.111).
-      const int sign = v >> 7, exp = (v >> 3) & 0xF, man = v & 7;
-      float mag = exp == 0 ? std::ldexp(static_cast<float>(man) / 8.0f, -6)
-                           : std::ldexp(1.0f + static_cast<float>(man) / 8.0f, exp - 7);
-      if (exp == 0xF && man == 7) mag = NAN;
-      t[v] = sign ? -mag : mag;
-#endif
-    }
+    for (int v = 0; v < 256; ++v) t[v] = spin::Fp8E4m3ToFloat(static_cast<uint8_t>(v));
     return t;
   }();
   return table;
@@ -241,18 +231,73 @@ void PagedIndexerCuda(const at::Tensor& q, const at::Tensor& weights, const at::
 }
 #endif
 
+// row_topk: out[r][0..k) = the k best of logits[r][0..lens[r]) (spin/row_topk.h).
+spin::RowTopKArgs RowTopKArgsOf(const at::Tensor& logits, const at::Tensor& lens, int64_t k,
+                                at::Tensor& out) {
+  constexpr const char* op = "spind.row_topk";
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
+                  (logits.size(1) <= 1 || logits.stride(1) == 1),
+              op, ": logits must be float32 [rows, width] with unit column stride, got ",
+              logits.scalar_type(), " ", logits.sizes());
+  TORCH_CHECK(lens.scalar_type() == at::kInt && lens.dim() == 1 && lens.is_contiguous() &&
+                  lens.size(0) == logits.size(0),
+              op, ": lens must be contiguous int32 [rows] (rows = ", logits.size(0), "), got ",
+              lens.scalar_type(), " ", lens.sizes());
+  TORCH_CHECK(out.scalar_type() == at::kInt && out.dim() == 2 && out.size(0) == logits.size(0) &&
+                  out.size(1) >= k && (out.size(1) <= 1 || out.stride(1) == 1),
+              op, ": out must be int32 [rows, >= k] with unit column stride, got ",
+              out.scalar_type(), " ", out.sizes());
+  TORCH_CHECK(lens.device() == logits.device() && out.device() == logits.device(), op,
+              ": logits, lens and out must be on one device");
+  TORCH_CHECK(k >= 1 && k <= 8192, op, ": k ", k, " outside [1, 8192]");
+  TORCH_CHECK(logits.size(0) <= INT32_MAX, op, ": too many rows");
+  spin::RowTopKArgs a;
+  a.logits = logits.data_ptr<float>();
+  a.logits_stride = logits.size(0) > 0 ? logits.stride(0) : logits.size(1);
+  a.width = logits.size(1);
+  a.lens = lens.data_ptr<int32_t>();
+  a.rows = static_cast<int32_t>(logits.size(0));
+  a.k = static_cast<int32_t>(k);
+  a.out = out.data_ptr<int32_t>();
+  a.out_stride = out.size(0) > 0 ? out.stride(0) : out.size(1);
+  return a;
+}
+
+void RowTopKCpu(const at::Tensor& logits, const at::Tensor& lens, int64_t k, at::Tensor& out) {
+  const spin::RowTopKArgs a = RowTopKArgsOf(logits, lens, k, out);
+  const absl::Status s = spin::RowTopKHost(a);
+  TORCH_CHECK(s.ok(), "spind.row_topk: ", std::string(s.message()));
+}
+
+#if SPIN_TORCH_CUDA
+void RowTopKCuda(const at::Tensor& logits, const at::Tensor& lens, int64_t k, at::Tensor& out) {
+  const spin::RowTopKArgs a = RowTopKArgsOf(logits, lens, k, out);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const absl::Status s = spin::LaunchRowTopK(
+      a, c10::cuda::getCurrentCUDAStream(logits.device().index()).stream());
+  TORCH_CHECK(s.ok(), "spind.row_topk: ", std::string(s.message()));
+}
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(spind, m) {
+  m.def("row_topk(Tensor logits, Tensor lens, int k, Tensor(a!) out) -> ()");
   m.def(
       "paged_indexer(Tensor q, Tensor weights, Tensor kv, Tensor table, Tensor lens, "
       "Tensor(a!) logits, int max_pages, int next_n, str kernel=\"auto\") -> ()");
 }
 
-TORCH_LIBRARY_IMPL(spind, CPU, m) { m.impl("paged_indexer", &PagedIndexerCpu); }
+TORCH_LIBRARY_IMPL(spind, CPU, m) {
+  m.impl("paged_indexer", &PagedIndexerCpu);
+  m.impl("row_topk", &RowTopKCpu);
+}
 
 #if SPIN_TORCH_CUDA
-TORCH_LIBRARY_IMPL(spind, CUDA, m) { m.impl("paged_indexer", &PagedIndexerCuda); }
+TORCH_LIBRARY_IMPL(spind, CUDA, m) {
+  m.impl("paged_indexer", &PagedIndexerCuda);
+  m.impl("row_topk", &RowTopKCuda);
+}
 #endif
 
 }  // namespace spind_torch

@@ -29,7 +29,7 @@ if hasattr(torch.library, "register_fake"):
     def _none(*args, **kwargs):
         return None
 
-    for _name in ("begin_step", "select", "remap", "observe", "paged_indexer"):
+    for _name in ("begin_step", "select", "remap", "observe", "paged_indexer", "row_topk"):
         torch.library.register_fake(f"spind::{_name}")(_none)
 
 

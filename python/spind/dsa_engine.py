@@ -75,7 +75,6 @@ INDEX_HEADS = 64
 INDEX_DIM = 128
 KEY_BYTES = PAGE * INDEX_DIM  # a page's key bytes, then PAGE fp32 scales
 PAGE_BYTES = PAGE * (INDEX_DIM + 4)  # paged_indexer.h kPageBytes
-NEG_INF = float("-inf")
 MASKED = -1e30  # a masked attention score: finite, so a row with nothing selected stays finite
 
 
@@ -273,14 +272,6 @@ class DsaEngine:
             # The widest compacted row of each layer over the narrow full steps so far.
             self.widest_seen = torch.zeros(L, dtype=torch.int32, device=dev)
             self._widest_step = torch.zeros(L, dtype=torch.int32, device=dev)
-        # Top-k workspaces, one set per k (the k of a width is min(topk, width)).
-        self._top = {}
-        for w in {self.width_dense} | ({self.width_wide, self.width_narrow} if spin else set()):
-            k = min(K, w)
-            if k not in self._top:
-                self._top[k] = (torch.empty(R, k, dtype=torch.float32, device=dev),
-                                torch.empty(R, k, dtype=torch.int64, device=dev),
-                                torch.empty(R, k, dtype=torch.bool, device=dev))
         # Attention workspaces.
         self._row_base = (torch.arange(R, device=dev) // next_n * self.pages_per_seq).view(R, 1)
         self._inv = torch.empty(R, K, dtype=torch.bool, device=dev)
@@ -464,15 +455,12 @@ class DsaEngine:
         self._ran.clear()
         return sum(s >= 0 for s in seq)
 
-    def _topk(self, logits, out32):
-        """Top-k of each row of `logits` into out32[:, :k] (int32, -1 where the row has fewer
-        than k valid slots); out32[:, k:] stays -1."""
-        k = min(self.K, logits.shape[1])
-        vals, idx, none = self._top[k]
-        torch.topk(logits, k, dim=1, largest=True, sorted=False, out=(vals, idx))
-        torch.eq(vals, NEG_INF, out=none)
-        idx.masked_fill_(none, -1)
-        out32[:, :k].copy_(idx)
+    def _topk(self, logits, lens, out32):
+        """Top-k of each row's valid prefix (lens, int32 [rows]) into out32 [rows, K]: the
+        indices of the K best logits, ties to the lower index, -1 past a row's length
+        (spind.row_topk: reads each row's length only, as vLLM's decode top-k does, so nothing
+        past it needs filling)."""
+        ops.row_topk(logits, lens, self.K, out32)
 
     def _attend(self, mode, layer):
         """Sparse MLA attention of layer `layer` over the mode's selected logical slots."""
@@ -506,11 +494,10 @@ class DsaEngine:
     def _dense_body(self, full):
         lg = self.logits_dense
         for layer in range(self.L):
-            lg.fill_(NEG_INF)
             ops.paged_indexer(self.q_index[layer], self.w_index[layer], self.kv[layer],
                               self.block_table, self.lens, lg, self.pages_per_seq, self.n,
                               self.kernel)
-            self._topk(lg, self.topk_out["dense"][layer])
+            self._topk(lg, self.lens.view(-1), self.topk_out["dense"][layer])
             if full:
                 self._attend("dense", layer)
 
@@ -521,11 +508,10 @@ class DsaEngine:
         s.begin_step(self.seq, self.ctx, self.q_pos, self.n)
         for layer in range(self.L):
             s.select(layer, self.block_table)
-            lg.fill_(NEG_INF)
             ops.paged_indexer(self.q_index[layer], self.w_index[layer], self.kv[layer], s.phys,
                               s.compact_len, lg, width // PAGE, self.n, self.kernel)
             out = self.topk_out["spin"][layer]
-            self._topk(lg, out)
+            self._topk(lg, s.compact_len.view(-1), out)
             s.remap(out)
             s.observe(layer, lg)  # no accepted count: acceptance is not known yet
             if full and not wide:
