@@ -197,6 +197,24 @@ class Gpu(unittest.TestCase):
             torch.library.opcheck(spind.ops.remap.default,
                                   (s.handle, torch.zeros(1, 8, dtype=torch.int32, device=dev),
                                    s.token), test_utils=(test,))
+            torch.library.opcheck(spind.ops.observe.default,
+                                  (s.handle, 0, torch.randn(1, 16 * B, device=dev), None,
+                                   s.token), test_utils=(test,))
+            # The engine's indexer and top-k ops (python/csrc/indexer_op.cc).
+            pages = 4
+            torch.library.opcheck(
+                spind.ops.paged_indexer.default,
+                (torch.randint(0, 120, (2, 64, 128), dtype=torch.uint8, device=dev),
+                 torch.rand(2, 64, device=dev),
+                 torch.randint(0, 120, (pages, 64 * 132), dtype=torch.uint8, device=dev),
+                 torch.arange(pages, dtype=torch.int32, device=dev).view(1, pages),
+                 torch.tensor([[200, 201]], dtype=torch.int32, device=dev),
+                 torch.zeros(2, pages * 64, device=dev), pages, 2), test_utils=(test,))
+            torch.library.opcheck(
+                spind.ops.row_topk.default,
+                (torch.randn(3, 500, device=dev),
+                 torch.tensor([500, 40, 0], dtype=torch.int32, device=dev), 64,
+                 torch.zeros(3, 64, dtype=torch.int32, device=dev)), test_utils=(test,))
 
         s.close()
 
