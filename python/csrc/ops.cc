@@ -573,6 +573,14 @@ void AdoptControl(int64_t h, const at::Tensor& control) {
   if (p.budget_mode == BudgetMode::kPerLayer) WriteTable(*s, table, "adopt_control");
 }
 
+// [attached (1/0; local sessions 1), generation]: counters() without reading the arena (no
+// device copy, so an engine can ask at every step boundary).
+std::vector<int64_t> Link(int64_t h) {
+  auto s = Get(h);
+  if (!s->resilient) return {1, 0};
+  return {s->resilient->attached() ? 1 : 0, static_cast<int64_t>(s->resilient->generation())};
+}
+
 // [epoch, budget recomputes (local per-layer), attached (1/0; local sessions 1), generation
 // (spind sessions switched in so far; each starts with fresh state)]
 std::vector<int64_t> Counters(int64_t h) {
@@ -605,6 +613,7 @@ TORCH_LIBRARY(spind, m) {
   m.def("stats(int handle) -> Tensor", &Stats);
   m.def("budgets(int handle) -> Tensor", &Budgets);
   m.def("counters(int handle) -> int[]", &Counters);
+  m.def("link(int handle) -> int[]", &Link);
   m.def("control(int handle) -> Tensor", &GetControl);
   m.def("adopt_control(int handle, Tensor control) -> ()", &AdoptControl);
   m.def(

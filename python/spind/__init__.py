@@ -127,6 +127,12 @@ class Session:
         return {"epoch": epoch, "budget_recomputes": recomputes, "attached": bool(attached),
                 "generation": generation}
 
+    def link(self):
+        """(attached, generation) without touching the arena (cheap at every step boundary):
+        generation counts the spind sessions switched in; each starts with fresh state."""
+        attached, generation = ops.link(self.handle)
+        return bool(attached), generation
+
     def control(self):
         """The session's control, a CPU float64 tensor: [version, attached, target_sparsity,
         exploration, alpha, probe_period, budget_mode (0 uniform, 1 per-layer), the sparsity

@@ -65,35 +65,55 @@ class SlotMap:
         return self.slot_of.get(request_id)
 
 
-def broadcast_control(session, group, broadcast=None):
-    """Tensor parallelism: make every rank adopt rank 0's control (policy + budget table) at
-    this step boundary, so that all ranks select identically from the next begin_step on.
+class GroupSync:
+    """What one rank remembers between tensor-parallel step boundaries."""
 
-    Called only when the group has more than one rank. Every rank takes its own snapshot
-    (`session.control()`, a CPU float64 tensor; all ranks have the same geometry, so the same
-    shape), rank 0's values are broadcast over the group's CPU (gloo) group, and every rank,
-    rank 0 included, adopts the broadcast values: rank 0 too, because its daemon may publish
-    again between the snapshot and the next begin_step. Returns the adopted tensor, or None when
-    it did nothing. `broadcast(tensor, src, group)` defaults to torch.distributed.broadcast over
-    `group.cpu_group`; `group` needs world_size, rank_in_group, ranks (vLLM's GroupCoordinator
-    has them)."""
+    def __init__(self):
+        self.generation = None  # this rank's session generation at the last boundary
+        self.adopted = None     # the control tensor adopted last
+
+
+def sync_tp_group(session, group, sync, all_reduce=None):
+    """Tensor parallelism: one step boundary of the group, so that every rank selects the same
+    blocks from the next begin_step on (docs/vllm.md). One collective (a sum over the group's
+    CPU group) carries:
+      - rank 0's control (`session.control()`: policy + budget table of its engine_control
+        session; the other ranks add zeros), adopted by every rank when it changed and rank 0 is
+        attached (its daemon's proposals only take effect this way, at the same step everywhere);
+      - how many ranks run without a spind session (then the whole group runs dense);
+      - how many ranks switched to a new spind session since the last boundary (each starts with
+        fresh state, so every rank then resets its open sequences: states equal again).
+    Returns (control, degraded, switched); None when the group has one rank. `all_reduce(t,
+    group)` defaults to torch.distributed.all_reduce over `group.cpu_group`; `group` needs
+    world_size, rank_in_group and cpu_group (vLLM's GroupCoordinator has them)."""
     if group is None or group.world_size <= 1:
         return None
-    if not hasattr(session, "control") or not hasattr(session, "adopt_control"):
-        log.warning("spind_vllm: this spind.Session has no control()/adopt_control(): tensor-"
-                    "parallel ranks may adopt budget changes at different steps")
-        return None
-    snapshot = session.control()
-    if snapshot.dtype != torch.float64 or snapshot.device.type != "cpu":
-        raise RuntimeError(f"spind_vllm: Session.control() gave {snapshot.dtype} on "
-                           f"{snapshot.device}; a CPU float64 tensor is expected")
-    t = snapshot.contiguous().clone()
-    if broadcast is None:
-        torch.distributed.broadcast(t, src=group.ranks[0], group=group.cpu_group)
+    attached, generation = session.link()
+    switched_here = sync.generation is not None and generation != sync.generation
+    sync.generation = generation
+    width = 7 + session.layers
+    if group.rank_in_group == 0:
+        control = session.control()
+        if control.dtype != torch.float64 or control.device.type != "cpu" or \
+                control.numel() != width:
+            raise RuntimeError(f"spind_vllm: Session.control() gave {control.dtype} "
+                               f"{tuple(control.shape)} on {control.device}; a CPU float64 "
+                               f"tensor of {width} values is expected")
     else:
-        broadcast(t, group.ranks[0], group)
-    session.adopt_control(t)
-    return t
+        control = torch.zeros(width, dtype=torch.float64)
+    payload = torch.cat([control.contiguous(), torch.tensor(
+        [0.0 if attached else 1.0, 1.0 if switched_here else 0.0], dtype=torch.float64)])
+    if all_reduce is None:
+        torch.distributed.all_reduce(payload, group=group.cpu_group)
+    else:
+        all_reduce(payload, group)
+    control, degraded, switched = payload[:width], payload[width] > 0, payload[width + 1] > 0
+    rank0_attached = control[1] == 1.0
+    if rank0_attached and not degraded and (
+            sync.adopted is None or not torch.equal(control[2:], sync.adopted[2:])):
+        session.adopt_control(control)
+        sync.adopted = control.clone()
+    return control, bool(degraded), bool(switched)
 
 
 class PluginState:
@@ -117,7 +137,9 @@ class PluginState:
         self.num_sms = 0
         self.topk_layers = []     # (layer, topk_tokens) the SPIN-capable indexer layers noted
         self.counters = {"resets": 0, "begin_steps": 0, "spin_calls": 0, "dense_calls": 0,
-                         "broadcasts": 0}
+                         "broadcasts": 0, "group_resets": 0}
+        self.tp_sync = GroupSync()  # TP > 1: what the last step boundary saw
+        self.tp_dense = False       # TP > 1: a rank runs without spind, the group runs dense
         self.dense_reasons = {}
         self._buffers = None
         self.topk_buf = None
@@ -170,10 +192,20 @@ class PluginState:
         for rid in (getattr(cached, "resumed_req_ids", None) or ()) if cached else ():
             self.slots.release(rid)  # reset even if it kept its slot: its KV was recomputed
             self._open(rid)
-        if self.tp_group is not None and self.tp_group.world_size > 1:
-            if broadcast_control(self.session, self.tp_group) is not None:
-                self.counters["broadcasts"] += 1
+        # Switch in a session the retry thread attached now, so the group sees it this step.
         self.session.refresh()
+        self.tp_dense = False
+        if self.tp_group is not None and self.tp_group.world_size > 1:
+            synced = sync_tp_group(self.session, self.tp_group, self.tp_sync)
+            if synced is not None:
+                self.counters["broadcasts"] += 1
+                _, degraded, switched = synced
+                if switched:
+                    # A rank's new spind session starts fresh: every rank starts over alike.
+                    for rid, slot in self.slots.slot_of.items():
+                        self.session.reset_sequence(slot, sequence_key(rid))
+                    self.counters["group_resets"] += 1
+                self.tp_dense = degraded
         self.step_pending = True
 
     # ---- each forward (indexer metadata builder) -------------------------------------------
@@ -188,6 +220,8 @@ class PluginState:
         if real and not self.step_pending:
             return  # a second build in the same step (another group, the MTP drafter)
         self.step_pending = False
+        if self.tp_dense:
+            return self._dense_step("a tensor-parallel rank runs without a spind session")
         if getattr(builder, "compress_ratio", 1) != 1:
             return self._dense_step("compressed indexer cache (DeepSeek-V4)")
         spec = getattr(builder, "kv_cache_spec", None)

@@ -3,7 +3,8 @@
 vLLM's GPU worker plus spind: after the model is loaded it opens this rank's spind.Session
 (geometry from the vLLM config, policy from SPIND_* environment variables, the same seed on every
 rank), and before every execute_model it runs the step boundary (spind_vllm._state.on_schedule:
-slots, resets, rank 0's control broadcast when TP > 1, refresh). The batch itself is begun by
+slots, resets, refresh, and when TP > 1 the group's sync: rank 0's control, dense while a
+rank has no spind session, a reset of every rank's sequences when one switched sessions). The batch itself is begun by
 the indexer metadata builder's wrapper, inside execute_model.
 """
 import logging
@@ -56,11 +57,15 @@ def open_session(vllm_config, device, rank, env=None):
     rows = 1 + (spec.num_speculative_tokens if spec else 0)
     max_seqs = vllm_config.scheduler_config.max_num_seqs
     max_slots = -(-model.max_model_len // block_size) * block_size
+    tp = vllm_config.parallel_config.tensor_parallel_size > 1
+    # TP > 1: spind only proposes policy and budget changes; the group adopts rank 0's at a step
+    # boundary (spind_vllm._state.sync_tp_group).
     session = spind.Session(layers, max_slots, block_size=block_size, topk=topk,
                             max_sequences=max_seqs, max_rows=rows, device=device,
-                            client_name=f"vllm-rank{rank}", **session_options(env))
+                            client_name=f"vllm-rank{rank}", engine_control=tp,
+                            **session_options(env))
     tp_group = None
-    if vllm_config.parallel_config.tensor_parallel_size > 1:
+    if tp:
         from vllm.distributed.parallel_state import get_tp_group
         tp_group = get_tp_group()
     st.attach(session, layers=layers, rows=rows, block_size=block_size, topk=topk,

@@ -51,12 +51,17 @@ BLOCK, MAX_LEN, TOPK, HEADS, DIM = 16, 512, 32, 2, 8
 
 
 class FakeSession:
-    """Records calls; control() gives a per-instance float64 snapshot."""
+    """Records calls; control() gives a per-instance float64 snapshot of 7 + layers values."""
 
-    def __init__(self, control_values=(0.0, 0.0, 0.0)):
+    layers = 2
+
+    def __init__(self, control_values=None, attached=True, generation=1):
         self.calls = []
         self.device = torch.device("cpu")
+        if control_values is None:
+            control_values = [3.0, 1.0, 0.5, 0.05, 0.3, 0.0, 0.0, 0.5, 0.5]
         self._control = torch.tensor(control_values, dtype=torch.float64)
+        self.attached, self.generation = attached, generation
 
     def reset_sequence(self, slot, key):
         self.calls.append(("reset_sequence", slot, key))
@@ -64,6 +69,10 @@ class FakeSession:
     def refresh(self):
         self.calls.append(("refresh",))
         return False
+
+    def link(self):
+        self.calls.append(("link",))
+        return self.attached, self.generation
 
     def control(self):
         self.calls.append(("control",))
@@ -446,32 +455,99 @@ from test_vllm_plugin import FakeSession
 rank = int(os.environ["RANK"])
 torch.distributed.init_process_group("gloo", init_method="file://" + os.environ["INIT_FILE"],
                                      rank=rank, world_size=2)
-fake = FakeSession([10.0 + rank, 20.0 + rank, 30.0 + rank])
+fake = FakeSession([7.0, 1.0, 0.6 + rank / 10, 0.05, 0.3, 0.0, 1.0, 0.6, 0.7])
 st = _state.PluginState()
 st.attach(fake, layers=2, rows=1, block_size=16, topk=32, max_seqs=2,
           tp_group=GroupCoordinator([0, 1], rank, torch.distributed.group.WORLD))
 st.on_schedule(SchedulerOutput())
+st.on_schedule(SchedulerOutput())  # the same control again: not adopted twice
 print(json.dumps(fake.calls))
 """
 
 
 class StubTensorParallel(unittest.TestCase):
-    def test_stub_broadcast_skipped_for_one_rank(self):
+    """STUB tests of the group's step boundary (spind_vllm._state.sync_tp_group)."""
+
+    RANK0 = [3.0, 1.0, 0.7, 0.05, 0.3, 4.0, 1.0, 0.6, 0.8]
+
+    def group(self, rank, rank0=None, degraded=0.0, switched=0.0):
+        """A fake two-rank group whose all_reduce adds rank 0's control (when this is rank 1)
+        and the other rank's flags."""
+        from vllm.distributed.parallel_state import GroupCoordinator
+        g = GroupCoordinator([4, 5], rank, "cpu-group")
+
+        def all_reduce(t, group):
+            self.assertIs(group, g)
+            if rank0 is not None:
+                t[:len(rank0)] += torch.tensor(rank0, dtype=torch.float64)
+            t[-2] += degraded
+            t[-1] += switched
+        return g, all_reduce
+
+    def test_stub_sync_skipped_for_one_rank(self):
         from vllm.distributed.parallel_state import GroupCoordinator
         fake = FakeSession()
-        self.assertIsNone(_state.broadcast_control(fake, GroupCoordinator([0], 0)))
+        self.assertIsNone(_state.sync_tp_group(fake, GroupCoordinator([0], 0), _state.GroupSync()))
         self.assertEqual(fake.calls, [])
 
-    def test_stub_broadcast_with_a_fake_group(self):
+    def test_stub_rank1_adopts_rank0_control_once(self):
+        fake, sync = FakeSession(), _state.GroupSync()
+        g, reduce = self.group(1, rank0=self.RANK0)
+        control, degraded, switched = _state.sync_tp_group(fake, g, sync, reduce)
+        self.assertEqual(control.tolist(), self.RANK0)
+        self.assertFalse(degraded or switched)
+        # Rank 1 never asks its own daemon: its proposal is not the group's.
+        self.assertEqual(fake.calls, [("link",), ("adopt_control", self.RANK0)])
+        fake.calls.clear()
+        _state.sync_tp_group(fake, g, sync, reduce)
+        self.assertEqual(fake.calls, [("link",)], "an unchanged control is not adopted again")
+        changed = list(self.RANK0)
+        changed[0], changed[7] = 4.0, 0.9  # a new version with a new table
+        g, reduce = self.group(1, rank0=changed)
+        _state.sync_tp_group(fake, g, sync, reduce)
+        self.assertEqual(fake.calls[-1], ("adopt_control", changed))
+
+    def test_stub_a_rank_without_spind_makes_the_group_dense(self):
+        fake, sync = FakeSession(), _state.GroupSync()
+        g, reduce = self.group(0, degraded=1.0)
+        _, degraded, _ = _state.sync_tp_group(fake, g, sync, reduce)
+        self.assertTrue(degraded)
+        self.assertNotIn("adopt_control", [c[0] for c in fake.calls])
+        # Rank 0 itself degraded: its control (version -1, attached 0) is never adopted.
+        fake = FakeSession([-1.0, 0.0, 0.0, 0.0, 0.3, 0.0, 0.0, 0.0, 0.0], attached=False)
+        g, reduce = self.group(0)
+        _, degraded, _ = _state.sync_tp_group(fake, g, sync, reduce)
+        self.assertTrue(degraded)
+        self.assertNotIn("adopt_control", [c[0] for c in fake.calls])
+
+    def test_stub_a_session_switch_resets_every_rank(self):
         from vllm.distributed.parallel_state import GroupCoordinator
-        seen = []
-        fake = FakeSession([1.0, 2.0])
-        t = _state.broadcast_control(fake, GroupCoordinator([4, 5], 1, "cpu-group"),
-                                     broadcast=lambda t, src, g: (seen.append((src, g.cpu_group)),
-                                                                  t.fill_(9.0)))
-        self.assertEqual(seen, [(4, "cpu-group")])
-        self.assertEqual(fake.calls, [("control",), ("adopt_control", [9.0, 9.0])])
-        self.assertEqual(t.tolist(), [9.0, 9.0])
+        from vllm.v1.core.sched.output import SchedulerOutput
+        fake = FakeSession()
+        st = _state.PluginState()
+        g = GroupCoordinator([4, 5], 1, "cpu-group")
+        st.attach(fake, layers=2, rows=1, block_size=16, topk=32, max_seqs=2, tp_group=g)
+        st.slots.assign("req-a")
+        other_switched = [0.0]
+
+        def reduce(t, group):
+            t[:len(self.RANK0)] += torch.tensor(self.RANK0, dtype=torch.float64)
+            t[-1] += other_switched[0]
+        orig = _state.sync_tp_group
+        try:
+            _state.sync_tp_group = lambda s, grp, sy: orig(s, grp, sy, reduce)
+            st.on_schedule(SchedulerOutput())
+            self.assertNotIn("reset_sequence", [c[0] for c in fake.calls])
+            other_switched[0] = 1.0  # the other rank switched to a new spind session
+            st.on_schedule(SchedulerOutput())
+            other_switched[0] = 0.0
+            fake.generation += 1     # then this one did
+            st.on_schedule(SchedulerOutput())
+        finally:
+            _state.sync_tp_group = orig
+        resets = [c for c in fake.calls if c[0] == "reset_sequence"]
+        self.assertEqual(resets, [("reset_sequence", 0, _state.sequence_key("req-a"))] * 2)
+        self.assertEqual(st.counters["group_resets"], 2)
 
     def test_stub_two_ranks_adopt_rank0_control(self):
         with tempfile.TemporaryDirectory() as d:
@@ -483,10 +559,12 @@ class StubTensorParallel(unittest.TestCase):
             outs = [p.communicate(timeout=60) for p in procs]
         for p, (out, err) in zip(procs, outs):
             self.assertEqual(p.returncode, 0, err)
-        for out, _ in outs:
+        rank0 = [7.0, 1.0, 0.6, 0.05, 0.3, 0.0, 1.0, 0.6, 0.7]
+        for r, (out, _) in enumerate(outs):
             calls = json.loads(out.strip().splitlines()[-1])
-            self.assertEqual(calls, [["control"], ["adopt_control", [10.0, 20.0, 30.0]],
-                                     ["refresh"]])
+            own = [["control"]] if r == 0 else []
+            self.assertEqual(calls, [["refresh"], ["link"]] + own + [["adopt_control", rank0]] +
+                             [["refresh"], ["link"]] + own, f"rank {r}")
 
 
 class StubPreflight(unittest.TestCase):
