@@ -272,6 +272,7 @@ class DsaEngine:
             # The widest compacted row of each layer over the narrow full steps so far.
             self.widest_seen = torch.zeros(L, dtype=torch.int32, device=dev)
             self._widest_step = torch.zeros(L, dtype=torch.int32, device=dev)
+        self._topk_scratch = torch.full((R, K), -1, dtype=torch.int32, device=dev)
         # Attention workspaces.
         self._row_base = (torch.arange(R, device=dev) // next_n * self.pages_per_seq).view(R, 1)
         self._inv = torch.empty(R, K, dtype=torch.bool, device=dev)
@@ -568,6 +569,28 @@ class DsaEngine:
             raise ValueError(f"mode must be dense or spin, not {mode!r}")
         if full:
             self._ran.add(mode)
+
+    def timed_topk(self, mode):
+        """The top-k part of a mode's indexer stage alone, timed (ms): every layer's row_topk
+        over the mode's logits buffer and row lengths as the last step left them (dense: the
+        full contexts; SPIN: the compacted lengths). Run after that mode's step."""
+        if mode == "dense":
+            lg, lens = self.logits_dense, self.lens.view(-1)
+        else:
+            lg, lens = self.logits_spin[:, :self.width_narrow], self.session.compact_len.view(-1)
+        out = self._topk_scratch
+        body = lambda: [self._topk(lg, lens, out) for _ in range(self.L)]  # noqa: E731
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            self._replay(("topk", mode), body)
+            end.record(stream)
+            end.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        body()
+        return (time.perf_counter() - t0) * 1e3
 
     def timed_run(self, mode, stage="full"):
         """run() timed: CUDA events around it on a GPU (the graph replay), else wall time.
