@@ -8,8 +8,8 @@ the current stream, the engine's kernels, copies between fixed buffers).
 
 Decode on SPIN, per layer: select(layer, block_table) -> the engine's paged logits over s.phys
 with s.compact_len (and schedule metadata for those lengths) -> top-K over the compacted
-lengths -> s.remap(topk) -> s.observe(layer, logits) (no accepted argument: every row is
-observed; DESIGN §5 holds the data plane's MTP contract). Everything else (prefill, mixed or
+lengths -> s.remap(topk) -> s.observe(layer, logits) (no accepted argument: acceptance is
+known only after sampling, so the data plane applies row 0 only; docs/lab/mtp-contract.md). Everything else (prefill, mixed or
 non-uniform batches, profiling runs, MTP draft layers, FP4 caches, compressed caches) calls
 vLLM's own indexer function: dense.
 """
