@@ -138,7 +138,14 @@ class SessionCollector final : public prometheus::Collectable {
 
 Metrics::Metrics(SessionManager* sessions, std::string gpu, std::string uuid)
     : registry_(std::make_shared<prometheus::Registry>()),
-      sessions_(std::make_shared<SessionCollector>(sessions, std::move(gpu), std::move(uuid))) {
+      sessions_(std::make_shared<SessionCollector>(sessions, gpu, uuid)) {
+  if (!gpu.empty()) device_labels_ = {{"gpu", gpu}, {"UUID", uuid}};
+  policy_changes_ = &prometheus::BuildCounter()
+                         .Name("spin_policy_changes_total")
+                         .Help("Session policy changes, by source: session (the engine, with the "
+                               "session token), operator (by id without it), default (the "
+                               "node-wide default applied to a live session)")
+                         .Register(*registry_);
   handled_ = &prometheus::BuildCounter()
                   .Name("grpc_server_handled_total")
                   .Help("RPCs completed on the server, by method and status code")
@@ -174,6 +181,12 @@ absl::Status Metrics::Start(const std::string& address, int threads, int request
   const std::vector<int> ports = exposer_->GetListeningPorts();
   port_ = ports.empty() ? 0 : ports.front();
   return absl::OkStatus();
+}
+
+void Metrics::CountPolicyChange(const std::string& source) {
+  std::map<std::string, std::string> labels = device_labels_;
+  labels["source"] = source;
+  policy_changes_->Add(labels).Increment();
 }
 
 void Metrics::ObserveRpc(const std::string& method, grpc::StatusCode code, double seconds) {

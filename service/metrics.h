@@ -3,6 +3,7 @@
 // go-grpc-prometheus RPC metrics.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
 
@@ -33,6 +34,9 @@ class Metrics {
   int port() const { return port_; }
   /// Records one finished RPC of spin.v1.Spin.
   void ObserveRpc(const std::string& method, grpc::StatusCode code, double seconds);
+  /// Counts a policy change by its source: "session" (the session's token), "operator" (by id,
+  /// without it) or "default" (SetDefaultPolicy applied to a live session).
+  void CountPolicyChange(const std::string& source);
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -40,6 +44,8 @@ class Metrics {
   std::unique_ptr<prometheus::Exposer> exposer_;
   prometheus::Family<prometheus::Counter>* handled_ = nullptr;
   prometheus::Family<prometheus::Histogram>* handling_ = nullptr;
+  prometheus::Family<prometheus::Counter>* policy_changes_ = nullptr;
+  std::map<std::string, std::string> device_labels_;  // gpu, uuid when set
   int port_ = 0;
 };
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "budget_probe.h"
 #include "convert.h"
 #include "google/protobuf/arena.h"
@@ -27,6 +28,23 @@ pb::Backend BackendProto(Backend b) {
 
 // The budget table of a session as spind wrote it, with the arena's epoch (caller holds the
 // session's lock and pulled the control region).
+std::string PolicyText(const Policy& p) {
+  return absl::StrFormat("sparsity %.4g, exploration %.4g, alpha %.4g, probe period %u, %s",
+                         p.target_sparsity, p.exploration, p.alpha, p.probe_period,
+                         p.budget_mode == BudgetMode::kPerLayer ? "per-layer" : "uniform");
+}
+
+// The defaults' set fields over `p`.
+absl::StatusOr<Policy> WithDefaults(const pb::PolicyDefaults& d, Policy p) {
+  if (d.has_target_sparsity()) p.target_sparsity = d.target_sparsity();
+  if (d.has_exploration()) p.exploration = d.exploration();
+  if (d.has_alpha()) p.alpha = d.alpha();
+  if (d.has_probe_period()) p.probe_period = d.probe_period();
+  SPIN_ASSIGN_OR_RETURN(p.budget_mode, ModeFromProto(d.budget_mode(), p.budget_mode));
+  return p;
+}
+
+
 pb::GetBudgetsResponse Budgets(const Session& s) {
   pb::GetBudgetsResponse r;
   const ArenaView& v = s.arena->host();
@@ -293,25 +311,42 @@ grpc::Status ToGrpc(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
-grpc::ServerUnaryReactor* SpinService::OnSession(grpc::CallbackServerContext* ctx,
-                                                 const char* method, const pb::SessionRef& ref,
-                                                 bool mutating,
-                                                 std::function<absl::Status(Session&)> body) {
+std::string SpinService::Caller(grpc::CallbackServerContext* ctx, bool with_token) const {
+  if (with_token) return "the session's engine (session token)";
+  const std::string peer = ctx->peer();
+  if (peer.rfind("unix:", 0) == 0) return "an operator on the Unix socket";
+  return absl::StrCat("an operator with the admin token from ", peer);
+}
+
+grpc::ServerUnaryReactor* SpinService::OnSession(
+    grpc::CallbackServerContext* ctx, const char* method, const pb::SessionRef& ref,
+    bool mutating, bool operator_ok,
+    std::function<absl::Status(Session&, const std::string&)> body) {
   const auto t0 = Clock::now();
-  if (mutating) {
-    if (absl::Status a = CheckAdmin(ctx); !a.ok()) return Done(ctx, method, t0, a);
+  const bool as_operator = operator_ok && ref.token().empty();
+  if (mutating || as_operator) {
+    if (absl::Status a = CheckAdmin(ctx); !a.ok()) {
+      if (as_operator && !mutating) {
+        a = absl::PermissionDeniedError(absl::StrCat(
+            "reading a session without its token is for operators: use the Unix socket, or send "
+            "spind's admin token over TCP (", a.message(), ")"));
+      }
+      return Done(ctx, method, t0, a);
+    }
   }
-  auto s = sessions_->Get(ref.session_id(), ref.token());
+  auto s = as_operator ? sessions_->Find(ref.session_id())
+                       : sessions_->Get(ref.session_id(), ref.token());
   if (!s.ok()) return Done(ctx, method, t0, s.status());
   std::shared_ptr<Session> session = *s;
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  auto run = [this, reactor, method, t0, session, body = std::move(body)] {
+  auto run = [this, reactor, method, t0, session, who = Caller(ctx, !as_operator),
+              body = std::move(body)] {
     absl::Status st;
     {
       std::lock_guard<std::mutex> lock(session->mu);
       st = session->freed ? absl::NotFoundError(absl::StrCat("session '", session->id,
                                                              "' was detached during the call"))
-                          : body(*session);
+                          : body(*session, who);
     }
     Finish(reactor, method, t0, st);
   };
@@ -355,6 +390,18 @@ grpc::ServerUnaryReactor* SpinService::Attach(grpc::CallbackServerContext* ctx,
     p = *from;
   }
   if (absl::Status v = ValidatePolicy(p); !v.ok()) return Done(ctx, "Attach", t0, v);
+  {
+    // The node-wide default policy's set fields override the engine's (SetDefaultPolicy).
+    std::lock_guard<std::mutex> lock(defaults_mu_);
+    absl::StatusOr<Policy> with = WithDefaults(defaults_, p);
+    absl::Status v = with.ok() ? ValidatePolicy(*with) : with.status();
+    if (!v.ok()) {
+      return Done(ctx, "Attach", t0, absl::InvalidArgumentError(absl::StrCat(
+                                         "the node's default policy over this attach's: ",
+                                         v.message(), " (spinctl policy defaults)")));
+    }
+    p = *with;
+  }
   // The arena is allocated and initialised on a worker: a large one takes a while, and the
   // threads that serve every other caller must not wait for it.
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
@@ -415,7 +462,8 @@ grpc::ServerUnaryReactor* SpinService::KeepAlive(grpc::CallbackServerContext* ct
 grpc::ServerUnaryReactor* SpinService::GetPolicy(grpc::CallbackServerContext* ctx,
                                                  const pb::GetPolicyRequest* req,
                                                  pb::GetPolicyResponse* resp) {
-  return OnSession(ctx, "GetPolicy", req->session(), false, [resp](Session& s) {
+  return OnSession(ctx, "GetPolicy", req->session(), false, true,
+                   [resp](Session& s, const std::string&) {
     SPIN_RETURN_IF_ERROR(s.arena->PullControl());
     *resp->mutable_policy() = ToProto(s.policy);
     resp->set_epoch(s.arena->host().policy->epoch);
@@ -426,7 +474,8 @@ grpc::ServerUnaryReactor* SpinService::GetPolicy(grpc::CallbackServerContext* ct
 grpc::ServerUnaryReactor* SpinService::SetPolicy(grpc::CallbackServerContext* ctx,
                                                  const pb::SetPolicyRequest* req,
                                                  pb::SetPolicyResponse* resp) {
-  return OnSession(ctx, "SetPolicy", req->session(), true, [this, req, resp](Session& s) {
+  return OnSession(ctx, "SetPolicy", req->session(), true, true,
+                   [this, req, resp](Session& s, const std::string& who) {
     ArenaStorage& arena = *s.arena;
     SPIN_RETURN_IF_ERROR(arena.PullControl());
     Policy p = s.policy;
@@ -436,26 +485,96 @@ grpc::ServerUnaryReactor* SpinService::SetPolicy(grpc::CallbackServerContext* ct
     if (req->has_probe_period()) p.probe_period = req->probe_period();
     SPIN_ASSIGN_OR_RETURN(BudgetMode m, ModeFromProto(req->budget_mode(), p.budget_mode));
     p.budget_mode = m;
-    SPIN_RETURN_IF_ERROR(WriteSessionPolicy(s, p));
-    // Per-layer mode: the allocator re-sizes the table for a new target now, not at the next
-    // probe pass, so every change takes effect at the next step. The policy is written: a
-    // failure to re-size the budgets (a device error) is logged, and the probe thread retries;
-    // the call reports what it changed.
-    if (absl::StatusOr<bool> b = RefreshBudgets(s, true); !b.ok() && log_) {
-      log_("error",
-           absl::StrCat("session ", s.id, ": budgets after SetPolicy: ", b.status().message()));
-    }
+    SPIN_RETURN_IF_ERROR(
+        ChangePolicy(s, p, who, req->session().token().empty() ? "operator" : "session"));
     *resp->mutable_policy() = ToProto(p);
     resp->set_epoch(arena.host().policy->epoch);
-    hub_.Notify(s.id, Budgets(s));
     return absl::OkStatus();
   });
+}
+
+
+absl::Status SpinService::ChangePolicy(Session& s, const Policy& p, const std::string& who,
+                                       const char* source) {
+  const Policy before = s.policy;
+  SPIN_RETURN_IF_ERROR(WriteSessionPolicy(s, p));
+  // Per-layer mode: the allocator re-sizes the table for a new target now, not at the next
+  // probe pass, so every change takes effect at the next step. The policy is written: a
+  // failure to re-size the budgets (a device error) is logged, and the probe thread retries;
+  // the call reports what it changed.
+  if (absl::StatusOr<bool> b = RefreshBudgets(s, true); !b.ok() && log_) {
+    log_("error",
+         absl::StrCat("session ", s.id, ": budgets after SetPolicy: ", b.status().message()));
+  }
+  if (log_) {
+    log_("info", absl::StrCat("session ", s.id, " (", s.client_name, "): policy ",
+                              PolicyText(before), " -> ", PolicyText(p), ", by ", who));
+  }
+  if (metrics_ != nullptr) metrics_->CountPolicyChange(source);
+  hub_.Notify(s.id, Budgets(s));
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* SpinService::SetDefaultPolicy(grpc::CallbackServerContext* ctx,
+                                                        const pb::SetDefaultPolicyRequest* req,
+                                                        pb::SetDefaultPolicyResponse* resp) {
+  const auto t0 = Clock::now();
+  if (absl::Status a = CheckAdmin(ctx); !a.ok()) return Done(ctx, "SetDefaultPolicy", t0, a);
+  pb::PolicyDefaults next;
+  {
+    std::lock_guard<std::mutex> lock(defaults_mu_);
+    next = defaults_;
+  }
+  if (req->clear()) next.Clear();
+  next.MergeFrom(req->defaults());
+  if (req->defaults().budget_mode() != pb::BUDGET_MODE_UNSPECIFIED) {
+    next.set_budget_mode(req->defaults().budget_mode());
+  }
+  // Every set field must be in range on its own: checked over the built-in policy.
+  if (absl::StatusOr<Policy> p = WithDefaults(next, Policy{}); !p.ok()) {
+    return Done(ctx, "SetDefaultPolicy", t0, p.status());
+  } else if (absl::Status v = ValidatePolicy(*p); !v.ok()) {
+    return Done(ctx, "SetDefaultPolicy", t0, absl::InvalidArgumentError(absl::StrCat(
+                                                  "default policy: ", v.message())));
+  }
+  const bool changes = req->clear() || req->defaults().ByteSizeLong() > 0;
+  {
+    std::lock_guard<std::mutex> lock(defaults_mu_);
+    defaults_ = next;
+  }
+  const std::string who = Caller(ctx, false);
+  if (changes && log_) {
+    log_("info", absl::StrCat("default policy now {", next.ShortDebugString(), "}, by ", who));
+  }
+  *resp->mutable_defaults() = next;
+  if (req->apply_to_live()) {
+    for (const std::shared_ptr<Session>& s : sessions_->List()) {
+      std::lock_guard<std::mutex> lock(s->mu);
+      if (s->freed) continue;
+      absl::StatusOr<Policy> p = WithDefaults(next, s->policy);
+      absl::Status st = p.status();
+      if (st.ok()) st = ValidatePolicy(*p);
+      if (st.ok()) st = s->arena->PullControl();
+      if (st.ok()) st = ChangePolicy(*s, *p, who + " (default policy, all sessions)", "default");
+      if (!st.ok()) {
+        // One session's failure (a device error) does not stop the others; it is logged.
+        if (log_) {
+          log_("error", absl::StrCat("session ", s->id, ": default policy not applied: ",
+                                     st.message()));
+        }
+        continue;
+      }
+      resp->add_changed_sessions(s->id);
+    }
+  }
+  return Done(ctx, "SetDefaultPolicy", t0, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* SpinService::GetBudgets(grpc::CallbackServerContext* ctx,
                                                   const pb::GetBudgetsRequest* req,
                                                   pb::GetBudgetsResponse* resp) {
-  return OnSession(ctx, "GetBudgets", req->session(), false, [resp](Session& s) {
+  return OnSession(ctx, "GetBudgets", req->session(), false, true,
+                   [resp](Session& s, const std::string&) {
     SPIN_RETURN_IF_ERROR(s.arena->PullControl());
     *resp = Budgets(s);
     return absl::OkStatus();
@@ -676,7 +795,8 @@ grpc::ServerUnaryReactor* SpinService::ObserveScores(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* SpinService::GetStats(grpc::CallbackServerContext* ctx,
                                                 const pb::GetStatsRequest* req,
                                                 pb::GetStatsResponse* resp) {
-  return OnSession(ctx, "GetStats", req->session(), false, [resp](Session& s) {
+  return OnSession(ctx, "GetStats", req->session(), false, true,
+                   [resp](Session& s, const std::string&) {
     SPIN_RETURN_IF_ERROR(s.arena->PullControl());
     const ArenaView& v = s.arena->host();
     for (uint32_t l = 0; l < s.geometry.layers; ++l) {

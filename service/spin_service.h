@@ -114,6 +114,9 @@ class SpinService final : public spin::v1::Spin::CallbackService {
   grpc::ServerUnaryReactor* KeepAlive(grpc::CallbackServerContext* ctx,
                                       const spin::v1::KeepAliveRequest* req,
                                       spin::v1::KeepAliveResponse* resp) override;
+  grpc::ServerUnaryReactor* SetDefaultPolicy(grpc::CallbackServerContext* ctx,
+                                             const spin::v1::SetDefaultPolicyRequest* req,
+                                             spin::v1::SetDefaultPolicyResponse* resp) override;
 
  private:
   // Records an RPC's metrics and completes its reactor.
@@ -124,10 +127,25 @@ class SpinService final : public spin::v1::Spin::CallbackService {
                                  std::chrono::steady_clock::time_point t0, const absl::Status& s);
 
   // Runs `body` on the session's strand with its lock held (and the session not freed), then
-  // finishes the call with what it returned. `mutating` calls need CheckAdmin.
+  // finishes the call with what it returned. `mutating` calls need CheckAdmin. With
+  // `operator_ok`, a ref without a token is an operator's (CheckAdmin, for reads too) and finds
+  // the session by id; `body` gets who called (for the log).
   grpc::ServerUnaryReactor* OnSession(grpc::CallbackServerContext* ctx, const char* method,
                                       const spin::v1::SessionRef& ref, bool mutating,
-                                      std::function<absl::Status(Session&)> body);
+                                      bool operator_ok,
+                                      std::function<absl::Status(Session&, const std::string&)> body);
+  grpc::ServerUnaryReactor* OnSession(grpc::CallbackServerContext* ctx, const char* method,
+                                      const spin::v1::SessionRef& ref, bool mutating,
+                                      std::function<absl::Status(Session&)> body) {
+    return OnSession(ctx, method, ref, mutating, false,
+                     [body = std::move(body)](Session& s, const std::string&) { return body(s); });
+  }
+  // Who made a call, for the log: the session's engine, or an operator and how it got in.
+  std::string Caller(grpc::CallbackServerContext* ctx, bool with_token) const;
+  // Writes `p` as session `s`'s policy (and re-sizes its budgets), logs the change with `who`
+  // and counts it under `source` (caller holds the session's lock).
+  absl::Status ChangePolicy(Session& s, const Policy& p, const std::string& who,
+                            const char* source);
 
   // OK for Unix-socket peers, and over TCP for calls carrying the admin token; without an admin
   // token, TCP callers pass only with allow_unauthenticated_tcp. PERMISSION_DENIED otherwise.
@@ -139,6 +157,8 @@ class SpinService final : public spin::v1::Spin::CallbackService {
   ServiceOptions options_;
   BudgetHub hub_;
   Executor executor_;
+  mutable std::mutex defaults_mu_;
+  spin::v1::PolicyDefaults defaults_;  // the node-wide default policy (SetDefaultPolicy)
   std::function<void(const char*, const std::string&)> log_;
 };
 

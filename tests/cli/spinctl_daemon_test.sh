@@ -78,6 +78,27 @@ wait "$rp"
 rc=$?
 [ "$rc" -ne 0 ] && [ "$(wc -l <"$work/err")" -eq 1 ] && grep -q "no session" "$work/err" \
   && pass "unknown session" || fail "unknown session: $(cat "$work/err")"
+# Operator commands: the node default for every session (none live now) and new ones, shown
+# and cleared; a session by id without its token; a bad value and a missing target refused.
+"$spinctl" --target "unix://$sock" policy set --all --sparsity 0.6 --exploration 0.1 \
+  >"$work/def" 2>&1 && grep -q "default policy: sparsity 0.6 exploration 0.1" "$work/def" \
+  && grep -q "applied to 0 live sessions" "$work/def" && pass "policy set --all" \
+  || fail "policy set --all: $(cat "$work/def")"
+"$spinctl" --target "unix://$sock" policy defaults | grep -q "sparsity 0.6" \
+  && "$spinctl" --target "unix://$sock" policy defaults --clear | grep -q "none" \
+  && pass "policy defaults, --clear" || fail "policy defaults"
+"$spinctl" --target "unix://$sock" policy set --default --sparsity 1.5 2>"$work/err"
+rc=$?
+[ "$rc" -ne 0 ] && [ "$(wc -l <"$work/err")" -eq 1 ] && grep -q "sparsity" "$work/err" \
+  && pass "policy set --default refuses 1.5" || fail "policy set --default 1.5: $(cat "$work/err")"
+"$spinctl" --target "unix://$sock" policy set --sparsity 0.5 2>"$work/err"
+rc=$?
+[ "$rc" -ne 0 ] && grep -q "one of --session ID, --all or --default" "$work/err" \
+  && pass "policy set needs a target" || fail "policy set without a target: $(cat "$work/err")"
+"$spinctl" --target "unix://$sock" policy get --session s-0123456789abcdef 2>"$work/err"
+rc=$?
+[ "$rc" -ne 0 ] && grep -q "no session" "$work/err" && pass "operator policy get by id" \
+  || fail "operator policy get of an unknown id: $(cat "$work/err")"
 "$spinctl" --target "unix://$work/nothing.sock" status 2>"$work/err"
 rc=$?
 [ "$rc" -ne 0 ] && grep -q "not answering" "$work/err" && pass "no daemon" \

@@ -733,6 +733,145 @@ TEST(Spind, LiveSetPolicyTakesEffectAtTheNextStep) {
   EXPECT_EQ(SessionCount(d), 1) << "no re-attach";
 }
 
+// Metrics of a daemon started with --metrics-address 127.0.0.1:0, as one string.
+std::string ScrapeMetrics(Daemon& d) {
+  const std::string log = d.log();
+  const size_t at = log.find("metrics on http://");
+  if (at == std::string::npos) return "";
+  const int port = std::atoi(log.c_str() + log.find(':', at + 18) + 1);
+  const std::string cmd = "exec 3<>/dev/tcp/127.0.0.1/" + std::to_string(port) +
+                          " && printf 'GET /metrics HTTP/1.0\\r\\n\\r\\n' >&3 && cat <&3";
+  FILE* p = popen(("bash -c \"" + cmd + "\" 2>/dev/null").c_str(), "r");
+  std::string scraped;
+  char buf[4096];
+  for (size_t n; p && (n = std::fread(buf, 1, sizeof(buf), p)) > 0;) scraped.append(buf, n);
+  if (p) pclose(p);
+  return scraped;
+}
+
+// Operators change a live session without its token: by id over the Unix socket or with the
+// admin token over TCP, one session or the node's default for all; the next step uses it, and
+// every change is logged with who made it and counted.
+TEST(Spind, OperatorChangesLiveSessionsWithoutTheirTokens) {
+  const std::string token_file = ::testing::TempDir() + "/spind-operator-token";
+  std::ofstream(token_file) << "0p3rat0r\n";
+  Daemon d({"--tcp-listen", "127.0.0.1:0", "--admin-token-file", token_file,
+            "--metrics-address", "127.0.0.1:0"});
+  ASSERT_TRUE(d.ready());
+  client::AttachOptions o;
+  o.geometry.layers = 2;
+  o.geometry.max_seqs = 2;
+  o.geometry.max_slots = 64 * 128;
+  o.geometry.topk = 128;
+  o.policy.target_sparsity = 0.5;
+  o.policy.exploration = 0.0;
+  o.client_name = "engine";
+  auto s = client::Session::Attach("unix://" + d.socket(), o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  DataPlane& dp = (*s)->data_plane();
+  ASSERT_TRUE(dp.ResetSequence(0, 5).ok());
+  const int32_t nb = 128, ctx = nb * 64;
+  std::vector<float> logits(ctx);
+  for (int i = 0; i < ctx; ++i) logits[i] = static_cast<float>((i * 7919) % 1009);
+  auto step = [&]() {
+    const int32_t seq = 0, c = ctx, q = ctx - 1;
+    EXPECT_TRUE(dp.BeginStep(StepBatch{&seq, &c, &q, 1, 1}).ok());
+    int kept = 0;
+    for (int l = 0; l < 2; ++l) {
+      EXPECT_TRUE(dp.Select(l).ok());
+      kept = dp.arena().union_count[0];
+      EXPECT_TRUE(dp.Observe(l, logits.data(), ctx).ok());
+    }
+    return kept;
+  };
+  const int at50 = KeptBlocks(nb, 128, 64, 0.5), at75 = KeptBlocks(nb, 128, 64, 0.75),
+            at20 = KeptBlocks(nb, 128, 64, 0.2), at60 = KeptBlocks(nb, 128, 64, 0.6);
+  step();
+  EXPECT_EQ(step(), at50);
+
+  // By id over the Unix socket, no token: the next step uses it.
+  pb::SetPolicyRequest sp;
+  sp.mutable_session()->set_session_id((*s)->id());
+  sp.set_target_sparsity(0.75);
+  pb::SetPolicyResponse spr;
+  ASSERT_TRUE(CALL(d, SetPolicy, sp, &spr).ok());
+  EXPECT_EQ(step(), at75);
+  pb::GetPolicyRequest gp;
+  gp.mutable_session()->set_session_id((*s)->id());
+  pb::GetPolicyResponse gpr;
+  ASSERT_TRUE(CALL(d, GetPolicy, gp, &gpr).ok());
+  EXPECT_DOUBLE_EQ(gpr.policy().target_sparsity(), 0.75);
+  pb::GetPolicyRequest unknown;
+  unknown.mutable_session()->set_session_id("s-0123456789abcdef");
+  EXPECT_EQ(CALL(d, GetPolicy, unknown, &gpr).error_code(), grpc::StatusCode::NOT_FOUND);
+
+  // Over TCP: without the admin token an operator may neither read nor write; with it, both.
+  const std::string log0 = d.log();
+  const int port = std::atoi(log0.c_str() + log0.find("tcp port ") + 9);
+  auto tcp = pb::Spin::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  {
+    grpc::ClientContext c;
+    EXPECT_EQ(tcp->GetPolicy(&c, gp, &gpr).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  }
+  sp.set_target_sparsity(0.2);
+  {
+    grpc::ClientContext c;
+    EXPECT_EQ(tcp->SetPolicy(&c, sp, &spr).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  }
+  EXPECT_EQ(step(), at75) << "a refused change changes nothing";
+  {
+    grpc::ClientContext c;
+    c.AddMetadata("authorization", "Bearer 0p3rat0r");
+    ASSERT_TRUE(tcp->SetPolicy(&c, sp, &spr).ok());
+  }
+  EXPECT_EQ(step(), at20);
+
+  // The node's default for every live session (and new ones); a bad default changes nothing.
+  pb::SetDefaultPolicyRequest dr;
+  dr.mutable_defaults()->set_target_sparsity(1.5);
+  dr.set_apply_to_live(true);
+  pb::SetDefaultPolicyResponse drr;
+  EXPECT_EQ(CALL(d, SetDefaultPolicy, dr, &drr).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(step(), at20);
+  dr.mutable_defaults()->set_target_sparsity(0.6);
+  ASSERT_TRUE(CALL(d, SetDefaultPolicy, dr, &drr).ok());
+  ASSERT_EQ(drr.changed_sessions_size(), 1);
+  EXPECT_EQ(drr.changed_sessions(0), (*s)->id());
+  EXPECT_EQ(step(), at60);
+  pb::AttachResponse second;
+  ASSERT_TRUE(CALL(d, Attach, AttachReq(), &second).ok());  // asks for 0.5
+  pb::GetPolicyRequest gp2;
+  *gp2.mutable_session() = Ref(second);
+  ASSERT_TRUE(CALL(d, GetPolicy, gp2, &gpr).ok());
+  EXPECT_DOUBLE_EQ(gpr.policy().target_sparsity(), 0.6) << "new sessions get the default";
+  EXPECT_DOUBLE_EQ(gpr.policy().exploration(), 0.05) << "fields the default leaves alone stay";
+  // Reading the defaults changes nothing; clearing them lets new sessions keep their own.
+  pb::SetDefaultPolicyRequest read;
+  ASSERT_TRUE(CALL(d, SetDefaultPolicy, read, &drr).ok());
+  EXPECT_DOUBLE_EQ(drr.defaults().target_sparsity(), 0.6);
+  EXPECT_EQ(drr.changed_sessions_size(), 0);
+  read.set_clear(true);
+  ASSERT_TRUE(CALL(d, SetDefaultPolicy, read, &drr).ok());
+  EXPECT_FALSE(drr.defaults().has_target_sparsity());
+  {
+    grpc::ClientContext c;
+    EXPECT_EQ(tcp->SetDefaultPolicy(&c, read, &drr).error_code(),
+              grpc::StatusCode::PERMISSION_DENIED);
+  }
+
+  // Logged with who made each change, and counted by source.
+  const std::string log = d.log();
+  EXPECT_NE(log.find("by an operator on the Unix socket"), std::string::npos) << log;
+  EXPECT_NE(log.find("by an operator with the admin token from"), std::string::npos) << log;
+  EXPECT_NE(log.find("(default policy, all sessions)"), std::string::npos) << log;
+  const std::string m = ScrapeMetrics(d);
+  EXPECT_NE(m.find("spin_policy_changes_total{source=\"operator\"} 2"), std::string::npos)
+      << m.substr(0, 2000);
+  EXPECT_NE(m.find("spin_policy_changes_total{source=\"default\"} 1"), std::string::npos);
+}
+
 // The engine library's own control calls (Session::GetPolicy/SetPolicy/GetBudgets/GetStats):
 // typed values both ways, a refused change changes nothing, statistics count the steps run.
 TEST(Spind, SessionControlCallsRoundTrip) {

@@ -118,6 +118,46 @@ int CmdPolicySet(const ControlArgs& a, double sparsity, double exploration, floa
   return 0;
 }
 
+int CmdPolicyDefaults(const ControlArgs& a, double sparsity, double exploration, float alpha,
+                      int64_t probe_period, const std::string& budget, bool apply_to_live,
+                      bool clear) {
+  auto stub = Stub(a);
+  grpc::ClientContext c;
+  Deadline(&c);
+  pb::SetDefaultPolicyRequest q;
+  pb::PolicyDefaults* d = q.mutable_defaults();
+  if (sparsity >= 0) d->set_target_sparsity(sparsity);
+  if (exploration >= 0) d->set_exploration(exploration);
+  if (alpha >= 0) d->set_alpha(alpha);
+  if (probe_period >= 0) d->set_probe_period(static_cast<uint32_t>(probe_period));
+  if (budget == "uniform") d->set_budget_mode(pb::BUDGET_MODE_UNIFORM);
+  if (budget == "per-layer") d->set_budget_mode(pb::BUDGET_MODE_PER_LAYER);
+  q.set_apply_to_live(apply_to_live);
+  q.set_clear(clear);
+  pb::SetDefaultPolicyResponse r;
+  grpc::Status s = stub->SetDefaultPolicy(&c, q, &r);
+  if (!s.ok()) return Fail("SetDefaultPolicy", s);
+  const pb::PolicyDefaults& now = r.defaults();
+  std::string line = "default policy:";
+  if (now.has_target_sparsity()) absl::StrAppendFormat(&line, " sparsity %.4g", now.target_sparsity());
+  if (now.has_exploration()) absl::StrAppendFormat(&line, " exploration %.4g", now.exploration());
+  if (now.has_alpha()) absl::StrAppendFormat(&line, " alpha %.4g", now.alpha());
+  if (now.has_probe_period()) absl::StrAppendFormat(&line, " probe-period %u", now.probe_period());
+  if (now.budget_mode() == pb::BUDGET_MODE_UNIFORM) line += " budget uniform";
+  if (now.budget_mode() == pb::BUDGET_MODE_PER_LAYER) line += " budget per-layer";
+  if (now.ByteSizeLong() == 0) line += " none (sessions keep the policy they attach with)";
+  std::printf("%s\n", line.c_str());
+  if (apply_to_live) {
+    std::printf("applied to %d live session%s", r.changed_sessions_size(),
+                r.changed_sessions_size() == 1 ? "" : "s");
+    for (int i = 0; i < r.changed_sessions_size(); ++i) {
+      std::printf("%s%s", i ? ", " : ": ", r.changed_sessions(i).c_str());
+    }
+    std::printf("\n");
+  }
+  return 0;
+}
+
 int CmdBudgets(const ControlArgs& a) {
   auto stub = Stub(a);
   grpc::ClientContext c;

@@ -25,6 +25,12 @@ int CmdPolicyGet(const ControlArgs& a);
 /// Negative values (or an empty budget) leave a field unchanged.
 int CmdPolicySet(const ControlArgs& a, double sparsity, double exploration, float alpha,
                  int64_t probe_period, const std::string& budget);
+/// The node's default policy: set the given fields (negative or empty: not set), optionally
+/// after clearing it, and with `apply_to_live` every live session's too; prints the defaults
+/// and the sessions changed.
+int CmdPolicyDefaults(const ControlArgs& a, double sparsity, double exploration, float alpha,
+                      int64_t probe_period, const std::string& budget, bool apply_to_live,
+                      bool clear);
 int CmdBudgets(const ControlArgs& a);
 int CmdStats(const ControlArgs& a);
 

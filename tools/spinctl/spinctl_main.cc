@@ -271,9 +271,13 @@ int main(int argc, char** argv) {
 
   // Control commands (need --target).
   std::string session_id, token;
-  auto session_opts = [&](CLI::App* c) {
-    c->add_option("--session", session_id, "Session id (from `spinctl sessions`)")->required();
-    c->add_option("--token", token, "The session's token")->envname("SPIN_TOKEN")->required();
+  auto session_opts = [&](CLI::App* c, bool required = true) {
+    CLI::Option* o = c->add_option("--session", session_id, "Session id (from `spinctl sessions`)");
+    if (required) o->required();
+    c->add_option("--token", token,
+                  "The session's token; without it, operator access by id (the Unix socket, or "
+                  "TCP with --admin-token-file)")
+        ->envname("SPIN_TOKEN");
   };
   CLI::App* st = app.add_subcommand("status", "Is spind serving, and what does it hold");
   CLI::App* ss = app.add_subcommand("sessions", "List the sessions in spind");
@@ -281,12 +285,23 @@ int main(int argc, char** argv) {
   pol->require_subcommand(1);
   CLI::App* pget = pol->add_subcommand("get", "Print the policy");
   session_opts(pget);
-  CLI::App* pset = pol->add_subcommand("set", "Change the given fields (the rest stay)");
-  session_opts(pset);
+  CLI::App* pset = pol->add_subcommand(
+      "set", "Change the given fields (the rest stay) of one session, of every live session and "
+             "new ones (--all), or of new ones only (--default)");
+  session_opts(pset, false);
+  bool set_all = false, set_default = false;
+  pset->add_flag("--all", set_all,
+                 "Set the node's default policy and apply it to every live session now");
+  pset->add_flag("--default", set_default,
+                 "Set the node's default policy: new sessions attach with it");
   double set_sparsity = -1, set_exploration = -1;
   float set_alpha = -1;
   int64_t set_probe = -1;
   std::string set_budget;
+  CLI::App* pdef = pol->add_subcommand(
+      "defaults", "Print the node's default policy (fields that override a new session's)");
+  bool clear_defaults = false;
+  pdef->add_flag("--clear", clear_defaults, "Drop the defaults (new sessions keep their own)");
   pset->add_option("--sparsity", set_sparsity, "Target block sparsity in [0, 1)");
   pset->add_option("--exploration", set_exploration, "Exploration share in [0, 1)");
   pset->add_option("--alpha", set_alpha, "EMA decay in [0, 1)");
@@ -312,8 +327,17 @@ int main(int argc, char** argv) {
     if (ss->parsed()) return CmdSessions(ca);
     if (pget->parsed()) return CmdPolicyGet(ca);
     if (pset->parsed()) {
+      if ((set_all || set_default) == !session_id.empty() || (set_all && set_default)) {
+        return Fail(absl::InvalidArgumentError(
+            "policy set: give one of --session ID, --all or --default"));
+      }
+      if (set_all || set_default) {
+        return CmdPolicyDefaults(ca, set_sparsity, set_exploration, set_alpha, set_probe,
+                                 set_budget, set_all, false);
+      }
       return CmdPolicySet(ca, set_sparsity, set_exploration, set_alpha, set_probe, set_budget);
     }
+    if (pdef->parsed()) return CmdPolicyDefaults(ca, -1, -1, -1, -1, "", false, clear_defaults);
     if (bud->parsed()) return CmdBudgets(ca);
     return CmdStats(ca);
   }
