@@ -7,6 +7,7 @@
 #include <fstream>
 #include <iostream>
 #include <string>
+#include <thread>
 
 #include "CLI/CLI.hpp"
 #include "absl/status/status.h"
@@ -230,6 +231,12 @@ int main(int argc, char** argv) {
   r->add_flag("--remote", remote,
               "With --target: run the data plane inside spind (PredictMasks/ObserveScores) "
               "instead of on the mapped arena");
+  int pace_ms = 0;
+  r->add_option("--pace-ms", pace_ms,
+                "Wait this long after each step, as an engine's decode cadence (demos, live "
+                "tuning); 0: as fast as possible")
+      ->check(CLI::Range(0, 60000))
+      ->capture_default_str();
   r->add_flag("--json", json, "Print the summary as one JSON object");
   r->add_flag("--quiet", quiet, "No progress on stderr");
 
@@ -389,7 +396,10 @@ int main(int argc, char** argv) {
   absl::StatusOr<Trace> t = OpenTrace(trace_dir);
   if (!t.ok()) return Fail(t.status());
   Progress progress("replay", quiet);
-  ro.progress = [&progress](int done, int total) { progress.Update(done, total); };
+  ro.progress = [&progress, pace_ms](int done, int total) {
+    progress.Update(done, total);
+    if (pace_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pace_ms));
+  };
   absl::StatusOr<ReplaySummary> sum;
   std::string where;
   if (target.empty()) {
