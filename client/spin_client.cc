@@ -90,6 +90,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Attach(const std::string& targ
   *req.mutable_policy() = ToProto(o.policy);
   req.set_client_name(o.client_name);
   req.set_engine_control(o.engine_control);
+  req.set_model(o.model);
   pb::AttachResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));

@@ -45,6 +45,9 @@ struct AttachOptions {
   /// the arena at a step boundary): spind only proposes them. For tensor-parallel groups, whose
   /// ranks must switch at the same step (docs/vllm.md).
   bool engine_control = false;
+  /// The served model's name (1-128 of A-Z a-z 0-9 . _ -; empty: none): a per-layer session
+  /// of a model spind has seen starts from its last per-layer curves (warm budgets).
+  std::string model;
 };
 
 /// A policy change (Session::SetPolicy): the fields that are set change, the rest stay. Takes

@@ -50,6 +50,10 @@ absl::StatusOr<bool> RefreshBudgets(Session& s, bool policy_changed) {
     SPIN_RETURN_IF_ERROR(WriteSessionBudgets(s, u->sparsity));
     s.budget_recomputes += 1;
     s.budget_reason = u->reason;
+    // The model's curves for its next sessions (warm budgets).
+    if (s.warm && !s.model.empty()) {
+      s.warm->Save(s.model, s.geometry, s.budgets->smoothed(), s.budgets->num_blocks());
+    }
     return true;
   }
   if (policy_changed && s.budgets->recomputes() == 0) {

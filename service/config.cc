@@ -85,6 +85,16 @@ ParseResult ParseConfig(int argc, const char* const* argv) {
       ->envname("SPIND_MAX_FD_CONNECTIONS")
       ->check(CLI::Range(1u, 1024u))
       ->capture_default_str();
+  app.add_option("--state-dir", c.state_dir,
+                 "Directory for each model's last per-layer miss curves (warm budgets: a new "
+                 "per-layer session of the same model starts from them; created if missing); "
+                 "empty: off")
+      ->envname("SPIND_STATE_DIR");
+  app.add_option("--warm-max-age-hours", c.warm_max_age_hours,
+                 "Warm budgets older than this are ignored (logged)")
+      ->envname("SPIND_WARM_MAX_AGE_HOURS")
+      ->check(CLI::Range(1u, 100000u))
+      ->capture_default_str();
   app.add_option("--probe-interval-ms", c.probe_interval_ms,
                  "How often the probe thread reads per-layer sessions' miss curves and "
                  "recomputes their budgets when they drifted")

@@ -28,6 +28,8 @@ struct Config {
   uint32_t workers = 4;                    ///< threads for slow RPC work
   uint32_t fd_handshake_ms = 2000;         ///< whole fd-socket handshake deadline
   uint32_t max_fd_connections = 8;         ///< fd connections one session may hold
+  std::string state_dir;                   ///< warm budgets' files; empty = off
+  uint32_t warm_max_age_hours = 168;       ///< older warm budgets are ignored
 };
 
 /// Parses argv. On --help (or a usage error) returns the text to print in `exit_text` with

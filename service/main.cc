@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdio>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <mutex>
@@ -26,6 +27,7 @@
 #include "nlohmann/json.hpp"
 #include "session_manager.h"
 #include "spin_service.h"
+#include "warm_budgets.h"
 
 namespace {
 
@@ -189,6 +191,21 @@ int main(int argc, char** argv) {
               "refused (read-only calls are served)");
   }
   ServiceOptions service_options;
+  if (!c.state_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(c.state_dir, ec);
+    if (ec || access(c.state_dir.c_str(), W_OK | X_OK) != 0) {
+      Log(c, "error",
+          "--state-dir " + c.state_dir + " is not a writable directory" +
+              (ec ? " (" + ec.message() + ")" : "") +
+              ": create it for spind's user, or leave --state-dir out (no warm budgets)");
+      return 2;
+    }
+    Log(c, "info", "warm budgets in " + c.state_dir);
+  }
+  service_options.warm = std::make_shared<WarmBudgets>(
+      c.state_dir, std::chrono::hours(c.warm_max_age_hours),
+      [&c](const char* level, const std::string& msg) { Log(c, level, msg); });
   service_options.admin_token = admin_token;
   service_options.allow_unauthenticated_tcp = c.tcp_allow_unauthenticated;
   service_options.workers = c.workers;

@@ -20,6 +20,7 @@
 #include "executor.h"
 #include "spin/arena.h"
 #include "spin/budget.h"
+#include "warm_budgets.h"
 
 namespace spin::service {
 
@@ -54,6 +55,10 @@ struct Session {
   bool engine_control = false;
   /// Bumped by every change of `policy` or `budgets_written`.
   uint64_t control_version = 0;
+  /// The served model (AttachRequest.model; empty: none) and the store of its warm budgets,
+  /// which the probe thread updates after each recompute.
+  std::string model;
+  std::shared_ptr<const WarmBudgets> warm;
   /// Remote mode: the step spind began (its own copy; the arena's batch header is not trusted).
   int32_t remote_n = 0, remote_rows = 0;
   bool remote_selected = false;  ///< a PredictMasks of the current remote step ran

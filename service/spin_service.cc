@@ -390,6 +390,11 @@ grpc::ServerUnaryReactor* SpinService::Attach(grpc::CallbackServerContext* ctx,
     p = *from;
   }
   if (absl::Status v = ValidatePolicy(p); !v.ok()) return Done(ctx, "Attach", t0, v);
+  if (!req->model().empty()) {
+    if (absl::Status v = ValidateModelName(req->model()); !v.ok()) {
+      return Done(ctx, "Attach", t0, v);
+    }
+  }
   {
     // The node-wide default policy's set fields override the engine's (SetDefaultPolicy).
     std::lock_guard<std::mutex> lock(defaults_mu_);
@@ -409,6 +414,7 @@ grpc::ServerUnaryReactor* SpinService::Attach(grpc::CallbackServerContext* ctx,
     absl::StatusOr<std::shared_ptr<Session>> s =
         sessions_->Attach(g, req->seed(), p, req->client_name(), req->engine_control());
     absl::Status st = s.status();
+    if (s.ok()) StartWarm(**s, req->model());
     if (s.ok()) {
       const Session& session = **s;
       resp->set_session_id(session.id);
@@ -493,6 +499,37 @@ grpc::ServerUnaryReactor* SpinService::SetPolicy(grpc::CallbackServerContext* ct
   });
 }
 
+
+void SpinService::StartWarm(Session& s, const std::string& model) {
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.model = model;
+  s.warm = options_.warm;
+  if (model.empty() || !s.warm || !s.warm->enabled() ||
+      s.policy.budget_mode != BudgetMode::kPerLayer) {
+    return;
+  }
+  std::optional<WarmCurves> w = s.warm->Load(model, s.geometry);
+  if (!w) return;
+  s.budgets = std::make_unique<BudgetController>(s.geometry);
+  absl::StatusOr<BudgetUpdate> u = s.budgets->Warm(w->curves, w->num_blocks,
+                                                   s.policy.target_sparsity);
+  absl::Status st = u.status();
+  if (st.ok()) st = WriteSessionBudgets(s, u->sparsity);
+  if (!st.ok()) {
+    s.budgets.reset();
+    if (log_) {
+      log_("warning", absl::StrCat("session ", s.id, ": warm budgets of model ", model,
+                                   " not used: ", st.message(), "; it starts uniform"));
+    }
+    return;
+  }
+  s.budget_recomputes += 1;
+  s.budget_reason = absl::StrCat("warm (model ", model, ", saved ", w->saved_unix, ")");
+  if (log_) {
+    log_("info", absl::StrCat("session ", s.id, " starts with model ", model,
+                              "'s per-layer budgets (", s.warm->PathOf(model), ")"));
+  }
+}
 
 absl::Status SpinService::ChangePolicy(Session& s, const Policy& p, const std::string& who,
                                        const char* source) {

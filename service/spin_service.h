@@ -49,6 +49,8 @@ struct ServiceOptions {
   size_t max_watchers_per_session = 16;
   /// Calls queued on one session before further ones get RESOURCE_EXHAUSTED.
   size_t max_queued_per_session = 64;
+  /// Warm budgets: the store of models' per-layer curves (null or disabled: none).
+  std::shared_ptr<const WarmBudgets> warm;
 };
 
 /// Longest client_name accepted at attach.
@@ -68,8 +70,14 @@ class SpinService final : public spin::v1::Spin::CallbackService {
   SpinService(SessionManager* sessions, std::string fd_socket, Metrics* metrics = nullptr,
               std::string admin_token = "")
       : SpinService(sessions, std::move(fd_socket), metrics,
-                    ServiceOptions{std::move(admin_token), true}) {}
+                    TestOptions(std::move(admin_token))) {}
   ~SpinService() override;
+  static ServiceOptions TestOptions(std::string admin_token) {
+    ServiceOptions o;
+    o.admin_token = std::move(admin_token);
+    o.allow_unauthenticated_tcp = true;
+    return o;
+  }
 
   /// Sends the session's budget table to its WatchBudgets streams (caller holds its lock and
   /// pulled its control region).
@@ -140,6 +148,9 @@ class SpinService final : public spin::v1::Spin::CallbackService {
     return OnSession(ctx, method, ref, mutating, false,
                      [body = std::move(body)](Session& s, const std::string&) { return body(s); });
   }
+  // Warm budgets: records the session's model and, for a per-layer session of a model with
+  // saved curves, starts its controller and table from them (logged either way).
+  void StartWarm(Session& s, const std::string& model);
   // Who made a call, for the log: the session's engine, or an operator and how it got in.
   std::string Caller(grpc::CallbackServerContext* ctx, bool with_token) const;
   // Writes `p` as session `s`'s policy (and re-sizes its budgets), logs the change with `who`

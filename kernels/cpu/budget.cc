@@ -294,6 +294,11 @@ absl::StatusOr<std::optional<BudgetUpdate>> BudgetController::Update(const Probe
       return std::optional<BudgetUpdate>();
     }
   }
+  SPIN_ASSIGN_OR_RETURN(BudgetUpdate u, Recompute(target, std::move(reason)));
+  return std::optional<BudgetUpdate>(std::move(u));
+}
+
+absl::StatusOr<BudgetUpdate> BudgetController::Recompute(double target, std::string reason) {
   AllocationInput in;
   in.curves = smoothed_;
   in.num_blocks = num_blocks_;
@@ -310,7 +315,32 @@ absl::StatusOr<std::optional<BudgetUpdate>> BudgetController::Update(const Probe
   u.allocation = std::move(a);
   u.num_blocks = num_blocks_;
   u.reason = std::move(reason);
-  return std::optional<BudgetUpdate>(std::move(u));
+  return u;
+}
+
+absl::StatusOr<BudgetUpdate> BudgetController::Warm(const std::vector<MissCurve>& curves,
+                                                    int32_t num_blocks, double target) {
+  if (curves.size() != static_cast<size_t>(layers_)) {
+    return absl::InvalidArgumentError(absl::StrCat("warm curves for ", curves.size(),
+                                                   " layers; the session has ", layers_));
+  }
+  for (size_t l = 0; l < curves.size(); ++l) {
+    for (double x : curves[l]) {
+      if (!(x >= 0 && x <= 1)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("warm curve of layer ", l, " has the value ", x, "; must be in [0, 1]"));
+      }
+    }
+  }
+  if (!(target >= 0 && target < 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("target sparsity ", target, " is out of range [0, 1)"));
+  }
+  Reset();
+  smoothed_ = curves;
+  samples_.assign(layers_, tuning_.min_probes);
+  num_blocks_ = std::clamp<int32_t>(num_blocks, 1, default_blocks_);
+  return Recompute(target, "warm");
 }
 
 absl::Status ValidateBudgetTable(const Geometry& g, std::span<const double> sparsity) {

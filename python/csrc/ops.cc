@@ -144,7 +144,8 @@ BudgetMode ModeOf(const std::string& m) {
 // plane), which becomes the calling thread's current device.
 int64_t Attach(const std::string& target, std::vector<int64_t> geometry, int64_t seed,
                std::vector<double> policy, const std::string& budget_mode,
-               const std::string& client_name, int64_t device, bool engine_control) {
+               const std::string& client_name, int64_t device, bool engine_control,
+               const std::string& model) {
   TORCH_CHECK(geometry.size() == 7,
               "spind.attach: geometry is [layers, block_size, topk, max_sequences, max_slots, "
               "max_rows, state (1 fp32, 2 bf16)]");
@@ -186,6 +187,7 @@ int64_t Attach(const std::string& target, std::vector<int64_t> geometry, int64_t
     o.seed = static_cast<uint64_t>(seed);
     o.client_name = client_name;
     o.engine_control = engine_control;
+    o.model = model;
     if (device < 0) {
       o.require_backend = 1;  // host arenas: spind's CPU backend
       h->resilient = std::make_unique<spin::client::ResilientDataPlane>(
@@ -599,7 +601,7 @@ std::vector<int64_t> Counters(int64_t h) {
 TORCH_LIBRARY(spind, m) {
   m.def(
       "attach(str target, int[] geometry, int seed, float[] policy, str budget_mode, "
-      "str client_name, int device=-1, bool engine_control=False) -> int",
+      "str client_name, int device=-1, bool engine_control=False, str model=\"\") -> int",
       &Attach);
   m.def("close(int handle) -> ()", &Close);
   m.def("reset_sequence(int handle, int seq, int key) -> ()", &ResetSequence);

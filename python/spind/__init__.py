@@ -40,7 +40,7 @@ class Session:
     def __init__(self, layers, max_slots, *, block_size=64, topk=2048, max_sequences=1,
                  max_rows=1, state="fp32", seed=1, target_sparsity=0.5, exploration=0.05,
                  alpha=0.3, probe_period=0, budget_mode="uniform", target="",
-                 client_name="python", device=None, engine_control=False):
+                 client_name="python", device=None, engine_control=False, model=""):
         if state not in _STATE:
             raise ValueError(f"state must be fp32 or bf16, not {state!r}")
         self.layers = layers
@@ -55,7 +55,7 @@ class Session:
         self.handle = ops.attach(
             target, [layers, block_size, topk, max_sequences, max_slots, max_rows, _STATE[state]],
             seed, [float(target_sparsity), float(exploration), float(alpha), float(probe_period)],
-            budget_mode, client_name, ordinal, bool(engine_control))
+            budget_mode, client_name, ordinal, bool(engine_control), model)
         # Declared mutated by every per-step op (see ops.cc): orders them.
         self.token = torch.zeros(1, dtype=torch.int32, device=device)
         self._fetch_outputs()

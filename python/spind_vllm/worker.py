@@ -9,6 +9,7 @@ the indexer metadata builder's wrapper, inside execute_model.
 """
 import logging
 import os
+import re
 
 from vllm.v1.worker.gpu_worker import Worker
 
@@ -31,6 +32,17 @@ def session_options(env=None):
         probe_period=int(env.get("SPIND_PROBE_PERIOD", "0")),
         budget_mode=env.get("SPIND_BUDGET", "uniform"),
     )
+
+
+def model_key(model_config):
+    """The served model as spind's model name (warm budgets are kept per model): the served
+    name, else the model path, with every character outside A-Z a-z 0-9 . _ - replaced by '_'
+    (at most 128, not starting with '.')."""
+    names = getattr(model_config, "served_model_name", None)
+    name = names[0] if isinstance(names, (list, tuple)) and names else names
+    name = str(name or getattr(model_config, "model", "") or "")
+    key = re.sub(r"[^A-Za-z0-9._-]", "_", name)[-128:].lstrip(".")
+    return key
 
 
 def open_session(vllm_config, device, rank, env=None):
@@ -63,7 +75,7 @@ def open_session(vllm_config, device, rank, env=None):
     session = spind.Session(layers, max_slots, block_size=block_size, topk=topk,
                             max_sequences=max_seqs, max_rows=rows, device=device,
                             client_name=f"vllm-rank{rank}", engine_control=tp,
-                            **session_options(env))
+                            model=model_key(model), **session_options(env))
     tp_group = None
     if tp:
         from vllm.distributed.parallel_state import get_tp_group

@@ -5,9 +5,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <mutex>
@@ -991,6 +993,96 @@ TEST(Spind, RemoteReplayReportsTheDaemonsBudgets) {
   }
   EXPECT_LT(lo, hi) << "per-layer budgets, not the mirror's uniform 0.5";
   EXPECT_NEAR(mean, 0.5, 0.05);
+}
+
+// Warm budgets: a per-layer session of a model spind has seen starts from that model's last
+// per-layer table, also after a restart; another model, a uniform session, a bad or mismatched
+// file start uniform (the bad file logged); a model name that is no file name is refused.
+TEST(Spind, WarmBudgetsSurviveARestart) {
+  GenTraceOptions g;
+  g.layers = 4;
+  g.slots = 64 * 96;
+  g.steps = 60;
+  g.topk = 256;
+  g.seed = 73;
+  const std::string dir = ::testing::TempDir() + "/spind_warm_trace";
+  ASSERT_TRUE(GenerateTrace(dir, g).ok());
+  absl::StatusOr<Trace> t = LoadTrace(dir);
+  ASSERT_TRUE(t.ok());
+  const std::string state = ::testing::TempDir() + "/spind-state-" + std::to_string(getpid());
+  std::filesystem::remove_all(state);
+  client::AttachOptions ao;
+  ao.geometry = TraceGeometry(t->meta(), t->n_max(), StateDtype::kFp32);
+  ao.policy.target_sparsity = 0.5;
+  ao.policy.probe_period = 4;
+  ao.policy.budget_mode = BudgetMode::kPerLayer;
+  ao.model = "deepseek-v3.2";
+  std::vector<double> learned;
+  {
+    Daemon d({"--probe-interval-ms", "5", "--state-dir", state});
+    ASSERT_TRUE(d.ready());
+    auto s = client::Session::Attach("unix://" + d.socket(), ao);
+    ASSERT_TRUE(s.ok()) << s.status();
+    absl::StatusOr<client::Budgets> b = (*s)->GetBudgets();
+    ASSERT_TRUE(b.ok());
+    EXPECT_EQ(b->recomputes, 0u) << "no curves for this model yet: uniform";
+    ReplayOptions o;
+    o.policy = ao.policy;
+    o.local_budgets = false;
+    o.progress = [](int, int) { std::this_thread::sleep_for(std::chrono::milliseconds(2)); };
+    ASSERT_TRUE(ReplayOn((*s)->data_plane(), *t, o).ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the last probe pass
+    b = (*s)->GetBudgets();
+    ASSERT_TRUE(b.ok());
+    ASSERT_GE(b->recomputes, 1u);
+    learned = b->layer_sparsity;
+    EXPECT_LT(*std::min_element(learned.begin(), learned.end()),
+              *std::max_element(learned.begin(), learned.end()))
+        << "layers of different difficulty";
+    ASSERT_TRUE(std::filesystem::exists(state + "/deepseek-v3.2.budgets.json"));
+    ASSERT_TRUE((*s)->Detach().ok());
+  }  // spind stops
+  std::ofstream(state + "/broken.budgets.json") << "{not json";
+  Daemon d({"--probe-interval-ms", "5", "--state-dir", state});
+  ASSERT_TRUE(d.ready());
+  auto warm = client::Session::Attach("unix://" + d.socket(), ao);
+  ASSERT_TRUE(warm.ok()) << warm.status();
+  absl::StatusOr<client::Budgets> b = (*warm)->GetBudgets();
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->layer_sparsity, learned) << "the restarted spind starts the model warm";
+  EXPECT_EQ(b->reason.rfind("warm (model deepseek-v3.2", 0), 0u) << b->reason;
+  for (int l = 0; l < 4; ++l) EXPECT_EQ((*warm)->arena().sparsity[l], learned[l]);
+  auto starts_uniform = [&](client::AttachOptions x, const char* what) {
+    auto c = client::Session::Attach("unix://" + d.socket(), x);
+    ASSERT_TRUE(c.ok()) << c.status();
+    absl::StatusOr<client::Budgets> cb = (*c)->GetBudgets();
+    ASSERT_TRUE(cb.ok());
+    EXPECT_EQ(cb->recomputes, 0u) << what;
+    for (double v : cb->layer_sparsity) EXPECT_EQ(v, x.policy.target_sparsity) << what;
+  };
+  client::AttachOptions other = ao;
+  other.model = "another-model";
+  starts_uniform(other, "another model");
+  client::AttachOptions uniform = ao;
+  uniform.policy.budget_mode = BudgetMode::kUniform;
+  starts_uniform(uniform, "a uniform session");
+  client::AttachOptions fewer = ao;
+  fewer.geometry.layers = 3;
+  starts_uniform(fewer, "another geometry");
+  client::AttachOptions broken = ao;
+  broken.model = "broken";
+  starts_uniform(broken, "a broken file");
+  const std::string log = d.log();
+  EXPECT_NE(log.find("warm budgets of model broken"), std::string::npos) << log;
+  EXPECT_NE(log.find("warm budgets of model deepseek-v3.2 (" + state +
+                     "/deepseek-v3.2.budgets.json) ignored: saved for 4 layers"),
+            std::string::npos)
+      << log;
+  client::AttachOptions bad = ao;
+  bad.model = "../etc/passwd";
+  auto refused = client::Session::Attach("unix://" + d.socket(), bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  std::filesystem::remove_all(state);
 }
 
 TEST(Spind, ProbeThreadPublishesPerLayerBudgets) {

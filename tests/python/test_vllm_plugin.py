@@ -567,6 +567,19 @@ class StubTensorParallel(unittest.TestCase):
                              [["refresh"], ["link"]] + own, f"rank {r}")
 
 
+class StubModelKey(unittest.TestCase):
+    def test_stub_model_key_is_a_safe_file_name(self):
+        from types import SimpleNamespace as ns
+        from spind_vllm.worker import model_key
+        self.assertEqual(model_key(ns(served_model_name=["deepseek-ai/DeepSeek-V3.2"])),
+                         "deepseek-ai_DeepSeek-V3.2")
+        self.assertEqual(model_key(ns(served_model_name=None, model="/models/../ds v3")),
+                         "_models_.._ds_v3")
+        self.assertEqual(model_key(ns(model="." * 3 + "x")), "x")
+        self.assertEqual(len(model_key(ns(model="a" * 300))), 128)
+        self.assertEqual(model_key(ns()), "")
+
+
 class StubPreflight(unittest.TestCase):
     SCRIPT = os.path.join(REPO, "scripts", "vllm-preflight")
 

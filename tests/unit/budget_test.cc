@@ -326,6 +326,53 @@ TEST(BudgetController, WaitsForEveryLayerThenRecomputesOnlyOnDrift) {
   EXPECT_EQ(c.recomputes(), 4u);
 }
 
+// Warm budgets: a controller seeded with another one's smoothed curves gives the table that
+// one would give, at once, and then drifts from those curves like any other.
+TEST(BudgetController, WarmStartGivesTheLearnedTableAtOnce) {
+  BudgetTuning t;
+  t.smoothing = 0.5;
+  BudgetController learned(Geo(3), t);
+  FakeCounters f(3);
+  const std::vector<MissCurve> curves = {PowerCurve(0.2, 2), PowerCurve(0.6, 2),
+                                         PowerCurve(0.3, 2)};
+  f.Steps(8, 200);
+  for (int l = 0; l < 3; ++l) f.Probe(l, curves[l]);
+  absl::StatusOr<std::optional<BudgetUpdate>> first = learned.Update(f.Snap(), 0.5);
+  ASSERT_TRUE(first.ok() && first->has_value());
+
+  BudgetController warm(Geo(3), t);
+  absl::StatusOr<BudgetUpdate> w = warm.Warm(learned.smoothed(), learned.num_blocks(), 0.5);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->reason, "warm");
+  EXPECT_EQ(w->sparsity, (*first)->sparsity) << "the same curves give the same table";
+  EXPECT_EQ(w->num_blocks, 200);
+  EXPECT_EQ(warm.recomputes(), 1u);
+  // The same curves from its own probes: no drift, no recompute; a hard layer 0: drift.
+  FakeCounters g(3);
+  g.Steps(8, 200);
+  for (int l = 0; l < 3; ++l) g.Probe(l, curves[l]);
+  absl::StatusOr<std::optional<BudgetUpdate>> u = warm.Update(g.Snap(), 0.5);
+  ASSERT_TRUE(u.ok());
+  EXPECT_FALSE(u->has_value());
+  g.Steps(8, 200);
+  for (int l = 0; l < 3; ++l) g.Probe(l, l == 0 ? PowerCurve(0.9, 1) : curves[l]);
+  u = warm.Update(g.Snap(), 0.5);
+  ASSERT_TRUE(u.ok() && u->has_value());
+  EXPECT_NE((*u)->reason.find("drift"), std::string::npos) << (*u)->reason;
+  // Bad seeds change nothing.
+  BudgetController bad(Geo(3), t);
+  EXPECT_FALSE(bad.Warm({curves[0], curves[1]}, 200, 0.5).ok());
+  std::vector<MissCurve> nan = curves;
+  nan[1][4] = std::nan("");
+  EXPECT_FALSE(bad.Warm(nan, 200, 0.5).ok());
+  EXPECT_FALSE(bad.Warm(curves, 200, 1.0).ok());
+  EXPECT_EQ(bad.recomputes(), 0u);
+  // B is bounded by the geometry (256 blocks here).
+  absl::StatusOr<BudgetUpdate> big = bad.Warm(curves, 1 << 30, 0.5);
+  ASSERT_TRUE(big.ok());
+  EXPECT_EQ(big->num_blocks, 256);
+}
+
 TEST(BudgetController, SmallChangesBelowTheThresholdAccumulateUntilTheyCount) {
   BudgetTuning t;
   t.smoothing = 1.0;  // no smoothing: the curve is the last probe window's

@@ -121,6 +121,15 @@ class BudgetController {
   absl::StatusOr<std::optional<BudgetUpdate>> Update(const ProbeSnapshot& snapshot,
                                                      double target_sparsity);
 
+  /// Starts from curves learned before (a model's last smoothed curves, saved by spind: warm
+  /// budgets, docs/budgets.md): they become the smoothed curves, every layer counts min_probes
+  /// samples, B becomes `num_blocks` (clamped to the geometry's), and the table for `target` is
+  /// returned at once (reason "warm"). Later snapshots refine the curves as usual; drift is
+  /// measured from these. Errors: a curve count other than the layers, a value that is not
+  /// finite or outside [0, 1], a target outside [0, 1).
+  absl::StatusOr<BudgetUpdate> Warm(const std::vector<MissCurve>& curves, int32_t num_blocks,
+                                    double target_sparsity);
+
   /// Recomputes returned so far.
   uint64_t recomputes() const { return recomputes_; }
   /// Probe samples absorbed per layer.
@@ -133,6 +142,9 @@ class BudgetController {
   void Reset();
 
  private:
+  // The allocation for the smoothed curves at `target`, recorded as the one in use.
+  absl::StatusOr<BudgetUpdate> Recompute(double target, std::string reason);
+
   int32_t layers_, topk_, block_size_, default_blocks_;
   BudgetTuning tuning_;
   bool have_base_ = false;
