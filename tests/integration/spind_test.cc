@@ -1132,8 +1132,10 @@ TEST(Spind, ProbeThreadPublishesPerLayerBudgets) {
   EXPECT_GT(latest.epoch(), first.epoch());
   pb::GetBudgetsResponse update;
   ASSERT_TRUE(reader->Read(&update));
-  EXPECT_EQ(update.recomputes(), 1u);
-  EXPECT_EQ(update.reason(), "first");
+  // A slow reader sees the newest table, not a backlog: the first one after the initial table
+  // is the first recompute unless later ones replaced it before it was written (a loaded CI).
+  ASSERT_GE(update.recomputes(), 1u);
+  if (update.recomputes() == 1u) EXPECT_EQ(update.reason(), "first");
   while (update.epoch() < latest.epoch()) ASSERT_TRUE(reader->Read(&update));
   EXPECT_EQ(update.recomputes(), latest.recomputes());
   ASSERT_EQ(update.layer_sparsity_size(), 4);
