@@ -228,7 +228,7 @@ absl::Status ResilientDataPlane::AdoptControl(const Policy& policy,
 // The adopted policy, then (per-layer mode) the table, into the arena the steps run on.
 absl::Status ResilientDataPlane::WriteAdopted(cudaStream_t stream) {
   const ArenaView& a = current().arena();
-  const bool per_layer = adopted_policy_->budget_mode == BudgetMode::kPerLayer;
+  const bool per_layer = TableFromProbes(adopted_policy_->budget_mode);
   if (!on_device_) {
     SPIN_RETURN_IF_ERROR(WritePolicy(a, *adopted_policy_));
     if (per_layer) SPIN_RETURN_IF_ERROR(WriteBudgetTable(a, adopted_table_));

@@ -278,10 +278,8 @@ absl::StatusOr<Policy> Session::SetPolicy(const PolicyChange& change) {
   if (change.exploration) req.set_exploration(*change.exploration);
   if (change.alpha) req.set_alpha(*change.alpha);
   if (change.probe_period) req.set_probe_period(*change.probe_period);
-  if (change.budget_mode) {
-    req.set_budget_mode(*change.budget_mode == BudgetMode::kPerLayer ? pb::BUDGET_MODE_PER_LAYER
-                                                                     : pb::BUDGET_MODE_UNIFORM);
-  }
+  if (change.budget_mode) req.set_budget_mode(ToProto(Policy{.budget_mode = *change.budget_mode}).budget_mode());
+  if (change.miss_target) req.set_miss_target(*change.miss_target);
   pb::SetPolicyResponse resp;
   SPIN_RETURN_IF_ERROR(SessionCall(*stub_, &pb::Spin::Stub::SetPolicy, "SetPolicy", id_, token_,
                                    admin_token_, req, &resp));

@@ -58,6 +58,7 @@ struct PolicyChange {
   std::optional<float> alpha;
   std::optional<uint32_t> probe_period;
   std::optional<BudgetMode> budget_mode;
+  std::optional<double> miss_target;  ///< the miss-target mode's target, (0, 1)
 };
 
 /// The session's per-layer budget table as spind keeps it.

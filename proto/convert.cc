@@ -58,6 +58,8 @@ absl::StatusOr<BudgetMode> ModeFromProto(pb::BudgetMode m, BudgetMode keep) {
       return BudgetMode::kUniform;
     case pb::BUDGET_MODE_PER_LAYER:
       return BudgetMode::kPerLayer;
+    case pb::BUDGET_MODE_MISS_TARGET:
+      return BudgetMode::kMissTarget;
     default:
       return absl::InvalidArgumentError(absl::StrCat("unknown budget mode ", m));
   }
@@ -69,8 +71,10 @@ pb::Policy ToProto(const Policy& p) {
   o.set_exploration(p.exploration);
   o.set_alpha(p.alpha);
   o.set_probe_period(p.probe_period);
-  o.set_budget_mode(p.budget_mode == BudgetMode::kPerLayer ? pb::BUDGET_MODE_PER_LAYER
-                                                           : pb::BUDGET_MODE_UNIFORM);
+  o.set_budget_mode(p.budget_mode == BudgetMode::kPerLayer     ? pb::BUDGET_MODE_PER_LAYER
+                    : p.budget_mode == BudgetMode::kMissTarget ? pb::BUDGET_MODE_MISS_TARGET
+                                                               : pb::BUDGET_MODE_UNIFORM);
+  o.set_miss_target(p.miss_target);
   return o;
 }
 
@@ -81,6 +85,7 @@ absl::StatusOr<Policy> FromProto(const pb::Policy& m) {
   if (m.has_alpha()) p.alpha = m.alpha();
   p.probe_period = m.probe_period();
   SPIN_ASSIGN_OR_RETURN(p.budget_mode, ModeFromProto(m.budget_mode(), p.budget_mode));
+  p.miss_target = m.miss_target();
   return p;
 }
 

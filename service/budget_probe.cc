@@ -36,7 +36,7 @@ absl::StatusOr<bool> RefreshBudgets(Session& s, bool policy_changed) {
   // counters and curves are read from the arena and only ever used as numbers, bounded by the
   // session's geometry in the controller.
   const Policy& p = s.policy;
-  if (p.budget_mode != BudgetMode::kPerLayer) {
+  if (!TableFromProbes(p.budget_mode)) {
     s.budgets.reset();  // a later switch back starts from fresh curves
     return false;
   }
@@ -45,7 +45,9 @@ absl::StatusOr<bool> RefreshBudgets(Session& s, bool policy_changed) {
   const ProbeSnapshot snap{
       std::span<const uint64_t>(v.curves, static_cast<size_t>(L) * kCurvePoints),
       std::span<const LayerStats>(v.stats, L)};
-  SPIN_ASSIGN_OR_RETURN(std::optional<BudgetUpdate> u, s.budgets->Update(snap, p.target_sparsity));
+  const double miss_target = p.budget_mode == BudgetMode::kMissTarget ? p.miss_target : 0.0;
+  SPIN_ASSIGN_OR_RETURN(std::optional<BudgetUpdate> u,
+                        s.budgets->Update(snap, p.target_sparsity, miss_target));
   if (u.has_value()) {
     SPIN_RETURN_IF_ERROR(WriteSessionBudgets(s, u->sparsity));
     s.budget_recomputes += 1;

@@ -29,9 +29,12 @@ pb::Backend BackendProto(Backend b) {
 // The budget table of a session as spind wrote it, with the arena's epoch (caller holds the
 // session's lock and pulled the control region).
 std::string PolicyText(const Policy& p) {
-  return absl::StrFormat("sparsity %.4g, exploration %.4g, alpha %.4g, probe period %u, %s",
-                         p.target_sparsity, p.exploration, p.alpha, p.probe_period,
-                         p.budget_mode == BudgetMode::kPerLayer ? "per-layer" : "uniform");
+  return absl::StrFormat(
+      "sparsity %.4g, exploration %.4g, alpha %.4g, probe period %u, %s", p.target_sparsity,
+      p.exploration, p.alpha, p.probe_period,
+      p.budget_mode == BudgetMode::kPerLayer     ? std::string("per-layer")
+      : p.budget_mode == BudgetMode::kMissTarget ? absl::StrFormat("miss target %.4g", p.miss_target)
+                                                 : std::string("uniform"));
 }
 
 // The defaults' set fields over `p`.
@@ -40,6 +43,7 @@ absl::StatusOr<Policy> WithDefaults(const pb::PolicyDefaults& d, Policy p) {
   if (d.has_exploration()) p.exploration = d.exploration();
   if (d.has_alpha()) p.alpha = d.alpha();
   if (d.has_probe_period()) p.probe_period = d.probe_period();
+  if (d.has_miss_target()) p.miss_target = d.miss_target();
   SPIN_ASSIGN_OR_RETURN(p.budget_mode, ModeFromProto(d.budget_mode(), p.budget_mode));
   return p;
 }
@@ -489,6 +493,7 @@ grpc::ServerUnaryReactor* SpinService::SetPolicy(grpc::CallbackServerContext* ct
     if (req->has_exploration()) p.exploration = req->exploration();
     if (req->has_alpha()) p.alpha = req->alpha();
     if (req->has_probe_period()) p.probe_period = req->probe_period();
+    if (req->has_miss_target()) p.miss_target = req->miss_target();
     SPIN_ASSIGN_OR_RETURN(BudgetMode m, ModeFromProto(req->budget_mode(), p.budget_mode));
     p.budget_mode = m;
     SPIN_RETURN_IF_ERROR(
@@ -505,14 +510,15 @@ void SpinService::StartWarm(Session& s, const std::string& model) {
   s.model = model;
   s.warm = options_.warm;
   if (model.empty() || !s.warm || !s.warm->enabled() ||
-      s.policy.budget_mode != BudgetMode::kPerLayer) {
+      !TableFromProbes(s.policy.budget_mode)) {
     return;
   }
   std::optional<WarmCurves> w = s.warm->Load(model, s.geometry);
   if (!w) return;
   s.budgets = std::make_unique<BudgetController>(s.geometry);
-  absl::StatusOr<BudgetUpdate> u = s.budgets->Warm(w->curves, w->num_blocks,
-                                                   s.policy.target_sparsity);
+  absl::StatusOr<BudgetUpdate> u = s.budgets->Warm(
+      w->curves, w->num_blocks, s.policy.target_sparsity,
+      s.policy.budget_mode == BudgetMode::kMissTarget ? s.policy.miss_target : 0.0);
   absl::Status st = u.status();
   if (st.ok()) st = WriteSessionBudgets(s, u->sparsity);
   if (!st.ok()) {

@@ -73,9 +73,17 @@ absl::Status ValidatePolicy(const Policy& p) {
     return absl::InvalidArgumentError(absl::StrCat(
         "probe period ", p.probe_period, " is out of range [0, ", 1u << 20, "] (0 = no probes)"));
   }
-  if (p.budget_mode != BudgetMode::kUniform && p.budget_mode != BudgetMode::kPerLayer) {
+  if (p.budget_mode != BudgetMode::kUniform && !TableFromProbes(p.budget_mode)) {
     return absl::InvalidArgumentError(
         absl::StrCat("budget mode ", static_cast<uint32_t>(p.budget_mode), " is unknown"));
+  }
+  if (!InRange(p.miss_target, 0.0, 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("miss target ", p.miss_target, " is out of range [0, 1)"));
+  }
+  if (p.budget_mode == BudgetMode::kMissTarget && !(p.miss_target > 0)) {
+    return absl::InvalidArgumentError(
+        "the miss-target budget mode needs a miss target in (0, 1), e.g. 0.02 for 2%");
   }
   return absl::OkStatus();
 }
@@ -277,6 +285,7 @@ void FillArenaPolicy(const Policy& p, ArenaPolicy* ap) {
   ap->beta = 1.0f - p.alpha;
   ap->probe_period = p.probe_period;
   ap->budget_mode = static_cast<uint32_t>(p.budget_mode);
+  ap->miss_target = p.miss_target;
 }
 
 Policy ReadPolicy(const ArenaView& a) {
@@ -286,6 +295,7 @@ Policy ReadPolicy(const ArenaView& a) {
   p.alpha = a.policy->alpha;
   p.probe_period = a.policy->probe_period;
   p.budget_mode = static_cast<BudgetMode>(a.policy->budget_mode);
+  p.miss_target = a.policy->miss_target;
   return p;
 }
 

@@ -166,6 +166,37 @@ absl::StatusOr<Allocation> AllocateBudgets(const AllocationInput& in) {
   return out;
 }
 
+absl::StatusOr<Allocation> AllocateForMissTarget(const AllocationInput& in, double miss_target) {
+  if (!(miss_target > 0 && miss_target < 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("miss target ", miss_target, " is out of range (0, 1)"));
+  }
+  // The validation and the comparison fields of the minimax allocation, then this allocation.
+  SPIN_ASSIGN_OR_RETURN(Allocation ref, AllocateBudgets(in));
+  const int32_t L = static_cast<int32_t>(in.curves.size());
+  const int32_t B = in.num_blocks;
+  const int32_t floor_blocks =
+      static_cast<int32_t>(std::min<int64_t>(B, CeilDiv(in.topk, in.block_size)));
+  Allocation out;
+  out.uniform_worst_miss = ref.uniform_worst_miss;
+  out.uniform_mean_miss = ref.uniform_mean_miss;
+  out.blocks.resize(L);
+  out.sparsity.resize(L);
+  for (int32_t l = 0; l < L; ++l) {
+    LayerCurve c;
+    c.monotone = MonotoneCurve(in.curves[l]);
+    c.lo = floor_blocks;
+    const int32_t m = c.Need(miss_target, B);
+    out.blocks[l] = m;
+    out.sparsity[l] = 1.0 - static_cast<double>(m) / B;
+    out.total_blocks += m;
+    const double miss = c.Miss(m, B);
+    out.worst_miss = std::max(out.worst_miss, miss);
+    out.mean_miss += miss / L;
+  }
+  return out;
+}
+
 absl::Status ValidateBudgetTuning(const BudgetTuning& t) {
   if (!(t.smoothing > 0 && t.smoothing <= 1)) {
     return absl::InvalidArgumentError(
@@ -204,11 +235,13 @@ void BudgetController::Reset() {
   num_blocks_ = default_blocks_;
   used_blocks_ = 0;
   used_target_ = -1;
+  used_miss_target_ = -1;
   recomputes_ = 0;
 }
 
 absl::StatusOr<std::optional<BudgetUpdate>> BudgetController::Update(const ProbeSnapshot& snap,
-                                                                     double target) {
+                                                                     double target,
+                                                                     double miss_target) {
   if (snap.curves.size() != static_cast<size_t>(layers_) * kCurvePoints ||
       snap.stats.size() != static_cast<size_t>(layers_)) {
     return absl::InvalidArgumentError(
@@ -272,7 +305,7 @@ absl::StatusOr<std::optional<BudgetUpdate>> BudgetController::Update(const Probe
   std::string reason;
   if (recomputes_ == 0) {
     reason = "first";
-  } else if (target != used_target_) {
+  } else if (target != used_target_ || miss_target != used_miss_target_) {
     reason = "target";
   } else {
     double drift = 0;
@@ -294,21 +327,24 @@ absl::StatusOr<std::optional<BudgetUpdate>> BudgetController::Update(const Probe
       return std::optional<BudgetUpdate>();
     }
   }
-  SPIN_ASSIGN_OR_RETURN(BudgetUpdate u, Recompute(target, std::move(reason)));
+  SPIN_ASSIGN_OR_RETURN(BudgetUpdate u, Recompute(target, miss_target, std::move(reason)));
   return std::optional<BudgetUpdate>(std::move(u));
 }
 
-absl::StatusOr<BudgetUpdate> BudgetController::Recompute(double target, std::string reason) {
+absl::StatusOr<BudgetUpdate> BudgetController::Recompute(double target, double miss_target,
+                                                         std::string reason) {
   AllocationInput in;
   in.curves = smoothed_;
   in.num_blocks = num_blocks_;
   in.topk = topk_;
   in.block_size = block_size_;
   in.target_sparsity = target;
-  SPIN_ASSIGN_OR_RETURN(Allocation a, AllocateBudgets(in));
+  SPIN_ASSIGN_OR_RETURN(Allocation a, miss_target > 0 ? AllocateForMissTarget(in, miss_target)
+                                                      : AllocateBudgets(in));
   used_ = smoothed_;
   used_blocks_ = num_blocks_;
   used_target_ = target;
+  used_miss_target_ = miss_target;
   recomputes_ += 1;
   BudgetUpdate u;
   u.sparsity = a.sparsity;
@@ -319,7 +355,8 @@ absl::StatusOr<BudgetUpdate> BudgetController::Recompute(double target, std::str
 }
 
 absl::StatusOr<BudgetUpdate> BudgetController::Warm(const std::vector<MissCurve>& curves,
-                                                    int32_t num_blocks, double target) {
+                                                    int32_t num_blocks, double target,
+                                                    double miss_target) {
   if (curves.size() != static_cast<size_t>(layers_)) {
     return absl::InvalidArgumentError(absl::StrCat("warm curves for ", curves.size(),
                                                    " layers; the session has ", layers_));
@@ -340,7 +377,7 @@ absl::StatusOr<BudgetUpdate> BudgetController::Warm(const std::vector<MissCurve>
   smoothed_ = curves;
   samples_.assign(layers_, tuning_.min_probes);
   num_blocks_ = std::clamp<int32_t>(num_blocks, 1, default_blocks_);
-  return Recompute(target, "warm");
+  return Recompute(target, miss_target, "warm");
 }
 
 absl::Status ValidateBudgetTable(const Geometry& g, std::span<const double> sparsity) {

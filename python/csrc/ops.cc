@@ -134,7 +134,8 @@ std::shared_ptr<Handle> Get(int64_t h) {
 BudgetMode ModeOf(const std::string& m) {
   if (m == "uniform") return BudgetMode::kUniform;
   if (m == "per-layer") return BudgetMode::kPerLayer;
-  TORCH_CHECK(false, "spind: budget mode '", m, "': use uniform or per-layer");
+  if (m == "miss-target") return BudgetMode::kMissTarget;
+  TORCH_CHECK(false, "spind: budget mode '", m, "': use uniform, per-layer or miss-target");
 }
 
 // geometry: [layers, block_size, topk, max_sequences, max_slots, max_rows, state (1 fp32,
@@ -149,8 +150,9 @@ int64_t Attach(const std::string& target, std::vector<int64_t> geometry, int64_t
   TORCH_CHECK(geometry.size() == 7,
               "spind.attach: geometry is [layers, block_size, topk, max_sequences, max_slots, "
               "max_rows, state (1 fp32, 2 bf16)]");
-  TORCH_CHECK(policy.size() == 4,
-              "spind.attach: policy is [target_sparsity, exploration, alpha, probe_period]");
+  TORCH_CHECK(policy.size() == 4 || policy.size() == 5,
+              "spind.attach: policy is [target_sparsity, exploration, alpha, probe_period"
+              "(, miss_target)]");
   for (int64_t v : geometry) {
     TORCH_CHECK(v >= 0 && v <= INT32_MAX, "spind.attach: geometry value ", v, " out of range");
   }
@@ -172,6 +174,7 @@ int64_t Attach(const std::string& target, std::vector<int64_t> geometry, int64_t
   p.alpha = static_cast<float>(policy[2]);
   p.probe_period = static_cast<uint32_t>(policy[3]);
   p.budget_mode = ModeOf(budget_mode);
+  p.miss_target = policy.size() == 5 ? policy[4] : 0.0;
   Check(spin::ValidateGeometry(g), "attach");
   Check(spin::ValidatePolicy(p), "attach");
   TORCH_CHECK(seed >= 0, "spind.attach: seed must be >= 0");
@@ -227,7 +230,7 @@ int64_t Attach(const std::string& target, std::vector<int64_t> geometry, int64_t
       h->local = std::move(*dp);
 #endif
     }
-    if (p.budget_mode == BudgetMode::kPerLayer) {
+    if (spin::TableFromProbes(p.budget_mode)) {
       h->budgets.emplace(g);
       h->curves.resize(static_cast<size_t>(g.layers) * spin::kCurvePoints);
       h->stats.resize(g.layers);
@@ -413,7 +416,10 @@ int64_t Refresh(int64_t h) {
   ArenaRead(*s, s->curves.data(), a.curves, s->curves.size() * sizeof(uint64_t), "refresh");
   ArenaRead(*s, s->stats.data(), a.stats, s->stats.size() * sizeof(spin::LayerStats), "refresh");
   absl::StatusOr<std::optional<spin::BudgetUpdate>> u =
-      s->budgets->Update(spin::ProbeSnapshot{s->curves, s->stats}, policy.target_sparsity);
+      s->budgets->Update(spin::ProbeSnapshot{s->curves, s->stats}, policy.target_sparsity,
+                         policy.budget_mode == static_cast<uint32_t>(BudgetMode::kMissTarget)
+                             ? policy.miss_target
+                             : 0.0);
   Check(u.status(), "refresh");
   if (!u->has_value()) return 0;
   WriteTable(*s, (*u)->sparsity, "refresh");
@@ -425,7 +431,10 @@ std::vector<double> GetPolicy(int64_t h) {
   auto s = Get(h);
   const spin::ArenaPolicy p = PolicyOf(*s, "get_policy");
   return {p.target_sparsity, p.exploration, p.alpha, static_cast<double>(p.probe_period),
-          p.budget_mode == static_cast<uint32_t>(BudgetMode::kPerLayer) ? 1.0 : 0.0};
+          p.budget_mode == static_cast<uint32_t>(BudgetMode::kPerLayer)     ? 1.0
+          : p.budget_mode == static_cast<uint32_t>(BudgetMode::kMissTarget) ? 2.0
+                                                                            : 0.0,
+          p.miss_target};
 }
 
 void SetPolicy(int64_t h, c10::optional<double> target_sparsity, c10::optional<double> exploration,
@@ -504,7 +513,8 @@ at::Tensor GetControl(int64_t h) {
     o[3] = p.exploration;
     o[4] = p.alpha;
     o[5] = p.probe_period;
-    o[6] = p.budget_mode == BudgetMode::kPerLayer ? 1.0 : 0.0;
+    // The table comes from probes in both per-layer modes: adopting it is what the kernels need.
+    o[6] = spin::TableFromProbes(p.budget_mode) ? 1.0 : 0.0;
     std::copy(table, table + L, o + kControlHead);
   };
   if (s->resilient) {
@@ -572,7 +582,7 @@ void AdoptControl(int64_t h, const at::Tensor& control) {
     Check(spin::WriteDevicePolicy(s->local->arena(), p, Stream(*s)), "adopt_control");
 #endif
   }
-  if (p.budget_mode == BudgetMode::kPerLayer) WriteTable(*s, table, "adopt_control");
+  if (spin::TableFromProbes(p.budget_mode)) WriteTable(*s, table, "adopt_control");
 }
 
 // [attached (1/0; local sessions 1), generation]: counters() without reading the arena (no

@@ -40,7 +40,8 @@ class Session:
     def __init__(self, layers, max_slots, *, block_size=64, topk=2048, max_sequences=1,
                  max_rows=1, state="fp32", seed=1, target_sparsity=0.5, exploration=0.05,
                  alpha=0.3, probe_period=0, budget_mode="uniform", target="",
-                 client_name="python", device=None, engine_control=False, model=""):
+                 client_name="python", device=None, engine_control=False, model="",
+                 miss_target=0.0):
         if state not in _STATE:
             raise ValueError(f"state must be fp32 or bf16, not {state!r}")
         self.layers = layers
@@ -54,7 +55,8 @@ class Session:
         self._outputs_move = bool(target) and device.type == "cpu"
         self.handle = ops.attach(
             target, [layers, block_size, topk, max_sequences, max_slots, max_rows, _STATE[state]],
-            seed, [float(target_sparsity), float(exploration), float(alpha), float(probe_period)],
+            seed, [float(target_sparsity), float(exploration), float(alpha), float(probe_period),
+                   float(miss_target)],
             budget_mode, client_name, ordinal, bool(engine_control), model)
         # Declared mutated by every per-step op (see ops.cc): orders them.
         self.token = torch.zeros(1, dtype=torch.int32, device=device)
@@ -108,8 +110,9 @@ class Session:
 
     def policy(self):
         p = ops.get_policy(self.handle)
+        mode = {0.0: "uniform", 1.0: "per-layer", 2.0: "miss-target"}[p[4]]
         return {"target_sparsity": p[0], "exploration": p[1], "alpha": p[2],
-                "probe_period": int(p[3]), "budget_mode": "per-layer" if p[4] else "uniform"}
+                "probe_period": int(p[3]), "budget_mode": mode, "miss_target": p[5]}
 
     def set_policy(self, target_sparsity=None, exploration=None, alpha=None, probe_period=None,
                    budget_mode=None):

@@ -1135,7 +1135,9 @@ TEST(Spind, ProbeThreadPublishesPerLayerBudgets) {
   // A slow reader sees the newest table, not a backlog: the first one after the initial table
   // is the first recompute unless later ones replaced it before it was written (a loaded CI).
   ASSERT_GE(update.recomputes(), 1u);
-  if (update.recomputes() == 1u) EXPECT_EQ(update.reason(), "first");
+  if (update.recomputes() == 1u) {
+    EXPECT_EQ(update.reason(), "first");
+  }
   while (update.epoch() < latest.epoch()) ASSERT_TRUE(reader->Read(&update));
   EXPECT_EQ(update.recomputes(), latest.recomputes());
   ASSERT_EQ(update.layer_sparsity_size(), 4);

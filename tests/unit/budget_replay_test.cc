@@ -75,6 +75,34 @@ TEST(BudgetReplay, PerLayerBeatsUniformOnTheWorstLayerAtEqualEffectiveSparsity) 
   }
 }
 
+// Miss-target mode end to end: a looser target reaches a higher effective sparsity, layers of
+// different difficulty get different budgets, and the table follows the target.
+TEST(BudgetReplay, MissTargetSetsEachLayersSparsityFromItsCurve) {
+  const std::string dir = TempDir("miss_target");
+  ASSERT_TRUE(GenerateTrace(dir, SmallTrace(83)).ok());
+  absl::StatusOr<Trace> t = LoadTrace(dir);
+  ASSERT_TRUE(t.ok());
+  std::vector<double> eff;
+  for (double target : {0.02, 0.08}) {
+    ReplayOptions ro = Options(0.5, BudgetMode::kMissTarget);
+    ro.policy.miss_target = target;
+    absl::StatusOr<ReplaySummary> s = Replay(*t, ro);
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_EQ(s->budget_mode, BudgetMode::kMissTarget);
+    EXPECT_GE(s->budget_recomputes, 1u);
+    double lo = 1, hi = 0;
+    for (const LayerSummary& l : s->per_layer) {
+      lo = std::min(lo, l.budget);
+      hi = std::max(hi, l.budget);
+    }
+    EXPECT_LT(lo, hi) << "target " << target << ": per-layer budgets";
+    eff.push_back(s->effective_sparsity);
+  }
+  EXPECT_LT(eff[0], eff[1]) << "a looser miss target skips more";
+  ReplayOptions bad = Options(0.5, BudgetMode::kMissTarget);
+  EXPECT_FALSE(Replay(*t, bad).ok()) << "miss-target mode without a target";
+}
+
 TEST(BudgetReplay, UniformModeIgnoresTheControllerAndDaemonOwnedTablesAreLeftAlone) {
   const std::string dir = TempDir("owner");
   GenTraceOptions g = SmallTrace(60617);

@@ -373,6 +373,59 @@ TEST(BudgetController, WarmStartGivesTheLearnedTableAtOnce) {
   EXPECT_EQ(big->num_blocks, 256);
 }
 
+// Miss-target mode: each layer independently takes the fewest blocks whose predicted miss is
+// at most the target (checked against a scan of every block count), the floor and B bound it,
+// and the controller recomputes when the target changes.
+TEST(MissTarget, EachLayerTakesTheFewestBlocksThatMeetTheTarget) {
+  const std::vector<MissCurve> curves = {PowerCurve(0.1, 2), PowerCurve(0.5, 2),
+                                         PowerCurve(0.9, 1)};
+  const AllocationInput in = Input(curves, 200, 0.5, 512);
+  for (double target : {0.005, 0.02, 0.1}) {
+    absl::StatusOr<Allocation> a = AllocateForMissTarget(in, target);
+    ASSERT_TRUE(a.ok()) << a.status();
+    for (int l = 0; l < 3; ++l) {
+      const MissCurve m = MonotoneCurve(curves[l]);
+      int32_t want = 200;
+      for (int32_t b = 8; b <= 200; ++b) {  // floor: ceil(512 / 64) = 8 blocks
+        if (CurveMiss(m, b / 200.0) <= target) {
+          want = b;
+          break;
+        }
+      }
+      EXPECT_EQ(a->blocks[l], want) << "target " << target << " layer " << l;
+      EXPECT_EQ(KeptBlocks(200, 512, 64, a->sparsity[l]), want);
+      EXPECT_LE(CurveMiss(m, a->blocks[l] / 200.0), target + 1e-12);
+    }
+    EXPECT_LT(a->blocks[0], a->blocks[2]) << "an easier layer needs fewer blocks";
+  }
+  // A looser target never needs more blocks.
+  absl::StatusOr<Allocation> tight = AllocateForMissTarget(in, 0.01);
+  absl::StatusOr<Allocation> loose = AllocateForMissTarget(in, 0.05);
+  ASSERT_TRUE(tight.ok() && loose.ok());
+  for (int l = 0; l < 3; ++l) EXPECT_LE(loose->blocks[l], tight->blocks[l]);
+  EXPECT_FALSE(AllocateForMissTarget(in, 0.0).ok());
+  EXPECT_FALSE(AllocateForMissTarget(in, 1.0).ok());
+  EXPECT_FALSE(AllocateForMissTarget(in, std::nan("")).ok());
+
+  BudgetController c(Geo(3));
+  FakeCounters f(3);
+  f.Steps(8, 200);
+  for (int l = 0; l < 3; ++l) f.Probe(l, curves[l]);
+  absl::StatusOr<std::optional<BudgetUpdate>> u = c.Update(f.Snap(), 0.5, 0.02);
+  ASSERT_TRUE(u.ok() && u->has_value());
+  absl::StatusOr<Allocation> want = AllocateForMissTarget(
+      Input(std::vector<MissCurve>(c.smoothed().begin(), c.smoothed().end()), 200, 0.5, 512),
+      0.02);
+  ASSERT_TRUE(want.ok());
+  EXPECT_EQ((*u)->sparsity, want->sparsity);
+  u = c.Update(f.Snap(), 0.5, 0.02);
+  ASSERT_TRUE(u.ok());
+  EXPECT_FALSE(u->has_value()) << "nothing new";
+  u = c.Update(f.Snap(), 0.5, 0.05);
+  ASSERT_TRUE(u.ok() && u->has_value());
+  EXPECT_EQ((*u)->reason, "target");
+}
+
 TEST(BudgetController, SmallChangesBelowTheThresholdAccumulateUntilTheyCount) {
   BudgetTuning t;
   t.smoothing = 1.0;  // no smoothing: the curve is the last probe window's

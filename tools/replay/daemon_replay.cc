@@ -79,7 +79,7 @@ absl::StatusOr<ReplaySummary> ReplayThroughDaemon(const std::string& target, con
       (void)session.Detach();
       return after.status();
     }
-    if (options.policy.budget_mode == BudgetMode::kPerLayer) {
+    if (TableFromProbes(options.policy.budget_mode)) {
       out->budget_recomputes = after->recomputes();
     }
     out->epoch_advance = after->epoch() - before->epoch();

@@ -128,6 +128,12 @@ struct StepContext {
 
 }  // namespace
 
+const char* BudgetModeName(BudgetMode m) {
+  return m == BudgetMode::kPerLayer     ? "per-layer"
+         : m == BudgetMode::kMissTarget ? "miss-target"
+                                        : "uniform";
+}
+
 absl::StatusOr<MtpObserve> ParseMtpObserve(const std::string& name) {
   if (name == "same-step") return MtpObserve::kSameStep;
   if (name == "row0") return MtpObserve::kRow0;
@@ -206,7 +212,7 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
     if (s.ok()) s = mem.Put(&a.policy->epoch, &policy.epoch, sizeof(policy.epoch));
     return s;
   };
-  if (mode == BudgetMode::kPerLayer && options.local_budgets) {
+  if (TableFromProbes(mode) && options.local_budgets) {
     SPIN_RETURN_IF_ERROR(ValidateBudgetTuning(options.budget_tuning));
     budgets.emplace(g, options.budget_tuning);
     curves.resize(static_cast<size_t>(meta.layers) * kCurvePoints);
@@ -218,7 +224,9 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
     if (s.ok()) s = mem.Get(now.data(), a.stats, meta.layers * sizeof(LayerStats));
     SPIN_RETURN_IF_ERROR(s);
     SPIN_ASSIGN_OR_RETURN(std::optional<BudgetUpdate> u,
-                          budgets->Update(ProbeSnapshot{curves, now}, policy.target_sparsity));
+                          budgets->Update(ProbeSnapshot{curves, now}, policy.target_sparsity,
+                                          mode == BudgetMode::kMissTarget ? policy.miss_target
+                                                                          : 0.0));
     if (!u.has_value()) return {};
     table = u->sparsity;
     return write_table();
@@ -451,7 +459,7 @@ std::string SummaryJson(const ReplaySummary& s) {
   j["bad_scores"] = s.bad_scores;
   j["worst_layer_mean_miss"] = s.worst_layer_mean_miss;
   j["worst_layer"] = s.worst_layer;
-  j["budget_mode"] = s.budget_mode == BudgetMode::kPerLayer ? "per-layer" : "uniform";
+  j["budget_mode"] = BudgetModeName(s.budget_mode);
   j["budget_recomputes"] = s.budget_recomputes;
   j["epoch_advance"] = s.epoch_advance;
   j["per_layer"] = nlohmann::json::array();
@@ -485,9 +493,8 @@ std::string SummaryTable(const ReplaySummary& s) {
                         "layer-steps\n",
                         s.steps, s.layers, s.sparse_steps, s.dense_steps);
   absl::StrAppendFormat(&out, "worst layer %d: mean miss %.4f; %s budgets", s.worst_layer,
-                        s.worst_layer_mean_miss,
-                        s.budget_mode == BudgetMode::kPerLayer ? "per-layer" : "uniform");
-  if (s.budget_mode == BudgetMode::kPerLayer) {
+                        s.worst_layer_mean_miss, BudgetModeName(s.budget_mode));
+  if (TableFromProbes(s.budget_mode)) {
     absl::StrAppendFormat(&out, ", %d recomputes", s.budget_recomputes);
   }
   absl::StrAppendFormat(&out, ", epoch +%d\n", s.epoch_advance);

@@ -43,10 +43,15 @@ pb::SessionRef Ref(const ControlArgs& a) {
 void PrintPolicy(const pb::Policy& p, uint64_t epoch) {
   std::printf(
       "target_sparsity %.4f\nexploration %.4f\nalpha %.4f\nprobe_period %u\n"
-      "budget_mode %s\nepoch %llu\n",
+      "budget_mode %s\n",
       p.target_sparsity(), p.exploration(), p.alpha(), p.probe_period(),
-      p.budget_mode() == pb::BUDGET_MODE_PER_LAYER ? "per-layer" : "uniform",
-      static_cast<unsigned long long>(epoch));
+      p.budget_mode() == pb::BUDGET_MODE_PER_LAYER     ? "per-layer"
+      : p.budget_mode() == pb::BUDGET_MODE_MISS_TARGET ? "miss-target"
+                                                       : "uniform");
+  if (p.budget_mode() == pb::BUDGET_MODE_MISS_TARGET) {
+    std::printf("miss_target %.4f\n", p.miss_target());
+  }
+  std::printf("epoch %llu\n", static_cast<unsigned long long>(epoch));
 }
 
 }  // namespace
@@ -99,7 +104,7 @@ int CmdPolicyGet(const ControlArgs& a) {
 }
 
 int CmdPolicySet(const ControlArgs& a, double sparsity, double exploration, float alpha,
-                 int64_t probe_period, const std::string& budget) {
+                 int64_t probe_period, const std::string& budget, double miss_target) {
   auto stub = Stub(a);
   grpc::ClientContext c;
   Deadline(&c);
@@ -111,6 +116,8 @@ int CmdPolicySet(const ControlArgs& a, double sparsity, double exploration, floa
   if (probe_period >= 0) q.set_probe_period(static_cast<uint32_t>(probe_period));
   if (budget == "uniform") q.set_budget_mode(pb::BUDGET_MODE_UNIFORM);
   if (budget == "per-layer") q.set_budget_mode(pb::BUDGET_MODE_PER_LAYER);
+  if (budget == "miss-target") q.set_budget_mode(pb::BUDGET_MODE_MISS_TARGET);
+  if (miss_target >= 0) q.set_miss_target(miss_target);
   pb::SetPolicyResponse r;
   grpc::Status s = stub->SetPolicy(&c, q, &r);
   if (!s.ok()) return Fail("SetPolicy", s);

@@ -24,7 +24,7 @@ int CmdSessions(const ControlArgs& a);
 int CmdPolicyGet(const ControlArgs& a);
 /// Negative values (or an empty budget) leave a field unchanged.
 int CmdPolicySet(const ControlArgs& a, double sparsity, double exploration, float alpha,
-                 int64_t probe_period, const std::string& budget);
+                 int64_t probe_period, const std::string& budget, double miss_target = -1);
 /// The node's default policy: set the given fields (negative or empty: not set), optionally
 /// after clearing it, and with `apply_to_live` every live session's too; prints the defaults
 /// and the sessions changed.

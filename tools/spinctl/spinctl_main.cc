@@ -201,6 +201,9 @@ int main(int argc, char** argv) {
                 "curves, recomputed in process when they drift; needs --probe-period)")
       ->check(CLI::IsMember({"uniform", "per-layer"}))
       ->capture_default_str();
+  r->add_option("--miss-target", ro.policy.miss_target,
+                "Instead of a sparsity: each layer at the highest sparsity whose mean miss the "
+                "probe curves predict at most this, in (0, 1) (e.g. 0.02); needs --probe-period");
   r->add_option("--budget-smoothing", ro.budget_tuning.smoothing,
                 "per-layer: EMA weight of one probe step's miss curve, in (0, 1]")
       ->capture_default_str();
@@ -315,6 +318,10 @@ int main(int argc, char** argv) {
   pset->add_option("--probe-period", set_probe, "Dense probe every P steps (0: never)");
   pset->add_option("--budget", set_budget, "uniform or per-layer")
       ->check(CLI::IsMember({"uniform", "per-layer"}));
+  double set_miss_target = -1;
+  pset->add_option("--miss-target", set_miss_target,
+                   "Budget by quality: each layer at the highest sparsity whose predicted mean "
+                   "miss is at most this, in (0, 1) (the session needs probe steps)");
   CLI::App* bud = app.add_subcommand("budgets", "Print a session's per-layer budgets");
   session_opts(bud);
   CLI::App* sts = app.add_subcommand("stats", "Print a session's per-layer statistics");
@@ -342,7 +349,15 @@ int main(int argc, char** argv) {
         return CmdPolicyDefaults(ca, set_sparsity, set_exploration, set_alpha, set_probe,
                                  set_budget, set_all, false);
       }
-      return CmdPolicySet(ca, set_sparsity, set_exploration, set_alpha, set_probe, set_budget);
+      if (set_miss_target >= 0) {
+        if (!set_budget.empty()) {
+          return Fail(absl::InvalidArgumentError(
+              "policy set: --miss-target is a budget mode of its own; leave out --budget"));
+        }
+        set_budget = "miss-target";
+      }
+      return CmdPolicySet(ca, set_sparsity, set_exploration, set_alpha, set_probe, set_budget,
+                          set_miss_target);
     }
     if (pdef->parsed()) return CmdPolicyDefaults(ca, -1, -1, -1, -1, "", false, clear_defaults);
     if (bud->parsed()) return CmdBudgets(ca);
@@ -378,16 +393,24 @@ int main(int argc, char** argv) {
   ro.dtype = state == "bf16" ? StateDtype::kBf16 : StateDtype::kFp32;
   ro.backend = backend == "cuda" ? ReplayBackend::kCuda : ReplayBackend::kCpu;
   ro.policy.budget_mode = budget == "per-layer" ? BudgetMode::kPerLayer : BudgetMode::kUniform;
+  if (ro.policy.miss_target != 0) {
+    if (budget == "per-layer") {
+      return Fail(absl::InvalidArgumentError(
+          "--miss-target and --budget per-layer are two budget modes: give one"));
+    }
+    ro.policy.budget_mode = BudgetMode::kMissTarget;
+  }
   if (absl::StatusOr<MtpObserve> m = ParseMtpObserve(mtp_observe); m.ok()) {
     ro.mtp_observe = *m;
   } else {
     return Fail(m.status());
   }
   if (absl::Status s = ValidatePolicy(ro.policy); !s.ok()) return Fail(s);
-  if (ro.policy.budget_mode == BudgetMode::kPerLayer) {
+  if (TableFromProbes(ro.policy.budget_mode)) {
     if (ro.policy.probe_period == 0) {
-      return Fail(absl::InvalidArgumentError(
-          "--budget per-layer needs --probe-period > 0 (probe steps measure the miss curves)"));
+      return Fail(absl::InvalidArgumentError(absl::StrCat(
+          ro.policy.budget_mode == BudgetMode::kPerLayer ? "--budget per-layer" : "--miss-target",
+          " needs --probe-period > 0 (probe steps measure the miss curves)")));
     }
     if (absl::Status s = ValidateBudgetTuning(ro.budget_tuning); !s.ok()) return Fail(s);
   }

@@ -16,7 +16,7 @@ namespace spin {
 /// "SPIN" in little-endian byte order.
 inline constexpr uint32_t kArenaMagic = 0x4E495053u;
 /// Bumped on any change of the bytes below.
-inline constexpr uint32_t kArenaLayoutVersion = 2;
+inline constexpr uint32_t kArenaLayoutVersion = 3;
 /// Section alignment inside the arena.
 inline constexpr uint64_t kArenaAlign = 256;
 /// Keep fractions of the probe-step miss curve: 5%, 10%, ..., 100%.
@@ -37,7 +37,14 @@ enum class StateDtype : uint32_t { kFp32 = 1, kBf16 = 2 };
 inline constexpr uint32_t StateBytes(StateDtype d) { return d == StateDtype::kBf16 ? 2 : 4; }
 
 /// Budget mode of a session (per-layer budgets come from the daemon's probe thread).
-enum class BudgetMode : uint32_t { kUniform = 1, kPerLayer = 2 };
+/// kMissTarget: per-layer budgets too, each layer at the highest sparsity whose predicted miss
+/// stays within Policy::miss_target (docs/budgets.md), instead of a total at target_sparsity.
+enum class BudgetMode : uint32_t { kUniform = 1, kPerLayer = 2, kMissTarget = 3 };
+
+/// True for the modes whose table the probe side computes (per-layer and miss-target).
+inline constexpr bool TableFromProbes(BudgetMode m) {
+  return m == BudgetMode::kPerLayer || m == BudgetMode::kMissTarget;
+}
 
 /// The shape of a session, fixed at attach.
 struct Geometry {
@@ -60,6 +67,8 @@ struct Policy {
   float alpha = kDefaultAlpha;   ///< EMA decay: weight of the old value, [0, 1)
   uint32_t probe_period = 0;     ///< P: every P-th step of a sequence is dense; 0 = never
   BudgetMode budget_mode = BudgetMode::kUniform;
+  /// kMissTarget: every layer's predicted mean miss at most this, in (0, 1); else unused (0).
+  double miss_target = 0;
 };
 
 /// Checks each field of a policy; the message names the field and its allowed range.
@@ -76,6 +85,7 @@ struct ArenaPolicy {
   uint32_t probe_period;
   uint32_t budget_mode;
   uint64_t epoch;  ///< bumped on every policy or budget-table write
+  double miss_target;  ///< kMissTarget's miss target (read by the probe side, not the kernels)
 };
 
 /// Per-layer statistics counters (monotone; readers take differences).
@@ -154,7 +164,7 @@ struct ArenaHeader {
 };
 
 // The layout is shared by host and device code and across processes: pin the record sizes.
-static_assert(sizeof(ArenaPolicy) == 40);
+static_assert(sizeof(ArenaPolicy) == 48);
 static_assert(sizeof(LayerStats) == 88);
 static_assert(sizeof(BatchHeader) == 16);
 static_assert(sizeof(StepEntry) == 24);

@@ -71,6 +71,12 @@ struct Allocation {
 /// outside [0, 1) or a non-finite curve value.
 absl::StatusOr<Allocation> AllocateBudgets(const AllocationInput& in);
 
+/// Kept blocks per layer for a miss target: each layer takes the fewest blocks, within
+/// [ceil(K/b), B], whose predicted miss (monotone curve) is at most `miss_target` (B when none
+/// is). No total is imposed. `in.target_sparsity` only sizes the uniform_* fields for
+/// comparison. Errors: as AllocateBudgets, and a miss target outside (0, 1).
+absl::StatusOr<Allocation> AllocateForMissTarget(const AllocationInput& in, double miss_target);
+
 /// Knobs of the controller (docs/budgets.md explains each).
 struct BudgetTuning {
   /// EMA weight of one probe step's curve: a snapshot holding n new probe steps per layer moves
@@ -118,8 +124,11 @@ class BudgetController {
   /// recompute, the target changed, the curves drifted, or B drifted; nullopt otherwise.
   /// Counters that went backwards (a reset arena) restart the controller's baseline. Errors:
   /// spans of the wrong size, a target outside [0, 1).
+  /// With `miss_target` > 0 (the miss-target mode) the table is AllocateForMissTarget's and
+  /// a changed miss target recomputes as a changed target does.
   absl::StatusOr<std::optional<BudgetUpdate>> Update(const ProbeSnapshot& snapshot,
-                                                     double target_sparsity);
+                                                     double target_sparsity,
+                                                     double miss_target = 0);
 
   /// Starts from curves learned before (a model's last smoothed curves, saved by spind: warm
   /// budgets, docs/budgets.md): they become the smoothed curves, every layer counts min_probes
@@ -128,7 +137,7 @@ class BudgetController {
   /// measured from these. Errors: a curve count other than the layers, a value that is not
   /// finite or outside [0, 1], a target outside [0, 1).
   absl::StatusOr<BudgetUpdate> Warm(const std::vector<MissCurve>& curves, int32_t num_blocks,
-                                    double target_sparsity);
+                                    double target_sparsity, double miss_target = 0);
 
   /// Recomputes returned so far.
   uint64_t recomputes() const { return recomputes_; }
@@ -143,7 +152,7 @@ class BudgetController {
 
  private:
   // The allocation for the smoothed curves at `target`, recorded as the one in use.
-  absl::StatusOr<BudgetUpdate> Recompute(double target, std::string reason);
+  absl::StatusOr<BudgetUpdate> Recompute(double target, double miss_target, std::string reason);
 
   int32_t layers_, topk_, block_size_, default_blocks_;
   BudgetTuning tuning_;
@@ -153,7 +162,7 @@ class BudgetController {
   std::vector<MissCurve> smoothed_, used_;
   std::vector<uint64_t> samples_;
   int32_t num_blocks_ = 0, used_blocks_ = 0;
-  double used_target_ = -1;
+  double used_target_ = -1, used_miss_target_ = -1;
   uint64_t recomputes_ = 0;
 };
 
