@@ -1168,6 +1168,36 @@ TEST(Spind, ProbeThreadPublishesPerLayerBudgets) {
     EXPECT_EQ((*session)->arena().sparsity[l], now.layer_sparsity(l)) << "at the next step";
   }
 
+  // A miss target instead of a sparsity, live: each layer from its own curve at once (reason
+  // "target"); a looser target skips more; a miss target of 1.5 is refused and changes nothing.
+  auto miss_target = [&](double m) {
+    pb::SetPolicyRequest mt;
+    *mt.mutable_session() = w.session();
+    mt.set_budget_mode(pb::BUDGET_MODE_MISS_TARGET);
+    mt.set_miss_target(m);
+    pb::SetPolicyResponse r;
+    grpc::Status st = CALL(d, SetPolicy, mt, &r);
+    pb::GetBudgetsResponse got;
+    EXPECT_TRUE(CALL(d, GetBudgets, w, &got).ok());
+    return std::make_pair(st, got);
+  };
+  auto [st_tight, tight] = miss_target(0.01);
+  ASSERT_TRUE(st_tight.ok()) << st_tight.error_message();
+  EXPECT_EQ(tight.reason(), "target");
+  EXPECT_EQ(tight.policy().budget_mode(), pb::BUDGET_MODE_MISS_TARGET);
+  auto [st_loose, loose] = miss_target(0.2);
+  ASSERT_TRUE(st_loose.ok());
+  double tight_mean = 0, loose_mean = 0;
+  for (int l = 0; l < 4; ++l) {
+    tight_mean += tight.layer_sparsity(l) / 4;
+    loose_mean += loose.layer_sparsity(l) / 4;
+    EXPECT_EQ((*session)->arena().sparsity[l], loose.layer_sparsity(l));
+  }
+  EXPECT_LT(tight_mean, loose_mean);
+  auto [st_bad, after_bad] = miss_target(1.5);
+  EXPECT_EQ(st_bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  for (int l = 0; l < 4; ++l) EXPECT_EQ(after_bad.layer_sparsity(l), loose.layer_sparsity(l));
+
   // Back to uniform: every layer at the target.
   pb::SetPolicyRequest un;
   *un.mutable_session() = w.session();
