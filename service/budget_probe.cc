@@ -47,7 +47,7 @@ absl::StatusOr<bool> RefreshBudgets(Session& s, bool policy_changed) {
       std::span<const LayerStats>(v.stats, L)};
   const double miss_target = p.budget_mode == BudgetMode::kMissTarget ? p.miss_target : 0.0;
   SPIN_ASSIGN_OR_RETURN(std::optional<BudgetUpdate> u,
-                        s.budgets->Update(snap, p.target_sparsity, miss_target));
+                        s.budgets->Update(snap, p.target_sparsity, miss_target, p.exploration));
   if (u.has_value()) {
     SPIN_RETURN_IF_ERROR(WriteSessionBudgets(s, u->sparsity));
     s.budget_recomputes += 1;

@@ -518,7 +518,8 @@ void SpinService::StartWarm(Session& s, const std::string& model) {
   s.budgets = std::make_unique<BudgetController>(s.geometry);
   absl::StatusOr<BudgetUpdate> u = s.budgets->Warm(
       w->curves, w->num_blocks, s.policy.target_sparsity,
-      s.policy.budget_mode == BudgetMode::kMissTarget ? s.policy.miss_target : 0.0);
+      s.policy.budget_mode == BudgetMode::kMissTarget ? s.policy.miss_target : 0.0,
+      s.policy.exploration);
   absl::Status st = u.status();
   if (st.ok()) st = WriteSessionBudgets(s, u->sparsity);
   if (!st.ok()) {

@@ -171,6 +171,10 @@ absl::StatusOr<Allocation> AllocateForMissTarget(const AllocationInput& in, doub
     return absl::InvalidArgumentError(
         absl::StrCat("miss target ", miss_target, " is out of range (0, 1)"));
   }
+  if (!(in.exploration >= 0 && in.exploration < 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("exploration ", in.exploration, " is out of range [0, 1)"));
+  }
   // The validation and the comparison fields of the minimax allocation, then this allocation.
   SPIN_ASSIGN_OR_RETURN(Allocation ref, AllocateBudgets(in));
   const int32_t L = static_cast<int32_t>(in.curves.size());
@@ -186,11 +190,15 @@ absl::StatusOr<Allocation> AllocateForMissTarget(const AllocationInput& in, doub
     LayerCurve c;
     c.monotone = MonotoneCurve(in.curves[l]);
     c.lo = floor_blocks;
-    const int32_t m = c.Need(miss_target, B);
+    // The fewest m whose ranked part meets the target (m - floor(gamma m) is non-decreasing
+    // in m, so the first m whose ranked part reaches the curve's need is the answer).
+    const int32_t need = c.Need(miss_target, B);
+    int32_t m = need;
+    while (m < B && m - ExplorationBlocks(m, in.exploration) < need) ++m;
     out.blocks[l] = m;
     out.sparsity[l] = 1.0 - static_cast<double>(m) / B;
     out.total_blocks += m;
-    const double miss = c.Miss(m, B);
+    const double miss = c.Miss(m - ExplorationBlocks(m, in.exploration), B);
     out.worst_miss = std::max(out.worst_miss, miss);
     out.mean_miss += miss / L;
   }
@@ -236,12 +244,14 @@ void BudgetController::Reset() {
   used_blocks_ = 0;
   used_target_ = -1;
   used_miss_target_ = -1;
+  used_exploration_ = -1;
   recomputes_ = 0;
 }
 
 absl::StatusOr<std::optional<BudgetUpdate>> BudgetController::Update(const ProbeSnapshot& snap,
                                                                      double target,
-                                                                     double miss_target) {
+                                                                     double miss_target,
+                                                                     double exploration) {
   if (snap.curves.size() != static_cast<size_t>(layers_) * kCurvePoints ||
       snap.stats.size() != static_cast<size_t>(layers_)) {
     return absl::InvalidArgumentError(
@@ -305,7 +315,8 @@ absl::StatusOr<std::optional<BudgetUpdate>> BudgetController::Update(const Probe
   std::string reason;
   if (recomputes_ == 0) {
     reason = "first";
-  } else if (target != used_target_ || miss_target != used_miss_target_) {
+  } else if (target != used_target_ || miss_target != used_miss_target_ ||
+             (miss_target > 0 && exploration != used_exploration_)) {
     reason = "target";
   } else {
     double drift = 0;
@@ -327,24 +338,27 @@ absl::StatusOr<std::optional<BudgetUpdate>> BudgetController::Update(const Probe
       return std::optional<BudgetUpdate>();
     }
   }
-  SPIN_ASSIGN_OR_RETURN(BudgetUpdate u, Recompute(target, miss_target, std::move(reason)));
+  SPIN_ASSIGN_OR_RETURN(BudgetUpdate u,
+                        Recompute(target, miss_target, exploration, std::move(reason)));
   return std::optional<BudgetUpdate>(std::move(u));
 }
 
 absl::StatusOr<BudgetUpdate> BudgetController::Recompute(double target, double miss_target,
-                                                         std::string reason) {
+                                                         double exploration, std::string reason) {
   AllocationInput in;
   in.curves = smoothed_;
   in.num_blocks = num_blocks_;
   in.topk = topk_;
   in.block_size = block_size_;
   in.target_sparsity = target;
+  in.exploration = exploration;
   SPIN_ASSIGN_OR_RETURN(Allocation a, miss_target > 0 ? AllocateForMissTarget(in, miss_target)
                                                       : AllocateBudgets(in));
   used_ = smoothed_;
   used_blocks_ = num_blocks_;
   used_target_ = target;
   used_miss_target_ = miss_target;
+  used_exploration_ = exploration;
   recomputes_ += 1;
   BudgetUpdate u;
   u.sparsity = a.sparsity;
@@ -356,7 +370,7 @@ absl::StatusOr<BudgetUpdate> BudgetController::Recompute(double target, double m
 
 absl::StatusOr<BudgetUpdate> BudgetController::Warm(const std::vector<MissCurve>& curves,
                                                     int32_t num_blocks, double target,
-                                                    double miss_target) {
+                                                    double miss_target, double exploration) {
   if (curves.size() != static_cast<size_t>(layers_)) {
     return absl::InvalidArgumentError(absl::StrCat("warm curves for ", curves.size(),
                                                    " layers; the session has ", layers_));
@@ -377,7 +391,7 @@ absl::StatusOr<BudgetUpdate> BudgetController::Warm(const std::vector<MissCurve>
   smoothed_ = curves;
   samples_.assign(layers_, tuning_.min_probes);
   num_blocks_ = std::clamp<int32_t>(num_blocks, 1, default_blocks_);
-  return Recompute(target, miss_target, "warm");
+  return Recompute(target, miss_target, exploration, "warm");
 }
 
 absl::Status ValidateBudgetTable(const Geometry& g, std::span<const double> sparsity) {

@@ -419,7 +419,8 @@ int64_t Refresh(int64_t h) {
       s->budgets->Update(spin::ProbeSnapshot{s->curves, s->stats}, policy.target_sparsity,
                          policy.budget_mode == static_cast<uint32_t>(BudgetMode::kMissTarget)
                              ? policy.miss_target
-                             : 0.0);
+                             : 0.0,
+                         policy.exploration);
   Check(u.status(), "refresh");
   if (!u->has_value()) return 0;
   WriteTable(*s, (*u)->sparsity, "refresh");

@@ -403,6 +403,21 @@ TEST(MissTarget, EachLayerTakesTheFewestBlocksThatMeetTheTarget) {
   absl::StatusOr<Allocation> loose = AllocateForMissTarget(in, 0.05);
   ASSERT_TRUE(tight.ok() && loose.ok());
   for (int l = 0; l < 3; ++l) EXPECT_LE(loose->blocks[l], tight->blocks[l]);
+  // With exploration the ranked part (m minus its floor(gamma m) random blocks) must meet it.
+  AllocationInput explored = in;
+  explored.exploration = 0.2;
+  absl::StatusOr<Allocation> ex = AllocateForMissTarget(explored, 0.02);
+  absl::StatusOr<Allocation> plain = AllocateForMissTarget(in, 0.02);
+  ASSERT_TRUE(ex.ok() && plain.ok());
+  for (int l = 0; l < 3; ++l) {
+    const int32_t m = ex->blocks[l];
+    if (m < 200) {
+      EXPECT_GE(m - ExplorationBlocks(m, 0.2), plain->blocks[l]) << "layer " << l;
+      EXPECT_LT(m - 1 - ExplorationBlocks(m - 1, 0.2), plain->blocks[l]) << "the fewest";
+    }
+  }
+  explored.exploration = 1.0;
+  EXPECT_FALSE(AllocateForMissTarget(explored, 0.02).ok());
   EXPECT_FALSE(AllocateForMissTarget(in, 0.0).ok());
   EXPECT_FALSE(AllocateForMissTarget(in, 1.0).ok());
   EXPECT_FALSE(AllocateForMissTarget(in, std::nan("")).ok());

@@ -226,7 +226,8 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
     SPIN_ASSIGN_OR_RETURN(std::optional<BudgetUpdate> u,
                           budgets->Update(ProbeSnapshot{curves, now}, policy.target_sparsity,
                                           mode == BudgetMode::kMissTarget ? policy.miss_target
-                                                                          : 0.0));
+                                                                          : 0.0,
+                                          policy.exploration));
     if (!u.has_value()) return {};
     table = u->sparsity;
     return write_table();

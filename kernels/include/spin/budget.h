@@ -49,6 +49,9 @@ struct AllocationInput {
   int32_t topk = 0;               ///< the indexer's top-K (the floor is ceil(K/b) blocks)
   int32_t block_size = 64;        ///< b
   double target_sparsity = 0.5;   ///< rho of the uniform budget whose total is kept
+  /// gamma, the exploration share: of m kept blocks, floor(gamma m) are random, so only the
+  /// rest are ranked by the prediction the curves measure (AllocateForMissTarget uses it).
+  double exploration = 0;
 };
 
 /// The allocator's answer.
@@ -71,9 +74,10 @@ struct Allocation {
 /// outside [0, 1) or a non-finite curve value.
 absl::StatusOr<Allocation> AllocateBudgets(const AllocationInput& in);
 
-/// Kept blocks per layer for a miss target: each layer takes the fewest blocks, within
-/// [ceil(K/b), B], whose predicted miss (monotone curve) is at most `miss_target` (B when none
-/// is). No total is imposed. `in.target_sparsity` only sizes the uniform_* fields for
+/// Kept blocks per layer for a miss target: each layer takes the fewest blocks m, within
+/// [ceil(K/b), B], whose ranked part (m minus the floor(gamma m) exploration blocks) has a
+/// predicted miss (monotone curve) of at most `miss_target` (B when none has). No total is
+/// imposed. `in.target_sparsity` only sizes the uniform_* fields for
 /// comparison. Errors: as AllocateBudgets, and a miss target outside (0, 1).
 absl::StatusOr<Allocation> AllocateForMissTarget(const AllocationInput& in, double miss_target);
 
@@ -128,7 +132,8 @@ class BudgetController {
   /// a changed miss target recomputes as a changed target does.
   absl::StatusOr<std::optional<BudgetUpdate>> Update(const ProbeSnapshot& snapshot,
                                                      double target_sparsity,
-                                                     double miss_target = 0);
+                                                     double miss_target = 0,
+                                                     double exploration = 0);
 
   /// Starts from curves learned before (a model's last smoothed curves, saved by spind: warm
   /// budgets, docs/budgets.md): they become the smoothed curves, every layer counts min_probes
@@ -137,7 +142,8 @@ class BudgetController {
   /// measured from these. Errors: a curve count other than the layers, a value that is not
   /// finite or outside [0, 1], a target outside [0, 1).
   absl::StatusOr<BudgetUpdate> Warm(const std::vector<MissCurve>& curves, int32_t num_blocks,
-                                    double target_sparsity, double miss_target = 0);
+                                    double target_sparsity, double miss_target = 0,
+                                    double exploration = 0);
 
   /// Recomputes returned so far.
   uint64_t recomputes() const { return recomputes_; }
@@ -152,7 +158,8 @@ class BudgetController {
 
  private:
   // The allocation for the smoothed curves at `target`, recorded as the one in use.
-  absl::StatusOr<BudgetUpdate> Recompute(double target, double miss_target, std::string reason);
+  absl::StatusOr<BudgetUpdate> Recompute(double target, double miss_target, double exploration,
+                                         std::string reason);
 
   int32_t layers_, topk_, block_size_, default_blocks_;
   BudgetTuning tuning_;
@@ -162,7 +169,7 @@ class BudgetController {
   std::vector<MissCurve> smoothed_, used_;
   std::vector<uint64_t> samples_;
   int32_t num_blocks_ = 0, used_blocks_ = 0;
-  double used_target_ = -1, used_miss_target_ = -1;
+  double used_target_ = -1, used_miss_target_ = -1, used_exploration_ = -1;
   uint64_t recomputes_ = 0;
 };
 
