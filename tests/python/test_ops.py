@@ -75,6 +75,18 @@ class LocalSession(unittest.TestCase):
             self.assertTrue(torch.equal(s.phys[0, :n], table[0, ids]))
             self.assertEqual(int(s.compact_len[0, 0]), n * B)
 
+    def test_miss_target_mode(self):
+        with spind.Session(2, 32 * B, topk=64, budget_mode="miss-target", miss_target=0.02,
+                           probe_period=4) as s:
+            p = s.policy()
+            self.assertEqual(p["budget_mode"], "miss-target")
+            self.assertAlmostEqual(p["miss_target"], 0.02)
+            s.reset_sequence(0, 1)
+            self.assertEqual(run_step(s, 32 * B, 2), [32, 32], "fresh: dense")
+            s.refresh()
+        with self.assertRaisesRegex(RuntimeError, "miss-target budget mode needs a miss target"):
+            spind.Session(2, 32 * B, topk=64, budget_mode="miss-target")
+
     def test_policy_changes_apply_at_the_next_step(self):
         with spind.Session(1, 32 * B, topk=64, target_sparsity=0.5, exploration=0.0) as s:
             s.reset_sequence(0, 1)
