@@ -273,6 +273,7 @@ class DsaEngine:
             self.widest_seen = torch.zeros(L, dtype=torch.int32, device=dev)
             self._widest_step = torch.zeros(L, dtype=torch.int32, device=dev)
         self._topk_scratch = torch.full((R, K), -1, dtype=torch.int32, device=dev)
+        self._generation = self.session.link()[1] if self.session is not None else 0
         # Attention workspaces.
         self._row_base = (torch.arange(R, device=dev) // next_n * self.pages_per_seq).view(R, 1)
         self._inv = torch.empty(R, K, dtype=torch.bool, device=dev)
@@ -561,10 +562,19 @@ class DsaEngine:
                 raise RuntimeError("dsa_engine: built with spin=False")
             wide = self.spin_wide()
             self._replay(("spin", stage, wide), lambda: self._spin_body(full, wide))
-            self.session.refresh()
             for e, req in enumerate(self.slots):
                 if req is not None:
                     self.fresh[e] = False  # observed once: its next steps are sparse
+            # Between steps: an attached session may switch to a new spind session (a restarted
+            # daemon; its sequences start fresh) or run on the dense fallback (no daemon yet):
+            # either way every block may be selected next step, so the wide graph runs.
+            self.session.refresh()
+            attached, generation = self.session.link()
+            if not attached or generation != self._generation:
+                self._generation = generation
+                for e, req in enumerate(self.slots):
+                    if req is not None:
+                        self.fresh[e] = True
         else:
             raise ValueError(f"mode must be dense or spin, not {mode!r}")
         if full:

@@ -335,5 +335,67 @@ class Cuda(unittest.TestCase):
         self.assertLessEqual(eng.check_widths(), eng.width_narrow)
 
 
+@unittest.skipUnless(CUDA and os.environ.get("SPIND"), "no CUDA device or SPIND unset")
+class CudaAttached(unittest.TestCase):
+    def test_engine_runs_through_a_spind_sigkill_and_returns_to_spin_without_recapture(self):
+        import signal
+        import tempfile
+        import time
+        d = tempfile.mkdtemp()
+        target = "unix://" + os.path.join(d, "spind.sock")
+
+        def start():
+            return subprocess.Popen([os.environ["SPIND"], "--listen", target, "--backend",
+                                     "cuda", "--client-grace-ms", "1000"],
+                                    stderr=subprocess.DEVNULL)
+
+        daemon = start()
+        try:
+            eng = engine(layers=2, batch=4, slots=4096, topk=256, device="cuda",
+                         spin_target=target)
+            deadline = time.monotonic() + 20
+            while not eng.session.link()[0] and time.monotonic() < deadline:
+                time.sleep(0.05)
+                eng.session.refresh()
+            self.assertTrue(eng.session.link()[0], "attached to spind")
+            eng._generation = eng.session.link()[1]
+            fill(eng, ctx0=3000, final=4096)
+
+            def step():
+                eng.prepare_step()
+                eng.run("dense")
+                eng.run("spin")
+                torch.cuda.synchronize()
+                m = eng.metrics()
+                eng.advance(accepted=[1, 1, 1, 1])
+                return m
+
+            for _ in range(3):
+                m = step()
+            self.assertGreater(min(m["recall"]), 0.7, "SPIN through spind")
+            graphs = set(eng._graphs)
+            daemon.send_signal(signal.SIGKILL)
+            daemon.wait()
+            for _ in range(3):  # spind away: the mapped arena keeps selecting
+                m = step()
+                self.assertGreater(min(m["recall"]), 0.7)
+            daemon = start()
+            deadline = time.monotonic() + 20
+            generation = eng.session.link()[1]
+            while eng.session.link()[1] == generation and time.monotonic() < deadline:
+                step()
+                time.sleep(0.05)
+            self.assertGreater(eng.session.link()[1], generation, "switched to the new spind")
+            for _ in range(3):  # the reopened sequences' dense step (wide graph), then SPIN
+                m = step()
+            self.assertGreater(min(m["recall"]), 0.7, "SPIN again")
+            self.assertLess(max(eng.spin_sparsity()), 1.0)
+            self.assertEqual(set(eng._graphs), graphs, "no graph was captured again")
+            self.assertLessEqual(eng.check_widths(), eng.width_narrow)
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(timeout=20)
+
+
 if __name__ == "__main__":
     unittest.main()
