@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -149,6 +150,28 @@ inline long RssPages(pid_t pid) {
   long size = 0, rss = -1;
   f >> size >> rss;
   return rss;
+}
+
+// The metrics port of a daemon started with --metrics-address HOST:0 (from its log), or -1.
+inline int MetricsPort(Daemon& d) {
+  const std::string log = d.log();
+  const size_t at = log.find("metrics on http://");
+  if (at == std::string::npos) return -1;
+  return std::atoi(log.c_str() + log.find(':', at + 18) + 1);
+}
+
+// One scrape of its /metrics (headers and body), or "" without a metrics port.
+inline std::string ScrapeMetrics(Daemon& d) {
+  const int port = MetricsPort(d);
+  if (port <= 0) return "";
+  const std::string cmd = "exec 3<>/dev/tcp/127.0.0.1/" + std::to_string(port) +
+                          " && printf 'GET /metrics HTTP/1.0\\r\\n\\r\\n' >&3 && cat <&3";
+  FILE* p = popen(("bash -c \"" + cmd + "\" 2>/dev/null").c_str(), "r");
+  std::string scraped;
+  char buf[4096];
+  for (size_t n; p && (n = std::fread(buf, 1, sizeof(buf), p)) > 0;) scraped.append(buf, n);
+  if (p) pclose(p);
+  return scraped;
 }
 
 inline int SessionCount(Daemon& d) {

@@ -205,17 +205,8 @@ TEST(Hostile, ArenaWritesByTheClientCannotCrashOrEscape) {
 
   // Let the probe thread and a metrics scrape read the hostile counters many times.
   std::this_thread::sleep_for(milliseconds(300));
-  const std::string log = d.log();
-  const size_t at = log.find("metrics on http://");
-  ASSERT_NE(at, std::string::npos) << log;
-  const int port = std::atoi(log.c_str() + log.find(':', at + 18) + 1);
-  const std::string cmd = "exec 3<>/dev/tcp/127.0.0.1/" + std::to_string(port) +
-                          " && printf 'GET /metrics HTTP/1.0\\r\\n\\r\\n' >&3 && cat <&3";
-  FILE* p = popen(("bash -c \"" + cmd + "\" 2>/dev/null").c_str(), "r");
-  std::string scraped;
-  char buf[4096];
-  for (size_t n; p && (n = std::fread(buf, 1, sizeof(buf), p)) > 0;) scraped.append(buf, n);
-  if (p) pclose(p);
+  ASSERT_GT(MetricsPort(d), 0) << d.log();
+  const std::string scraped = ScrapeMetrics(d);
   EXPECT_NE(scraped.find("spin_sessions 2"), std::string::npos) << scraped.substr(0, 400);
 
   // spind is alive and serving, the other session's arena is untouched, nothing was allocated.
@@ -689,10 +680,8 @@ TEST(Hostile, SlowBudgetWatchersAreCoalescedNotQueued) {
 TEST(Hostile, IdleAndMalformedMetricsPeersDoNotStarveScrapes) {
   Daemon d({"--metrics-address", "127.0.0.1:0"});
   ASSERT_TRUE(d.ready());
-  const std::string log = d.log();
-  const size_t at = log.find("metrics on http://");
-  ASSERT_NE(at, std::string::npos) << log;
-  const int port = std::atoi(log.c_str() + log.find(':', at + 18) + 1);
+  const int port = MetricsPort(d);
+  ASSERT_GT(port, 0) << d.log();
   auto dial = [port] {
     const int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     sockaddr_in addr{};

@@ -735,22 +735,6 @@ TEST(Spind, LiveSetPolicyTakesEffectAtTheNextStep) {
   EXPECT_EQ(SessionCount(d), 1) << "no re-attach";
 }
 
-// Metrics of a daemon started with --metrics-address 127.0.0.1:0, as one string.
-std::string ScrapeMetrics(Daemon& d) {
-  const std::string log = d.log();
-  const size_t at = log.find("metrics on http://");
-  if (at == std::string::npos) return "";
-  const int port = std::atoi(log.c_str() + log.find(':', at + 18) + 1);
-  const std::string cmd = "exec 3<>/dev/tcp/127.0.0.1/" + std::to_string(port) +
-                          " && printf 'GET /metrics HTTP/1.0\\r\\n\\r\\n' >&3 && cat <&3";
-  FILE* p = popen(("bash -c \"" + cmd + "\" 2>/dev/null").c_str(), "r");
-  std::string scraped;
-  char buf[4096];
-  for (size_t n; p && (n = std::fread(buf, 1, sizeof(buf), p)) > 0;) scraped.append(buf, n);
-  if (p) pclose(p);
-  return scraped;
-}
-
 // Operators change a live session without its token: by id over the Unix socket or with the
 // admin token over TCP, one session or the node's default for all; the next step uses it, and
 // every change is logged with who made it and counted.
