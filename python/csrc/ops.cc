@@ -440,7 +440,7 @@ std::vector<double> GetPolicy(int64_t h) {
 
 void SetPolicy(int64_t h, c10::optional<double> target_sparsity, c10::optional<double> exploration,
                c10::optional<double> alpha, c10::optional<int64_t> probe_period,
-               c10::optional<std::string> budget_mode) {
+               c10::optional<std::string> budget_mode, c10::optional<double> miss_target) {
   auto s = Get(h);
   TORCH_CHECK(!probe_period || (*probe_period >= 0 && *probe_period <= UINT32_MAX),
               "spind.set_policy: probe_period out of range");
@@ -453,6 +453,7 @@ void SetPolicy(int64_t h, c10::optional<double> target_sparsity, c10::optional<d
     if (alpha) c.alpha = static_cast<float>(*alpha);
     if (probe_period) c.probe_period = static_cast<uint32_t>(*probe_period);
     if (budget_mode) c.budget_mode = ModeOf(*budget_mode);
+    if (miss_target) c.miss_target = *miss_target;
     Check(s->resilient->SetPolicy(c).status(), "set_policy");
     return;
   }
@@ -463,6 +464,7 @@ void SetPolicy(int64_t h, c10::optional<double> target_sparsity, c10::optional<d
   p.alpha = static_cast<float>(alpha.value_or(cur.alpha));
   p.probe_period = probe_period ? static_cast<uint32_t>(*probe_period) : cur.probe_period;
   p.budget_mode = budget_mode ? ModeOf(*budget_mode) : static_cast<BudgetMode>(cur.budget_mode);
+  p.miss_target = miss_target.value_or(cur.miss_target);
   Check(spin::ValidatePolicy(p), "set_policy");
   if (!s->local->on_device()) {
     Check(spin::WritePolicy(s->local->arena(), p), "set_policy");
@@ -621,7 +623,7 @@ TORCH_LIBRARY(spind, m) {
   m.def("get_policy(int handle) -> float[]", &GetPolicy);
   m.def(
       "set_policy(int handle, float? target_sparsity, float? exploration, float? alpha, "
-      "int? probe_period, str? budget_mode) -> ()",
+      "int? probe_period, str? budget_mode, float? miss_target=None) -> ()",
       &SetPolicy);
   m.def("stats(int handle) -> Tensor", &Stats);
   m.def("budgets(int handle) -> Tensor", &Budgets);

@@ -115,9 +115,9 @@ class Session:
                 "probe_period": int(p[3]), "budget_mode": mode, "miss_target": p[5]}
 
     def set_policy(self, target_sparsity=None, exploration=None, alpha=None, probe_period=None,
-                   budget_mode=None):
+                   budget_mode=None, miss_target=None):
         ops.set_policy(self.handle, target_sparsity, exploration, alpha, probe_period,
-                       budget_mode)
+                       budget_mode, miss_target)
 
     def stats(self):
         return ops.stats(self.handle)

@@ -84,6 +84,13 @@ class LocalSession(unittest.TestCase):
             s.reset_sequence(0, 1)
             self.assertEqual(run_step(s, 32 * B, 2), [32, 32], "fresh: dense")
             s.refresh()
+            s.set_policy(target_sparsity=0.6)  # the miss target stays
+            self.assertAlmostEqual(s.policy()["miss_target"], 0.02)
+            s.set_policy(miss_target=0.05)
+            self.assertAlmostEqual(s.policy()["miss_target"], 0.05)
+            with self.assertRaisesRegex(RuntimeError, "miss target 1.5 is out of range"):
+                s.set_policy(miss_target=1.5)
+            self.assertAlmostEqual(s.policy()["miss_target"], 0.05)
         with self.assertRaisesRegex(RuntimeError, "miss-target budget mode needs a miss target"):
             spind.Session(2, 32 * B, topk=64, budget_mode="miss-target")
 
