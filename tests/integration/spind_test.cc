@@ -669,37 +669,54 @@ TEST(Spind, ReplayThroughTheDaemonSwitchesSparsityAtTheNextStep) {
   EXPECT_EQ(checked, 59 * 2);
 }
 
-TEST(Spind, LiveSetPolicyTakesEffectAtTheNextStep) {
-  Daemon d;
-  ASSERT_TRUE(d.ready());
-  client::AttachOptions o;
-  o.geometry.layers = 2;
-  o.geometry.max_seqs = 2;
-  o.geometry.max_slots = 64 * 128;
-  o.geometry.topk = 128;
-  o.policy.target_sparsity = 0.5;
-  o.policy.exploration = 0.0;
-  o.policy.probe_period = 0;
-  o.client_name = "engine";
-  auto s = client::Session::Attach("unix://" + d.socket(), o);
-  ASSERT_TRUE(s.ok()) << s.status();
-  DataPlane& dp = (*s)->data_plane();
-  ASSERT_TRUE(dp.ResetSequence(0, 5).ok());
-  const int32_t nb = 128, ctx = nb * 64;
-  std::vector<float> logits(ctx);
-  for (int i = 0; i < ctx; ++i) logits[i] = static_cast<float>((i * 7919) % 1009);
-  // One step over both layers; returns the kept blocks of layer 1 (layer 0 equal).
-  auto step = [&]() {
-    const int32_t seq = 0, c = ctx, q = ctx - 1;
+// An engine on a live session of `d`: 2 layers, one sequence of 128 blocks, sparsity 0.5, no
+// exploration or probes; Step() runs one decode step and returns layer 1's kept blocks (layer 0
+// keeps as many).
+struct LiveEngine {
+  static constexpr int32_t kBlocks = 128, kCtx = kBlocks * 64;
+  absl::StatusOr<std::unique_ptr<client::Session>> session;
+  std::vector<float> logits;
+
+  explicit LiveEngine(Daemon& d) : logits(kCtx) {
+    client::AttachOptions o;
+    o.geometry.layers = 2;
+    o.geometry.max_seqs = 2;
+    o.geometry.max_slots = kCtx;
+    o.geometry.topk = 128;
+    o.policy.target_sparsity = 0.5;
+    o.policy.exploration = 0.0;
+    o.policy.probe_period = 0;
+    o.client_name = "engine";
+    session = client::Session::Attach("unix://" + d.socket(), o);
+    for (int i = 0; i < kCtx; ++i) logits[i] = static_cast<float>((i * 7919) % 1009);
+    if (session.ok() && !(*session)->data_plane().ResetSequence(0, 5).ok()) {
+      session = absl::InternalError("ResetSequence failed");
+    }
+  }
+  bool ok() const { return session.ok(); }
+  int Step() {
+    DataPlane& dp = (*session)->data_plane();
+    const int32_t seq = 0, c = kCtx, q = kCtx - 1;
     EXPECT_TRUE(dp.BeginStep(StepBatch{&seq, &c, &q, 1, 1}).ok());
     int kept = 0;
     for (int l = 0; l < 2; ++l) {
       EXPECT_TRUE(dp.Select(l).ok());
       kept = dp.arena().union_count[0];
-      EXPECT_TRUE(dp.Observe(l, logits.data(), ctx).ok());
+      EXPECT_TRUE(dp.Observe(l, logits.data(), kCtx).ok());
     }
     return kept;
-  };
+  }
+};
+
+TEST(Spind, LiveSetPolicyTakesEffectAtTheNextStep) {
+  Daemon d;
+  ASSERT_TRUE(d.ready());
+  LiveEngine engine(d);
+  ASSERT_TRUE(engine.ok());
+  auto& s = engine.session;
+  DataPlane& dp = (*s)->data_plane();
+  const int32_t nb = LiveEngine::kBlocks;
+  auto step = [&] { return engine.Step(); };
   // Another client: the operator's own channel.
   auto op_channel = grpc::CreateChannel("unix://" + d.socket(), grpc::InsecureChannelCredentials());
   auto op = pb::Spin::NewStub(op_channel);
@@ -744,32 +761,11 @@ TEST(Spind, OperatorChangesLiveSessionsWithoutTheirTokens) {
   Daemon d({"--tcp-listen", "127.0.0.1:0", "--admin-token-file", token_file,
             "--metrics-address", "127.0.0.1:0"});
   ASSERT_TRUE(d.ready());
-  client::AttachOptions o;
-  o.geometry.layers = 2;
-  o.geometry.max_seqs = 2;
-  o.geometry.max_slots = 64 * 128;
-  o.geometry.topk = 128;
-  o.policy.target_sparsity = 0.5;
-  o.policy.exploration = 0.0;
-  o.client_name = "engine";
-  auto s = client::Session::Attach("unix://" + d.socket(), o);
-  ASSERT_TRUE(s.ok()) << s.status();
-  DataPlane& dp = (*s)->data_plane();
-  ASSERT_TRUE(dp.ResetSequence(0, 5).ok());
-  const int32_t nb = 128, ctx = nb * 64;
-  std::vector<float> logits(ctx);
-  for (int i = 0; i < ctx; ++i) logits[i] = static_cast<float>((i * 7919) % 1009);
-  auto step = [&]() {
-    const int32_t seq = 0, c = ctx, q = ctx - 1;
-    EXPECT_TRUE(dp.BeginStep(StepBatch{&seq, &c, &q, 1, 1}).ok());
-    int kept = 0;
-    for (int l = 0; l < 2; ++l) {
-      EXPECT_TRUE(dp.Select(l).ok());
-      kept = dp.arena().union_count[0];
-      EXPECT_TRUE(dp.Observe(l, logits.data(), ctx).ok());
-    }
-    return kept;
-  };
+  LiveEngine engine(d);
+  ASSERT_TRUE(engine.ok());
+  auto& s = engine.session;
+  const int32_t nb = LiveEngine::kBlocks;
+  auto step = [&] { return engine.Step(); };
   const int at50 = KeptBlocks(nb, 128, 64, 0.5), at75 = KeptBlocks(nb, 128, 64, 0.75),
             at20 = KeptBlocks(nb, 128, 64, 0.2), at60 = KeptBlocks(nb, 128, 64, 0.6);
   step();
