@@ -343,7 +343,9 @@ grpc::ServerUnaryReactor* SpinService::OnSession(
   if (!s.ok()) return Done(ctx, method, t0, s.status());
   std::shared_ptr<Session> session = *s;
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  auto run = [this, reactor, method, t0, session, who = Caller(ctx, !as_operator),
+  // Only the calls an operator may make log who made them (not the remote data-plane calls).
+  auto run = [this, reactor, method, t0, session,
+              who = operator_ok ? Caller(ctx, !as_operator) : std::string(),
               body = std::move(body)] {
     absl::Status st;
     {
@@ -570,10 +572,7 @@ grpc::ServerUnaryReactor* SpinService::SetDefaultPolicy(grpc::CallbackServerCont
     next = defaults_;
   }
   if (req->clear()) next.Clear();
-  next.MergeFrom(req->defaults());
-  if (req->defaults().budget_mode() != pb::BUDGET_MODE_UNSPECIFIED) {
-    next.set_budget_mode(req->defaults().budget_mode());
-  }
+  next.MergeFrom(req->defaults());  // set fields replace; an unspecified mode keeps the old
   // Every set field must be in range on its own: checked over the built-in policy.
   if (absl::StatusOr<Policy> p = WithDefaults(next, Policy{}); !p.ok()) {
     return Done(ctx, "SetDefaultPolicy", t0, p.status());

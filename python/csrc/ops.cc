@@ -119,6 +119,18 @@ void WriteTable(Handle& h, const std::vector<double>& table, const char* op) {
 #endif
 }
 
+// A local session's new policy (and, in uniform mode, table), with a new epoch: a host write,
+// or a device write on the session's stream.
+void WriteLocalPolicy(Handle& h, const spin::Policy& p, const char* op) {
+  if (!h.local->on_device()) {
+    Check(spin::WritePolicy(h.local->arena(), p), op);
+    return;
+  }
+#if SPIN_HAVE_CUDA
+  Check(spin::WriteDevicePolicy(h.local->arena(), p, Stream(h)), op);
+#endif
+}
+
 std::mutex registry_mu;
 std::map<int64_t, std::shared_ptr<Handle>> registry;
 int64_t next_handle = 1;
@@ -466,13 +478,7 @@ void SetPolicy(int64_t h, c10::optional<double> target_sparsity, c10::optional<d
   p.budget_mode = budget_mode ? ModeOf(*budget_mode) : static_cast<BudgetMode>(cur.budget_mode);
   p.miss_target = miss_target.value_or(cur.miss_target);
   Check(spin::ValidatePolicy(p), "set_policy");
-  if (!s->local->on_device()) {
-    Check(spin::WritePolicy(s->local->arena(), p), "set_policy");
-  } else {
-#if SPIN_HAVE_CUDA
-    Check(spin::WriteDevicePolicy(s->local->arena(), p, Stream(*s)), "set_policy");
-#endif
-  }
+  WriteLocalPolicy(*s, p, "set_policy");
 }
 
 // Per layer: steps, dense_steps, probe_steps, blocks_kept, blocks_total, sparse_blocks_kept,
@@ -578,13 +584,7 @@ void AdoptControl(int64_t h, const at::Tensor& control) {
     return;
   }
   // Local: the policy, then a per-layer table (uniform mode writes its own).
-  if (!s->local->on_device()) {
-    Check(spin::WritePolicy(s->local->arena(), p), "adopt_control");
-  } else {
-#if SPIN_HAVE_CUDA
-    Check(spin::WriteDevicePolicy(s->local->arena(), p, Stream(*s)), "adopt_control");
-#endif
-  }
+  WriteLocalPolicy(*s, p, "adopt_control");
   if (spin::TableFromProbes(p.budget_mode)) WriteTable(*s, table, "adopt_control");
 }
 
