@@ -114,10 +114,10 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Attach(const std::string& targ
     absl::StatusOr<Control> c = s->GetControl();
     if (!c.ok() || !c->engine_control) {
       (void)s->Detach();
-      return absl::FailedPreconditionError(absl::StrCat(
-          "spind at ", target, " does not support engine_control sessions (",
-          c.ok() ? "it keeps writing changes into the arena" : c.status().message(),
-          "): upgrade spind"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("spind at ", target, " does not support engine_control sessions (",
+                       c.ok() ? "it keeps writing changes into the arena" : c.status().message(),
+                       "): upgrade spind"));
     }
   }
   s->header_ = {};
@@ -278,7 +278,8 @@ absl::StatusOr<Policy> Session::SetPolicy(const PolicyChange& change) {
   if (change.exploration) req.set_exploration(*change.exploration);
   if (change.alpha) req.set_alpha(*change.alpha);
   if (change.probe_period) req.set_probe_period(*change.probe_period);
-  if (change.budget_mode) req.set_budget_mode(ToProto(Policy{.budget_mode = *change.budget_mode}).budget_mode());
+  if (change.budget_mode)
+    req.set_budget_mode(ToProto(Policy{.budget_mode = *change.budget_mode}).budget_mode());
   if (change.miss_target) req.set_miss_target(*change.miss_target);
   pb::SetPolicyResponse resp;
   SPIN_RETURN_IF_ERROR(SessionCall(*stub_, &pb::Spin::Stub::SetPolicy, "SetPolicy", id_, token_,

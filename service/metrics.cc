@@ -142,9 +142,10 @@ Metrics::Metrics(SessionManager* sessions, std::string gpu, std::string uuid)
   if (!gpu.empty()) device_labels_ = {{"gpu", gpu}, {"UUID", uuid}};
   policy_changes_ = &prometheus::BuildCounter()
                          .Name("spin_policy_changes_total")
-                         .Help("Session policy changes, by source: session (the engine, with the "
-                               "session token), operator (by id without it), default (the "
-                               "node-wide default applied to a live session)")
+                         .Help(
+                             "Session policy changes, by source: session (the engine, with the "
+                             "session token), operator (by id without it), default (the "
+                             "node-wide default applied to a live session)")
                          .Register(*registry_);
   handled_ = &prometheus::BuildCounter()
                   .Name("grpc_server_handled_total")

@@ -29,12 +29,12 @@ pb::Backend BackendProto(Backend b) {
 // The budget table of a session as spind wrote it, with the arena's epoch (caller holds the
 // session's lock and pulled the control region).
 std::string PolicyText(const Policy& p) {
-  return absl::StrFormat(
-      "sparsity %.4g, exploration %.4g, alpha %.4g, probe period %u, %s", p.target_sparsity,
-      p.exploration, p.alpha, p.probe_period,
-      p.budget_mode == BudgetMode::kPerLayer     ? std::string("per-layer")
-      : p.budget_mode == BudgetMode::kMissTarget ? absl::StrFormat("miss target %.4g", p.miss_target)
-                                                 : std::string("uniform"));
+  return absl::StrFormat("sparsity %.4g, exploration %.4g, alpha %.4g, probe period %u, %s",
+                         p.target_sparsity, p.exploration, p.alpha, p.probe_period,
+                         p.budget_mode == BudgetMode::kPerLayer ? std::string("per-layer")
+                         : p.budget_mode == BudgetMode::kMissTarget
+                             ? absl::StrFormat("miss target %.4g", p.miss_target)
+                             : std::string("uniform"));
 }
 
 // The defaults' set fields over `p`.
@@ -47,7 +47,6 @@ absl::StatusOr<Policy> WithDefaults(const pb::PolicyDefaults& d, Policy p) {
   SPIN_ASSIGN_OR_RETURN(p.budget_mode, ModeFromProto(d.budget_mode(), p.budget_mode));
   return p;
 }
-
 
 pb::GetBudgetsResponse Budgets(const Session& s) {
   pb::GetBudgetsResponse r;
@@ -323,9 +322,8 @@ std::string SpinService::Caller(grpc::CallbackServerContext* ctx, bool with_toke
 }
 
 grpc::ServerUnaryReactor* SpinService::OnSession(
-    grpc::CallbackServerContext* ctx, const char* method, const pb::SessionRef& ref,
-    bool mutating, bool operator_ok,
-    std::function<absl::Status(Session&, const std::string&)> body) {
+    grpc::CallbackServerContext* ctx, const char* method, const pb::SessionRef& ref, bool mutating,
+    bool operator_ok, std::function<absl::Status(Session&, const std::string&)> body) {
   const auto t0 = Clock::now();
   const bool as_operator = operator_ok && ref.token().empty();
   if (mutating || as_operator) {
@@ -333,7 +331,8 @@ grpc::ServerUnaryReactor* SpinService::OnSession(
       if (as_operator && !mutating) {
         a = absl::PermissionDeniedError(absl::StrCat(
             "reading a session without its token is for operators: use the Unix socket, or send "
-            "spind's admin token over TCP (", a.message(), ")"));
+            "spind's admin token over TCP (",
+            a.message(), ")"));
       }
       return Done(ctx, method, t0, a);
     }
@@ -407,9 +406,10 @@ grpc::ServerUnaryReactor* SpinService::Attach(grpc::CallbackServerContext* ctx,
     absl::StatusOr<Policy> with = WithDefaults(defaults_, p);
     absl::Status v = with.ok() ? ValidatePolicy(*with) : with.status();
     if (!v.ok()) {
-      return Done(ctx, "Attach", t0, absl::InvalidArgumentError(absl::StrCat(
-                                         "the node's default policy over this attach's: ",
-                                         v.message(), " (spinctl policy defaults)")));
+      return Done(ctx, "Attach", t0,
+                  absl::InvalidArgumentError(
+                      absl::StrCat("the node's default policy over this attach's: ", v.message(),
+                                   " (spinctl policy defaults)")));
     }
     p = *with;
   }
@@ -476,52 +476,51 @@ grpc::ServerUnaryReactor* SpinService::GetPolicy(grpc::CallbackServerContext* ct
                                                  pb::GetPolicyResponse* resp) {
   return OnSession(ctx, "GetPolicy", req->session(), false, true,
                    [resp](Session& s, const std::string&) {
-    SPIN_RETURN_IF_ERROR(s.arena->PullControl());
-    *resp->mutable_policy() = ToProto(s.policy);
-    resp->set_epoch(s.arena->host().policy->epoch);
-    return absl::OkStatus();
-  });
+                     SPIN_RETURN_IF_ERROR(s.arena->PullControl());
+                     *resp->mutable_policy() = ToProto(s.policy);
+                     resp->set_epoch(s.arena->host().policy->epoch);
+                     return absl::OkStatus();
+                   });
 }
 
 grpc::ServerUnaryReactor* SpinService::SetPolicy(grpc::CallbackServerContext* ctx,
                                                  const pb::SetPolicyRequest* req,
                                                  pb::SetPolicyResponse* resp) {
-  return OnSession(ctx, "SetPolicy", req->session(), true, true,
-                   [this, req, resp](Session& s, const std::string& who) {
-    ArenaStorage& arena = *s.arena;
-    SPIN_RETURN_IF_ERROR(arena.PullControl());
-    Policy p = s.policy;
-    if (req->has_target_sparsity()) p.target_sparsity = req->target_sparsity();
-    if (req->has_exploration()) p.exploration = req->exploration();
-    if (req->has_alpha()) p.alpha = req->alpha();
-    if (req->has_probe_period()) p.probe_period = req->probe_period();
-    if (req->has_miss_target()) p.miss_target = req->miss_target();
-    SPIN_ASSIGN_OR_RETURN(BudgetMode m, ModeFromProto(req->budget_mode(), p.budget_mode));
-    p.budget_mode = m;
-    SPIN_RETURN_IF_ERROR(
-        ChangePolicy(s, p, who, req->session().token().empty() ? "operator" : "session"));
-    *resp->mutable_policy() = ToProto(p);
-    resp->set_epoch(arena.host().policy->epoch);
-    return absl::OkStatus();
-  });
+  return OnSession(
+      ctx, "SetPolicy", req->session(), true, true,
+      [this, req, resp](Session& s, const std::string& who) {
+        ArenaStorage& arena = *s.arena;
+        SPIN_RETURN_IF_ERROR(arena.PullControl());
+        Policy p = s.policy;
+        if (req->has_target_sparsity()) p.target_sparsity = req->target_sparsity();
+        if (req->has_exploration()) p.exploration = req->exploration();
+        if (req->has_alpha()) p.alpha = req->alpha();
+        if (req->has_probe_period()) p.probe_period = req->probe_period();
+        if (req->has_miss_target()) p.miss_target = req->miss_target();
+        SPIN_ASSIGN_OR_RETURN(BudgetMode m, ModeFromProto(req->budget_mode(), p.budget_mode));
+        p.budget_mode = m;
+        SPIN_RETURN_IF_ERROR(
+            ChangePolicy(s, p, who, req->session().token().empty() ? "operator" : "session"));
+        *resp->mutable_policy() = ToProto(p);
+        resp->set_epoch(arena.host().policy->epoch);
+        return absl::OkStatus();
+      });
 }
-
 
 void SpinService::StartWarm(Session& s, const std::string& model) {
   std::lock_guard<std::mutex> lock(s.mu);
   s.model = model;
   s.warm = options_.warm;
-  if (model.empty() || !s.warm || !s.warm->enabled() ||
-      !TableFromProbes(s.policy.budget_mode)) {
+  if (model.empty() || !s.warm || !s.warm->enabled() || !TableFromProbes(s.policy.budget_mode)) {
     return;
   }
   std::optional<WarmCurves> w = s.warm->Load(model, s.geometry);
   if (!w) return;
   s.budgets = std::make_unique<BudgetController>(s.geometry);
-  absl::StatusOr<BudgetUpdate> u = s.budgets->Warm(
-      w->curves, w->num_blocks, s.policy.target_sparsity,
-      s.policy.budget_mode == BudgetMode::kMissTarget ? s.policy.miss_target : 0.0,
-      s.policy.exploration);
+  absl::StatusOr<BudgetUpdate> u =
+      s.budgets->Warm(w->curves, w->num_blocks, s.policy.target_sparsity,
+                      s.policy.budget_mode == BudgetMode::kMissTarget ? s.policy.miss_target : 0.0,
+                      s.policy.exploration);
   absl::Status st = u.status();
   if (st.ok()) st = WriteSessionBudgets(s, u->sparsity);
   if (!st.ok()) {
@@ -577,8 +576,8 @@ grpc::ServerUnaryReactor* SpinService::SetDefaultPolicy(grpc::CallbackServerCont
   if (absl::StatusOr<Policy> p = WithDefaults(next, Policy{}); !p.ok()) {
     return Done(ctx, "SetDefaultPolicy", t0, p.status());
   } else if (absl::Status v = ValidatePolicy(*p); !v.ok()) {
-    return Done(ctx, "SetDefaultPolicy", t0, absl::InvalidArgumentError(absl::StrCat(
-                                                  "default policy: ", v.message())));
+    return Done(ctx, "SetDefaultPolicy", t0,
+                absl::InvalidArgumentError(absl::StrCat("default policy: ", v.message())));
   }
   const bool changes = req->clear() || req->defaults().ByteSizeLong() > 0;
   {
@@ -602,8 +601,8 @@ grpc::ServerUnaryReactor* SpinService::SetDefaultPolicy(grpc::CallbackServerCont
       if (!st.ok()) {
         // One session's failure (a device error) does not stop the others; it is logged.
         if (log_) {
-          log_("error", absl::StrCat("session ", s->id, ": default policy not applied: ",
-                                     st.message()));
+          log_("error",
+               absl::StrCat("session ", s->id, ": default policy not applied: ", st.message()));
         }
         continue;
       }
@@ -618,10 +617,10 @@ grpc::ServerUnaryReactor* SpinService::GetBudgets(grpc::CallbackServerContext* c
                                                   pb::GetBudgetsResponse* resp) {
   return OnSession(ctx, "GetBudgets", req->session(), false, true,
                    [resp](Session& s, const std::string&) {
-    SPIN_RETURN_IF_ERROR(s.arena->PullControl());
-    *resp = Budgets(s);
-    return absl::OkStatus();
-  });
+                     SPIN_RETURN_IF_ERROR(s.arena->PullControl());
+                     *resp = Budgets(s);
+                     return absl::OkStatus();
+                   });
 }
 
 grpc::ServerUnaryReactor* SpinService::OpenSequences(grpc::CallbackServerContext* ctx,
@@ -840,13 +839,13 @@ grpc::ServerUnaryReactor* SpinService::GetStats(grpc::CallbackServerContext* ctx
                                                 pb::GetStatsResponse* resp) {
   return OnSession(ctx, "GetStats", req->session(), false, true,
                    [resp](Session& s, const std::string&) {
-    SPIN_RETURN_IF_ERROR(s.arena->PullControl());
-    const ArenaView& v = s.arena->host();
-    for (uint32_t l = 0; l < s.geometry.layers; ++l) {
-      *resp->add_layers() = ToProto(l, v.stats[l], s.budgets_written[l]);
-    }
-    return absl::OkStatus();
-  });
+                     SPIN_RETURN_IF_ERROR(s.arena->PullControl());
+                     const ArenaView& v = s.arena->host();
+                     for (uint32_t l = 0; l < s.geometry.layers; ++l) {
+                       *resp->add_layers() = ToProto(l, v.stats[l], s.budgets_written[l]);
+                     }
+                     return absl::OkStatus();
+                   });
 }
 
 grpc::ServerUnaryReactor* SpinService::ListSessions(grpc::CallbackServerContext* ctx,

@@ -69,8 +69,7 @@ class SpinService final : public spin::v1::Spin::CallbackService {
   /// without one (as before the default changed).
   SpinService(SessionManager* sessions, std::string fd_socket, Metrics* metrics = nullptr,
               std::string admin_token = "")
-      : SpinService(sessions, std::move(fd_socket), metrics,
-                    TestOptions(std::move(admin_token))) {}
+      : SpinService(sessions, std::move(fd_socket), metrics, TestOptions(std::move(admin_token))) {}
   ~SpinService() override;
   static ServiceOptions TestOptions(std::string admin_token) {
     ServiceOptions o;
@@ -138,10 +137,10 @@ class SpinService final : public spin::v1::Spin::CallbackService {
   // finishes the call with what it returned. `mutating` calls need CheckAdmin. With
   // `operator_ok`, a ref without a token is an operator's (CheckAdmin, for reads too) and finds
   // the session by id; `body` gets who called (for the log).
-  grpc::ServerUnaryReactor* OnSession(grpc::CallbackServerContext* ctx, const char* method,
-                                      const spin::v1::SessionRef& ref, bool mutating,
-                                      bool operator_ok,
-                                      std::function<absl::Status(Session&, const std::string&)> body);
+  grpc::ServerUnaryReactor* OnSession(
+      grpc::CallbackServerContext* ctx, const char* method, const spin::v1::SessionRef& ref,
+      bool mutating, bool operator_ok,
+      std::function<absl::Status(Session&, const std::string&)> body);
   grpc::ServerUnaryReactor* OnSession(grpc::CallbackServerContext* ctx, const char* method,
                                       const spin::v1::SessionRef& ref, bool mutating,
                                       std::function<absl::Status(Session&)> body) {

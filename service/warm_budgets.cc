@@ -50,8 +50,7 @@ std::optional<WarmCurves> WarmBudgets::Load(const std::string& model, const Geom
   if (!in) return std::nullopt;  // none yet: the usual first run of a model
   auto ignore = [&](const std::string& why) {
     if (log_) {
-      log_("warning", absl::StrCat("warm budgets of model ", model, " (", path,
-                                   ") ignored: ", why,
+      log_("warning", absl::StrCat("warm budgets of model ", model, " (", path, ") ignored: ", why,
                                    "; the session starts uniform, and the file is rewritten "
                                    "at its first recompute"));
     }
@@ -73,8 +72,8 @@ std::optional<WarmCurves> WarmBudgets::Load(const std::string& model, const Geom
     const uint32_t topk = j.at("topk").get<uint32_t>();
     if (layers != g.layers || block != g.block_size || topk != g.topk) {
       return ignore(absl::StrCat("saved for ", layers, " layers, block size ", block, ", top-K ",
-                                 topk, "; this session has ", g.layers, ", ", g.block_size,
-                                 ", ", g.topk));
+                                 topk, "; this session has ", g.layers, ", ", g.block_size, ", ",
+                                 g.topk));
     }
     WarmCurves w;
     w.saved_unix = j.at("saved_unix").get<int64_t>();
@@ -121,8 +120,8 @@ void WarmBudgets::Save(const std::string& model, const Geometry& g,
   const std::string path = PathOf(model);
   // A temporary name of this process and thread, then an atomic rename.
   std::ostringstream tmp_name;
-  tmp_name << path << ".tmp." << getpid() << "." << std::hash<std::thread::id>{}(
-                                                         std::this_thread::get_id());
+  tmp_name << path << ".tmp." << getpid() << "."
+           << std::hash<std::thread::id>{}(std::this_thread::get_id());
   const std::string tmp = tmp_name.str();
   {
     std::ofstream out(tmp, std::ios::trunc);
@@ -132,9 +131,9 @@ void WarmBudgets::Save(const std::string& model, const Geometry& g,
       std::error_code ec;
       std::filesystem::remove(tmp, ec);
       if (log_) {
-        log_("warning", absl::StrCat("cannot write warm budgets of model ", model, " to ", tmp,
-                                     ": check that --state-dir ", dir_,
-                                     " exists and is writable by spind"));
+        log_("warning",
+             absl::StrCat("cannot write warm budgets of model ", model, " to ", tmp,
+                          ": check that --state-dir ", dir_, " exists and is writable by spind"));
       }
       return;
     }

@@ -352,8 +352,8 @@ absl::StatusOr<BudgetUpdate> BudgetController::Recompute(double target, double m
   in.block_size = block_size_;
   in.target_sparsity = target;
   in.exploration = exploration;
-  SPIN_ASSIGN_OR_RETURN(Allocation a, miss_target > 0 ? AllocateForMissTarget(in, miss_target)
-                                                      : AllocateBudgets(in));
+  SPIN_ASSIGN_OR_RETURN(
+      Allocation a, miss_target > 0 ? AllocateForMissTarget(in, miss_target) : AllocateBudgets(in));
   used_ = smoothed_;
   used_blocks_ = num_blocks_;
   used_target_ = target;
@@ -372,8 +372,8 @@ absl::StatusOr<BudgetUpdate> BudgetController::Warm(const std::vector<MissCurve>
                                                     int32_t num_blocks, double target,
                                                     double miss_target, double exploration) {
   if (curves.size() != static_cast<size_t>(layers_)) {
-    return absl::InvalidArgumentError(absl::StrCat("warm curves for ", curves.size(),
-                                                   " layers; the session has ", layers_));
+    return absl::InvalidArgumentError(
+        absl::StrCat("warm curves for ", curves.size(), " layers; the session has ", layers_));
   }
   for (size_t l = 0; l < curves.size(); ++l) {
     for (double x : curves[l]) {

@@ -34,8 +34,7 @@ absl::Status ValidateRowTopK(const RowTopKArgs& a) {
         absl::StrCat("width ", a.width, " outside [0, logits stride ", a.logits_stride, "]"));
   }
   if (a.out_stride < a.k) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("out stride ", a.out_stride, " below k ", a.k));
+    return absl::InvalidArgumentError(absl::StrCat("out stride ", a.out_stride, " below k ", a.k));
   }
   if (a.rows > 0 && (a.logits == nullptr || a.lens == nullptr || a.out == nullptr)) {
     return absl::InvalidArgumentError("null logits, lens or out");

@@ -99,7 +99,8 @@ __device__ __forceinline__ bool RowsFitStride(const Dev& d, int e, int rows, int
   return fit;
 }
 // Row r of entry e is applied: the entry is in the batch and not padding, its accepted count
-// (`acc`; 1, row 0 only, without an accepted array) is in [0, rows] and above r, and its rows fit the stride.
+// (`acc`; 1, row 0 only, without an accepted array) is in [0, rows] and above r, and its rows fit
+// the stride.
 __device__ __forceinline__ bool RowApplied(int e, int batch_n, int seq, int r, int rows, int acc,
                                            bool rows_fit) {
   return e < batch_n && seq >= 0 && r < rows && acc >= 0 && acc <= rows && r < acc && rows_fit;

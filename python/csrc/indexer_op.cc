@@ -74,8 +74,8 @@ Problem Validate(const at::Tensor& q, const at::Tensor& weights, const at::Tenso
   };
   for (const Named& x : {Named{&weights, "weights"}, Named{&kv, "kv"}, Named{&table, "table"},
                          Named{&lens, "lens"}, Named{&logits, "logits"}}) {
-    TORCH_CHECK(x.t->device() == dev, op, ": ", x.name, " is on ", x.t->device(),
-                " but q is on ", dev, " (every tensor must be on one device)");
+    TORCH_CHECK(x.t->device() == dev, op, ": ", x.name, " is on ", x.t->device(), " but q is on ",
+                dev, " (every tensor must be on one device)");
   }
   TORCH_CHECK(q.scalar_type() == at::kByte, op,
               ": q must be uint8 (fp8 e4m3 bytes; view a float8_e4m3fn tensor as torch.uint8), "
@@ -86,14 +86,13 @@ Problem Validate(const at::Tensor& q, const at::Tensor& weights, const at::Tenso
               q.sizes());
   TORCH_CHECK(q.is_contiguous(), op, ": q must be contiguous");
   const int64_t rows = q.size(0);
-  TORCH_CHECK(rows % next_n == 0, op, ": q has ", rows, " rows, not a multiple of next_n ",
-              next_n);
+  TORCH_CHECK(rows % next_n == 0, op, ": q has ", rows, " rows, not a multiple of next_n ", next_n);
   const int64_t batch = rows / next_n;
   TORCH_CHECK(batch <= INT32_MAX, op, ": batch ", batch, " out of range");
   TORCH_CHECK(weights.scalar_type() == at::kFloat, op, ": weights must be float32, not ",
               weights.scalar_type());
-  TORCH_CHECK(weights.dim() == 2 && weights.size(0) == rows && weights.size(1) == kIndexerHeads,
-              op, ": weights must be [", rows, ", ", kIndexerHeads, "] (q's rows), not ",
+  TORCH_CHECK(weights.dim() == 2 && weights.size(0) == rows && weights.size(1) == kIndexerHeads, op,
+              ": weights must be [", rows, ", ", kIndexerHeads, "] (q's rows), not ",
               weights.sizes());
   TORCH_CHECK(weights.is_contiguous(), op, ": weights must be contiguous");
   TORCH_CHECK(kv.scalar_type() == at::kByte, op, ": kv must be uint8, not ", kv.scalar_type());
@@ -108,8 +107,7 @@ Problem Validate(const at::Tensor& q, const at::Tensor& weights, const at::Tenso
               batch);
   TORCH_CHECK(max_pages <= table.size(1), op, ": max_pages ", max_pages, " exceeds the table's ",
               table.size(1), " columns");
-  TORCH_CHECK(lens.scalar_type() == at::kInt, op, ": lens must be int32, not ",
-              lens.scalar_type());
+  TORCH_CHECK(lens.scalar_type() == at::kInt, op, ": lens must be int32, not ", lens.scalar_type());
   TORCH_CHECK(lens.dim() == 2 && lens.stride(1) == 1, op,
               ": lens must be [batch, next_n] with unit column stride, not ", lens.sizes());
   TORCH_CHECK(lens.size(0) >= batch && lens.size(1) >= next_n, op, ": lens is ", lens.sizes(),
@@ -195,11 +193,10 @@ spin::IndexerKernel KernelFor(const std::string& kernel, int device) {
   TORCH_CHECK(kernel == "auto", "spind.paged_indexer: kernel '", kernel,
               "': use auto, wgmma or mma.sync");
   int major = 0, minor = 0;
-  TORCH_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
-                      cudaSuccess &&
-                  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) ==
-                      cudaSuccess,
-              "spind.paged_indexer: cannot read the compute capability of device ", device);
+  TORCH_CHECK(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+          cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess,
+      "spind.paged_indexer: cannot read the compute capability of device ", device);
   return major == 9 && minor == 0 ? spin::IndexerKernel::kWgmma : spin::IndexerKernel::kMmaSync;
 }
 
@@ -273,8 +270,8 @@ void RowTopKCpu(const at::Tensor& logits, const at::Tensor& lens, int64_t k, at:
 void RowTopKCuda(const at::Tensor& logits, const at::Tensor& lens, int64_t k, at::Tensor& out) {
   const spin::RowTopKArgs a = RowTopKArgsOf(logits, lens, k, out);
   const c10::cuda::CUDAGuard guard(logits.device());
-  const absl::Status s = spin::LaunchRowTopK(
-      a, c10::cuda::getCurrentCUDAStream(logits.device().index()).stream());
+  const absl::Status s =
+      spin::LaunchRowTopK(a, c10::cuda::getCurrentCUDAStream(logits.device().index()).stream());
   TORCH_CHECK(s.ok(), "spind.row_topk: ", std::string(s.message()));
 }
 #endif

@@ -427,12 +427,11 @@ int64_t Refresh(int64_t h) {
   if (policy.probe_period == 0 || t < 0 || t % policy.probe_period != 0) return 0;
   ArenaRead(*s, s->curves.data(), a.curves, s->curves.size() * sizeof(uint64_t), "refresh");
   ArenaRead(*s, s->stats.data(), a.stats, s->stats.size() * sizeof(spin::LayerStats), "refresh");
-  absl::StatusOr<std::optional<spin::BudgetUpdate>> u =
-      s->budgets->Update(spin::ProbeSnapshot{s->curves, s->stats}, policy.target_sparsity,
-                         policy.budget_mode == static_cast<uint32_t>(BudgetMode::kMissTarget)
-                             ? policy.miss_target
-                             : 0.0,
-                         policy.exploration);
+  absl::StatusOr<std::optional<spin::BudgetUpdate>> u = s->budgets->Update(
+      spin::ProbeSnapshot{s->curves, s->stats}, policy.target_sparsity,
+      policy.budget_mode == static_cast<uint32_t>(BudgetMode::kMissTarget) ? policy.miss_target
+                                                                           : 0.0,
+      policy.exploration);
   Check(u.status(), "refresh");
   if (!u->has_value()) return 0;
   WriteTable(*s, (*u)->sparsity, "refresh");
@@ -443,7 +442,10 @@ int64_t Refresh(int64_t h) {
 std::vector<double> GetPolicy(int64_t h) {
   auto s = Get(h);
   const spin::ArenaPolicy p = PolicyOf(*s, "get_policy");
-  return {p.target_sparsity, p.exploration, p.alpha, static_cast<double>(p.probe_period),
+  return {p.target_sparsity,
+          p.exploration,
+          p.alpha,
+          static_cast<double>(p.probe_period),
           p.budget_mode == static_cast<uint32_t>(BudgetMode::kPerLayer)     ? 1.0
           : p.budget_mode == static_cast<uint32_t>(BudgetMode::kMissTarget) ? 2.0
                                                                             : 0.0,
@@ -529,8 +531,8 @@ at::Tensor GetControl(int64_t h) {
   if (s->resilient) {
     absl::StatusOr<spin::client::Control> c = s->resilient->GetControl();
     if (c.ok()) {
-      TORCH_CHECK(static_cast<int64_t>(c->layer_sparsity.size()) == L,
-                  "spind.control: spind sent ", c->layer_sparsity.size(), " layers, not ", L);
+      TORCH_CHECK(static_cast<int64_t>(c->layer_sparsity.size()) == L, "spind.control: spind sent ",
+                  c->layer_sparsity.size(), " layers, not ", L);
       fill(static_cast<double>(c->version), 1.0, c->policy, c->layer_sparsity.data());
       return out;
     }
@@ -562,8 +564,8 @@ void AdoptControl(int64_t h, const at::Tensor& control) {
   TORCH_CHECK(control.device().is_cpu() && control.scalar_type() == at::kDouble &&
                   control.dim() == 1 && control.numel() == kControlHead + L,
               "spind.adopt_control: control must be a CPU float64 tensor of ", kControlHead + L,
-              " values (what control() returns), got ", control.scalar_type(), " ",
-              control.sizes(), " on ", control.device());
+              " values (what control() returns), got ", control.scalar_type(), " ", control.sizes(),
+              " on ", control.device());
   const at::Tensor c = control.contiguous();
   const double* v = c.data_ptr<double>();
   TORCH_CHECK(v[5] >= 0 && v[5] <= UINT32_MAX && v[5] == std::floor(v[5]),

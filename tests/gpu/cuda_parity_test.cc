@@ -172,8 +172,8 @@ class Twin {
       ASSERT_TRUE(gpu_->Remap(d_idx_->as<int32_t>(), kTopK).ok());
       ASSERT_EQ(ToHost(d_idx_->as<int32_t>(), idx.size()), idx) << "remap, step " << step;
       // The engine contract passes no accepted counts: row 0 only on both backends.
-      ASSERT_TRUE(cpu_.dp().Observe(l, logits.data(), stride_, no_accepted_ ? nullptr : acc.data())
-                      .ok());
+      ASSERT_TRUE(
+          cpu_.dp().Observe(l, logits.data(), stride_, no_accepted_ ? nullptr : acc.data()).ok());
       ASSERT_TRUE(gpu_->Observe(l, d_logits_->as<float>(), stride_,
                                 no_accepted_ ? nullptr : d_acc_->as<int32_t>())
                       .ok());

@@ -758,8 +758,8 @@ TEST(Spind, LiveSetPolicyTakesEffectAtTheNextStep) {
 TEST(Spind, OperatorChangesLiveSessionsWithoutTheirTokens) {
   const std::string token_file = ::testing::TempDir() + "/spind-operator-token";
   std::ofstream(token_file) << "0p3rat0r\n";
-  Daemon d({"--tcp-listen", "127.0.0.1:0", "--admin-token-file", token_file,
-            "--metrics-address", "127.0.0.1:0"});
+  Daemon d({"--tcp-listen", "127.0.0.1:0", "--admin-token-file", token_file, "--metrics-address",
+            "127.0.0.1:0"});
   ASSERT_TRUE(d.ready());
   LiveEngine engine(d);
   ASSERT_TRUE(engine.ok());
@@ -814,8 +814,7 @@ TEST(Spind, OperatorChangesLiveSessionsWithoutTheirTokens) {
   dr.mutable_defaults()->set_target_sparsity(1.5);
   dr.set_apply_to_live(true);
   pb::SetDefaultPolicyResponse drr;
-  EXPECT_EQ(CALL(d, SetDefaultPolicy, dr, &drr).error_code(),
-            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(CALL(d, SetDefaultPolicy, dr, &drr).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(step(), at20);
   dr.mutable_defaults()->set_target_sparsity(0.6);
   ASSERT_TRUE(CALL(d, SetDefaultPolicy, dr, &drr).ok());

@@ -429,8 +429,7 @@ TEST(MissTarget, EachLayerTakesTheFewestBlocksThatMeetTheTarget) {
   absl::StatusOr<std::optional<BudgetUpdate>> u = c.Update(f.Snap(), 0.5, 0.02);
   ASSERT_TRUE(u.ok() && u->has_value());
   absl::StatusOr<Allocation> want = AllocateForMissTarget(
-      Input(std::vector<MissCurve>(c.smoothed().begin(), c.smoothed().end()), 200, 0.5, 512),
-      0.02);
+      Input(std::vector<MissCurve>(c.smoothed().begin(), c.smoothed().end()), 200, 0.5, 512), 0.02);
   ASSERT_TRUE(want.ok());
   EXPECT_EQ((*u)->sparsity, want->sparsity);
   u = c.Update(f.Snap(), 0.5, 0.02);

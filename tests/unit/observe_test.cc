@@ -149,8 +149,8 @@ TEST(Observe, WithoutAcceptedCountsOnlyRowZeroIsApplied) {
   auto every = run(&all);
   EXPECT_TRUE(none->Snapshot() == row0->Snapshot()) << "no accepted counts != accepted 1";
   EXPECT_FALSE(none->Snapshot() == every->Snapshot()) << "draft rows were applied";
-  EXPECT_EQ(none->Get(0, 0, 0, 5), 15.0f);                // row 0's score, 10 + 5 % 7
-  EXPECT_TRUE(std::isnan(none->Get(0, 0, 0, 100)));       // only draft rows reach slot 100
+  EXPECT_EQ(none->Get(0, 0, 0, 5), 15.0f);           // row 0's score, 10 + 5 % 7
+  EXPECT_TRUE(std::isnan(none->Get(0, 0, 0, 100)));  // only draft rows reach slot 100
   EXPECT_FALSE(none->Fresh(0, 0));
 }
 

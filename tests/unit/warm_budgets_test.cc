@@ -30,8 +30,7 @@ Geometry Geo() {
 struct Store {
   std::string dir = ::testing::TempDir() + "/warm-" + std::to_string(getpid());
   std::vector<std::string> logs;
-  WarmBudgets warm{dir, std::chrono::hours(24),
-                   [this](const char* level, const std::string& m) {
+  WarmBudgets warm{dir, std::chrono::hours(24), [this](const char* level, const std::string& m) {
                      logs.push_back(std::string(level) + ": " + m);
                    }};
   Store() {
@@ -80,8 +79,7 @@ TEST(WarmBudgets, RoundTripAndWhatIsIgnored) {
   };
   rewrite([](nlohmann::json& j) { j["saved_unix"] = std::time(nullptr) - 25 * 3600; });
   EXPECT_FALSE(s.warm.Load("m", Geo()).has_value());
-  EXPECT_NE(s.logs.back().find("past --warm-max-age-hours 24"), std::string::npos)
-      << s.logs.back();
+  EXPECT_NE(s.logs.back().find("past --warm-max-age-hours 24"), std::string::npos) << s.logs.back();
   rewrite([](nlohmann::json& j) {
     j["saved_unix"] = std::time(nullptr);
     j["curves"][1][3] = 1.5;
@@ -109,9 +107,9 @@ TEST(WarmBudgets, ModelNamesAreSafeFileNames) {
   for (const char* ok : {"deepseek-v3.2", "DeepSeek_V3.2-Exp", "a"}) {
     EXPECT_TRUE(ValidateModelName(ok).ok()) << ok;
   }
-  for (const std::string& bad : {std::string(""), std::string(".hidden"), std::string("a/b"),
-                                std::string("../x"), std::string(129, 'a'),
-                                std::string("sp ace"), std::string("nul\0x", 5)}) {
+  for (const std::string& bad :
+       {std::string(""), std::string(".hidden"), std::string("a/b"), std::string("../x"),
+        std::string(129, 'a'), std::string("sp ace"), std::string("nul\0x", 5)}) {
     EXPECT_FALSE(ValidateModelName(bad).ok()) << bad;
   }
 }

@@ -223,11 +223,11 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
     absl::Status s = mem.Get(curves.data(), a.curves, curves.size() * sizeof(uint64_t));
     if (s.ok()) s = mem.Get(now.data(), a.stats, meta.layers * sizeof(LayerStats));
     SPIN_RETURN_IF_ERROR(s);
-    SPIN_ASSIGN_OR_RETURN(std::optional<BudgetUpdate> u,
-                          budgets->Update(ProbeSnapshot{curves, now}, policy.target_sparsity,
-                                          mode == BudgetMode::kMissTarget ? policy.miss_target
-                                                                          : 0.0,
-                                          policy.exploration));
+    SPIN_ASSIGN_OR_RETURN(
+        std::optional<BudgetUpdate> u,
+        budgets->Update(ProbeSnapshot{curves, now}, policy.target_sparsity,
+                        mode == BudgetMode::kMissTarget ? policy.miss_target : 0.0,
+                        policy.exploration));
     if (!u.has_value()) return {};
     table = u->sparsity;
     return write_table();

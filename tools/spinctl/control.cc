@@ -146,7 +146,8 @@ int CmdPolicyDefaults(const ControlArgs& a, double sparsity, double exploration,
   if (!s.ok()) return Fail("SetDefaultPolicy", s);
   const pb::PolicyDefaults& now = r.defaults();
   std::string line = "default policy:";
-  if (now.has_target_sparsity()) absl::StrAppendFormat(&line, " sparsity %.4g", now.target_sparsity());
+  if (now.has_target_sparsity())
+    absl::StrAppendFormat(&line, " sparsity %.4g", now.target_sparsity());
   if (now.has_exploration()) absl::StrAppendFormat(&line, " exploration %.4g", now.exploration());
   if (now.has_alpha()) absl::StrAppendFormat(&line, " alpha %.4g", now.alpha());
   if (now.has_probe_period()) absl::StrAppendFormat(&line, " probe-period %u", now.probe_period());

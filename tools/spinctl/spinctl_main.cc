@@ -167,8 +167,8 @@ int main(int argc, char** argv) {
   g->add_option("--noise", gen.noise_scale, "Scale of the per-step noise")->capture_default_str();
   g->add_option("--drift", gen.drift_scale, "Scale of the slow drift")->capture_default_str();
   g->add_flag("--shuffle-rejected", gen.shuffle_rejected,
-             "MTP: shuffle each rejected draft row's scores over its slots (rejected drafts "
-             "then carry no information about where later queries look)");
+              "MTP: shuffle each rejected draft row's scores over its slots (rejected drafts "
+              "then carry no information about where later queries look)");
   g->add_option("--nonfinite-rate", gen.nonfinite_rate,
                 "Fraction of scores replaced by NaN/inf (to exercise bad-score handling)")
       ->capture_default_str();
@@ -296,8 +296,9 @@ int main(int argc, char** argv) {
   CLI::App* pget = pol->add_subcommand("get", "Print the policy");
   session_opts(pget);
   CLI::App* pset = pol->add_subcommand(
-      "set", "Change the given fields (the rest stay) of one session, of every live session and "
-             "new ones (--all), or of new ones only (--default)");
+      "set",
+      "Change the given fields (the rest stay) of one session, of every live session and "
+      "new ones (--all), or of new ones only (--default)");
   session_opts(pset, false);
   bool set_all = false, set_default = false;
   pset->add_flag("--all", set_all,
@@ -342,8 +343,8 @@ int main(int argc, char** argv) {
     if (pget->parsed()) return CmdPolicyGet(ca);
     if (pset->parsed()) {
       if ((set_all || set_default) == !session_id.empty() || (set_all && set_default)) {
-        return Fail(absl::InvalidArgumentError(
-            "policy set: give one of --session ID, --all or --default"));
+        return Fail(
+            absl::InvalidArgumentError("policy set: give one of --session ID, --all or --default"));
       }
       if (set_all || set_default) {
         return CmdPolicyDefaults(ca, set_sparsity, set_exploration, set_alpha, set_probe,

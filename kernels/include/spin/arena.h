@@ -84,7 +84,7 @@ struct ArenaPolicy {
   float beta;  ///< (float)(1 - alpha), computed once on write
   uint32_t probe_period;
   uint32_t budget_mode;
-  uint64_t epoch;  ///< bumped on every policy or budget-table write
+  uint64_t epoch;      ///< bumped on every policy or budget-table write
   double miss_target;  ///< kMissTarget's miss target (read by the probe side, not the kernels)
 };
 

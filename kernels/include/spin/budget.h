@@ -131,8 +131,7 @@ class BudgetController {
   /// With `miss_target` > 0 (the miss-target mode) the table is AllocateForMissTarget's and
   /// a changed miss target recomputes as a changed target does.
   absl::StatusOr<std::optional<BudgetUpdate>> Update(const ProbeSnapshot& snapshot,
-                                                     double target_sparsity,
-                                                     double miss_target = 0,
+                                                     double target_sparsity, double miss_target = 0,
                                                      double exploration = 0);
 
   /// Starts from curves learned before (a model's last smoothed curves, saved by spind: warm

@@ -90,8 +90,9 @@ class DataPlane {
   /// compacted length. Rows 0..accepted[e]-1 are applied in order; accepted == nullptr applies
   /// row 0 only, the engine contract for MTP (an engine learns acceptance after every layer's
   /// Observe of the step; docs/lab/mtp-contract.md has the measurements behind it). An offline
-  /// replay that knows acceptance passes it. Non-finite scores are skipped and counted. On a probe step, row 0's dense top-K
-  /// (computed from the logits) is scored against the layer's miss curve first.
+  /// replay that knows acceptance passes it. Non-finite scores are skipped and counted. On a probe
+  /// step, row 0's dense top-K (computed from the logits) is scored against the layer's miss curve
+  /// first.
   virtual absl::Status Observe(int32_t layer, const float* logits, int64_t logits_stride,
                                const int32_t* accepted = nullptr,
                                cudaStream_t stream = nullptr) = 0;

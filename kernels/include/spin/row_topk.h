@@ -25,8 +25,8 @@ struct RowTopKArgs {
   int64_t width = 0;              ///< valid columns of a row at most (<= logits_stride)
   const int32_t* lens = nullptr;  ///< [rows]: the row's valid prefix
   int32_t rows = 0;
-  int32_t k = 0;                  ///< 1..8192
-  int32_t* out = nullptr;         ///< [rows][out_stride], out_stride >= k
+  int32_t k = 0;           ///< 1..8192
+  int32_t* out = nullptr;  ///< [rows][out_stride], out_stride >= k
   int64_t out_stride = 0;
 };
 
