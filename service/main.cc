@@ -26,6 +26,7 @@
 #include "metrics.h"
 #include "nlohmann/json.hpp"
 #include "session_manager.h"
+#include "spin/v1/spin.grpc.pb.h"
 #include "spin_service.h"
 #include "warm_budgets.h"
 
@@ -233,9 +234,29 @@ int main(int argc, char** argv) {
     return 1;
   }
   chmod(socket_path.c_str(), 0660);
+  // On the CUDA backend, <socket dir>/<GPU UUID>.sock (GPU-xxxxxxxx-...) also leads to this socket, so an engine
+  // finds its GPU's spind by the UUID it sees, whatever order its container numbers GPUs in.
+  std::string gpu_link;
+  if (!uuid.empty()) {
+    const std::filesystem::path sock(socket_path);
+    gpu_link = (sock.parent_path() / (uuid + ".sock")).string();
+    const std::string tmp = gpu_link + ".tmp." + std::to_string(getpid());
+    std::error_code ec;
+    std::filesystem::remove(tmp, ec);
+    std::filesystem::create_symlink(sock.filename(), tmp, ec);
+    if (!ec) std::filesystem::rename(tmp, gpu_link, ec);
+    if (ec) {
+      std::filesystem::remove(tmp, ec);
+      Log(c, "warning", "cannot link " + gpu_link + " to the socket: " + ec.message());
+      gpu_link.clear();
+    }
+  }
+  // grpc.health.v1: "" (spind as a whole) and spin.v1.Spin, both NOT_SERVING once draining.
+  server->GetHealthCheckService()->SetServingStatus(spin::v1::Spin::service_full_name(), true);
   server->GetHealthCheckService()->SetServingStatus(true);
   std::string where = c.listen;
   if (!c.tcp_listen.empty()) where += " and tcp port " + std::to_string(tcp_port);
+  if (!gpu_link.empty()) where += " (also " + gpu_link + ")";
   Log(c, "info", "serving spin.v1.Spin on " + where + " (" + backend_text + ")");
 
   std::thread waiter([&] {
@@ -253,6 +274,14 @@ int main(int argc, char** argv) {
   fds.Stop();
   sessions.StopReaper();
   unlink(socket_path.c_str());
+  if (!gpu_link.empty()) {
+    // Only our own link: another spind of this GPU may have replaced it since.
+    std::error_code ec;
+    if (std::filesystem::read_symlink(gpu_link, ec) ==
+        std::filesystem::path(socket_path).filename()) {
+      std::filesystem::remove(gpu_link, ec);
+    }
+  }
   Log(c, "info", "stopped; " + std::to_string(sessions.List().size()) + " sessions freed");
   return 0;
 }

@@ -18,6 +18,19 @@ for _ in $(seq 50); do
 done
 "$spinctl" --target "unix://$sock" status | grep -q "serving, 0 sessions" && pass status \
   || fail status
+# health (grpc.health.v1, what the chart's exec probes run): 0 only when SERVING.
+h=$("$spinctl" --target "unix://$sock" health 2>&1) && [ "$h" = "spind at unix://$sock: SERVING" ] \
+  && pass "health" || fail "health: $h"
+"$spinctl" --target "unix://$sock" health --service spin.v1.Spin >/dev/null 2>&1 \
+  && pass "health of spin.v1.Spin" || fail "health of spin.v1.Spin"
+h=$("$spinctl" --target "unix://$sock" health --service no.such.Service 2>&1) \
+  && fail "health of an unknown service exits 0" \
+  || { echo "$h" | grep -q "no such service" && pass "health of an unknown service: $h" \
+         || fail "health of an unknown service: $h"; }
+h=$("$spinctl" --target "unix://$work/none.sock" health --timeout-ms 300 2>&1) \
+  && fail "health with no spind exits 0" \
+  || { echo "$h" | grep -q "not answering" && pass "health with no spind" \
+         || fail "health with no spind: $h"; }
 "$spinctl" gen-trace "$work/t" --layers 3 --slots 4096 --steps 40 --topk 256 --rows 2 \
   >"$work/gen.out" 2>&1 && pass "gen-trace" || fail "gen-trace: $(tail -2 "$work/gen.out")"
 "$spinctl" replay --trace "$work/t" --probe-period 6 --exploration 0.1 --dump "$work/off" \

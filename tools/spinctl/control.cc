@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "grpcpp/grpcpp.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "spin/v1/spin.grpc.pb.h"
 
 namespace spin {
@@ -68,6 +69,29 @@ int CmdStatus(const ControlArgs& a) {
   std::printf("spind at %s: serving, %d sessions, %llu arena bytes\n", a.target.c_str(),
               r.sessions_size(), static_cast<unsigned long long>(bytes));
   return 0;
+}
+
+int CmdHealth(const ControlArgs& a, const std::string& service, int timeout_ms) {
+  namespace health = grpc::health::v1;
+  auto stub = health::Health::NewStub(grpc::CreateChannel(a.target, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext c;
+  c.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+  if (!a.admin_token.empty()) c.AddMetadata("authorization", "Bearer " + a.admin_token);
+  health::HealthCheckRequest q;
+  q.set_service(service);
+  health::HealthCheckResponse r;
+  const std::string what = service.empty() ? "spind" : service;
+  grpc::Status s = stub->Check(&c, q, &r);
+  if (!s.ok()) {
+    return Fail(absl::StrCat("health of ", what, " at ", a.target,
+                             s.error_code() == grpc::StatusCode::NOT_FOUND
+                                 ? ": no such service"
+                                 : ": not answering (is spind running on that address?)"),
+                s);
+  }
+  std::printf("%s at %s: %s\n", what.c_str(), a.target.c_str(),
+              health::HealthCheckResponse::ServingStatus_Name(r.status()).c_str());
+  return r.status() == health::HealthCheckResponse::SERVING ? 0 : 1;
 }
 
 int CmdSessions(const ControlArgs& a) {

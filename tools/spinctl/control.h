@@ -20,6 +20,9 @@ struct ControlArgs {
 };
 
 int CmdStatus(const ControlArgs& a);
+/// grpc.health.v1 Check of `service` ("" : spind as a whole) within `timeout_ms`: prints the
+/// status; 0 only when SERVING (for exec probes).
+int CmdHealth(const ControlArgs& a, const std::string& service, int timeout_ms);
 int CmdSessions(const ControlArgs& a);
 int CmdPolicyGet(const ControlArgs& a);
 /// Negative values (or an empty budget) leave a field unchanged.

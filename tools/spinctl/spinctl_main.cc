@@ -290,6 +290,14 @@ int main(int argc, char** argv) {
         ->envname("SPIN_TOKEN");
   };
   CLI::App* st = app.add_subcommand("status", "Is spind serving, and what does it hold");
+  CLI::App* hc = app.add_subcommand(
+      "health", "Ask spind's grpc.health.v1 service; exit 0 only when SERVING (exec probes)");
+  std::string health_service;
+  int health_timeout_ms = 2000;
+  hc->add_option("--service", health_service,
+                 "The service to ask about (empty: spind as a whole; or spin.v1.Spin)");
+  hc->add_option("--timeout-ms", health_timeout_ms, "Give up after this long")
+      ->check(CLI::Range(1, 600000));
   CLI::App* ss = app.add_subcommand("sessions", "List the sessions in spind");
   CLI::App* pol = app.add_subcommand("policy", "Read or change a session's policy");
   pol->require_subcommand(1);
@@ -335,10 +343,11 @@ int main(int argc, char** argv) {
     std::getline(f, admin_token);
   }
 
-  if (st->parsed() || ss->parsed() || pol->parsed() || bud->parsed() || sts->parsed()) {
+  if (st->parsed() || hc->parsed() || ss->parsed() || pol->parsed() || bud->parsed() || sts->parsed()) {
     if (target.empty()) target = "unix:///run/spin/spind.sock";
     ControlArgs ca{target, session_id, token, admin_token};
     if (st->parsed()) return CmdStatus(ca);
+    if (hc->parsed()) return CmdHealth(ca, health_service, health_timeout_ms);
     if (ss->parsed()) return CmdSessions(ca);
     if (pget->parsed()) return CmdPolicyGet(ca);
     if (pset->parsed()) {
