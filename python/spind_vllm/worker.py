@@ -34,6 +34,32 @@ def session_options(env=None):
     )
 
 
+def gpu_uuid(device, props=None):
+    """The GPU's UUID as nvidia-smi and spind write it (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx),
+    from torch's device properties (whose uuid prints with or without the GPU- prefix)."""
+    if props is None:
+        import torch
+        props = torch.cuda.get_device_properties(device)
+    raw = getattr(props, "uuid", None)
+    if isinstance(raw, (bytes, bytearray)):
+        digits = bytes(raw).hex()
+    else:
+        digits = str(raw or "").removeprefix("GPU-").replace("-", "").lower()
+    if not re.fullmatch(r"[0-9a-f]{32}", digits):
+        raise ValueError(f"device {device}: torch reports no GPU UUID (got {raw!r})")
+    d = digits
+    return f"GPU-{d[:8]}-{d[8:12]}-{d[12:16]}-{d[16:20]}-{d[20:]}"
+
+
+def resolve_target(target, device, props=None):
+    """SPIND_TARGET with {gpu_uuid} replaced by this worker's GPU's UUID: with one spind per GPU
+    (the Helm chart), unix:///run/spin/{gpu_uuid}.sock is the link each spind makes to its
+    socket, so every rank finds its own GPU's spind however its container numbers the GPUs."""
+    if "{gpu_uuid}" not in target:
+        return target
+    return target.replace("{gpu_uuid}", gpu_uuid(device, props))
+
+
 def model_key(model_config):
     """The served model as spind's model name (warm budgets are kept per model): the served
     name, else the model path, with every character outside A-Z a-z 0-9 . _ - replaced by '_'
@@ -72,10 +98,12 @@ def open_session(vllm_config, device, rank, env=None):
     tp = vllm_config.parallel_config.tensor_parallel_size > 1
     # TP > 1: spind only proposes policy and budget changes; the group adopts rank 0's at a step
     # boundary (spind_vllm._state.sync_tp_group).
+    options = session_options(env)
+    options["target"] = resolve_target(options["target"], device)
     session = spind.Session(layers, max_slots, block_size=block_size, topk=topk,
                             max_sequences=max_seqs, max_rows=rows, device=device,
                             client_name=f"vllm-rank{rank}", engine_control=tp,
-                            model=model_key(model), **session_options(env))
+                            model=model_key(model), **options)
     tp_group = None
     if tp:
         from vllm.distributed.parallel_state import get_tp_group

@@ -37,6 +37,13 @@ done
 ctl status || { cat "$work/spind.log"; exit 1; }
 grep -q "backend cuda, device 0 GPU-" "$work/spind.log" && pass "spind on the GPU" \
   || fail "spind backend: $(cat "$work/spind.log")"
+# The GPU's link: <GPU UUID>.sock next to the socket leads to it (engines find their GPU's
+# spind by the UUID they see), and replay through the link works.
+uuid=$(grep -o "backend cuda, device 0 GPU-[0-9a-f-]*" "$work/spind.log" | sed 's/.*device 0 //')
+link="$work/$uuid.sock"
+[ -n "$uuid" ] && [ "$(readlink "$link")" = "spind.sock" ] \
+  && "$spinctl" --target "unix://$link" health >/dev/null && pass "gpu link $link" \
+  || fail "gpu link: '$link' -> '$(readlink "$link")'; $(ls "$work")"
 port=$(sed -n 's/.*metrics on http:\/\/127.0.0.1:\([0-9]*\)\/metrics.*/\1/p' "$work/spind.log")
 scrape() {
   python3 -c "import urllib.request,sys; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:$port/metrics').read().decode())"
@@ -118,6 +125,11 @@ ctl status | grep -q "serving, 0 sessions" && pass "20 killed clients: every GPU
 [ -n "$base" ] && [ -n "$after" ] && [ "$after" -le "$base" ] \
   && pass "spind device memory ${base} MiB before, ${after} MiB after" \
   || fail "device memory grew: ${base} -> ${after} MiB"
+
+# A stopped spind removes its GPU link with its socket.
+kill -TERM "$pid"; wait "$pid"
+[ ! -e "$link" ] && [ ! -L "$link" ] && pass "gpu link removed at exit" \
+  || fail "gpu link left after exit: $(ls -l "$work")"
 
 echo "$fails failure(s)"
 [ "$fails" -eq 0 ]

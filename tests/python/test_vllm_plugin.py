@@ -567,6 +567,26 @@ class StubTensorParallel(unittest.TestCase):
                              [["refresh"], ["link"]] + own, f"rank {r}")
 
 
+class StubGpuTarget(unittest.TestCase):
+    def test_stub_gpu_uuid_target(self):
+        from spind_vllm.worker import resolve_target, gpu_uuid
+
+        class Props:
+            def __init__(self, uuid):
+                self.uuid = uuid
+        want = "GPU-5e6a0d41-1c2b-4d3e-8f90-a1b2c3d4e5f6"
+        for raw in ("5e6a0d41-1c2b-4d3e-8f90-a1b2c3d4e5f6", want, want.upper().replace("GPU-", ""),
+                    bytes.fromhex("5e6a0d411c2b4d3e8f90a1b2c3d4e5f6")):
+            self.assertEqual(gpu_uuid(0, Props(raw)), want, raw)
+        self.assertEqual(resolve_target("unix:///run/spin/{gpu_uuid}.sock", 3, Props(want)),
+                         f"unix:///run/spin/{want}.sock")
+        # Without the placeholder the target is left alone (and torch is never asked).
+        self.assertEqual(resolve_target("unix:///run/spin/spind.sock", 0, None),
+                         "unix:///run/spin/spind.sock")
+        with self.assertRaisesRegex(ValueError, "no GPU UUID"):
+            gpu_uuid(1, Props("not-a-uuid"))
+
+
 class StubModelKey(unittest.TestCase):
     def test_stub_model_key_is_a_safe_file_name(self):
         from types import SimpleNamespace as ns
