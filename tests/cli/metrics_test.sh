@@ -49,7 +49,7 @@ else
   fail "/metrics content: $(head -c 600 "$work/metrics.txt")"
 fi
 # Every series the Grafana dashboard queries is one spind exports.
-dashboard="$(dirname "$0")/../../deploy/grafana/spind-dashboard.json"
+dashboard="$(dirname "$0")/../../helm/spind/dashboards/spind-dashboard.json"
 missing=""
 names=$(grep -oE '(spin|grpc_server)_[a-z_]+' "$dashboard" | sort -u)
 checked=0
