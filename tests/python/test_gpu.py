@@ -219,6 +219,23 @@ class Gpu(unittest.TestCase):
         s.close()
 
 
+@unittest.skipUnless(CUDA, "no CUDA device")
+class GpuUuid(unittest.TestCase):
+    def test_plugin_gpu_uuid_is_nvidia_smis(self):
+        # The vLLM plugin's {gpu_uuid} (what spind names its GPU link by) from real torch
+        # device properties: one of the UUIDs nvidia-smi lists. The plugin sits beside the
+        # package in python/; its vllm import is the stub's.
+        import sys
+        here = os.path.dirname(os.path.abspath(__file__))
+        sys.path[:0] = [os.path.join(here, "..", "..", "python"), os.path.join(here, "stub_vllm")]
+        from spind_vllm.worker import gpu_uuid, resolve_target
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+        uuid = gpu_uuid(0)
+        self.assertIn(f"(UUID: {uuid})", listed)
+        self.assertEqual(resolve_target("unix:///run/spin/{gpu_uuid}.sock", 0),
+                         f"unix:///run/spin/{uuid}.sock")
+
+
 @unittest.skipUnless(CUDA and os.environ.get("SPIND"), "no CUDA device or SPIND unset")
 class GpuAttached(unittest.TestCase):
     def test_captured_graph_survives_a_daemon_sigkill_and_restart(self):
