@@ -207,6 +207,11 @@ struct Result {
   IndexerKernel used = IndexerKernel::kMmaSync;
   bool wg_ok = false;  // wgmma ran and agreed with mma.sync
   double wg_dev = 0;   // worst |wgmma - mma.sync| over the row's largest |logit|
+  // The fused mode (Plan::fused, wgmma only), per layer: the fused sparse stage (BeginStep,
+  // Select, IndexAndObserve), and the same step with the plain sparse indexer and no Observe;
+  // plain_us - select_us is the indexer's own part, fused_us minus that is SPIN's.
+  double fused_us = 0, plain_us = 0;
+  double FusedSpin() const { return fused_us - (plain_us - select_us); }
 };
 
 // wgmma accumulates fp8 products with fewer bits than fp32; a wrong layout gives differences
@@ -218,6 +223,7 @@ struct Plan {
   int mma_stages = 8;
   int wg_stages = 7;
   bool full = true;
+  bool fused = false;  // also time the fused mode (when the sparse stage runs wgmma)
 };
 
 // DeepSeek-V3.2's layer count: SPIN's graphs cover one whole decode step of this many layers.
@@ -421,6 +427,36 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
   // warm-up like any step).
   cudaGraphExec_t g_begin = Capture(stream, [&] { CHECK_OK(dp.BeginStep(batch, stream)); });
 
+  if (plan.fused && r.used == IndexerKernel::kWgmma) {
+    FusedIndexerArgs fa;
+    fa.q = q;
+    fa.weights = w;
+    fa.kv = kv;
+    fa.logits = logits;
+    fa.logits_stride = N;
+    fa.stages = sparse_stages;
+    auto fused_step = [&] {
+      CHECK_OK(dp.BeginStep(batch, stream));
+      for (int l = 0; l < Ls; ++l) {
+        CHECK_OK(dp.Select(l, layer_table(l % L), P, stream));
+        CHECK_OK(IndexAndObserve(dp, l, fa, stream));
+      }
+    };
+    fused_step();
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    cudaGraphExec_t g_fused = Capture(stream, fused_step);
+    cudaGraphExec_t g_plain = Capture(stream, [&] {
+      CHECK_OK(dp.BeginStep(batch, stream));
+      for (int l = 0; l < Ls; ++l) {
+        CHECK_OK(dp.Select(l, layer_table(l % L), P, stream));
+        CHECK_OK(LaunchPagedIndexer(sparse, stream));
+      }
+    });
+    r.fused_us = MedianGraphMs(g_fused, stream, reps) * 1e3 / Ls;
+    r.plain_us = MedianGraphMs(g_plain, stream, reps) * 1e3 / Ls;
+    cudaGraphExecDestroy(g_fused);
+    cudaGraphExecDestroy(g_plain);
+  }
   r.spin_us = MedianGraphMs(g_spin, stream, reps) * 1e3 / Ls;
   r.sparse_us = MedianGraphMs(g_sparse, stream, reps) * 1e3 / Ls;
   r.select_us = MedianGraphMs(g_select, stream, reps) * 1e3 / Ls;
@@ -457,6 +493,65 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
   for (cudaGraphExec_t e : {g_spin, g_sparse, g_select, g_begin}) cudaGraphExecDestroy(e);
   release();
   return r;
+}
+
+// The fused mode's table (gpu_bench --fused): per point, in one Measure, the dense wgmma
+// indexer, the unfused sparse stage (the indexer over SPIN's table, then Observe) and the fused
+// one (IndexAndObserve), with SPIN's part of each.
+int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool quick,
+               cudaStream_t stream, int reps, std::string md) {
+  if (!wgmma_runs) {
+    std::fprintf(stderr, "gpu_bench --fused: the wgmma indexer does not run here\n");
+    return 3;
+  }
+  Plan plan;
+  plan.mma_stages = 0;
+  plan.wg_stages = 5;
+  plan.fused = true;
+  md +=
+      "Fused mode against unfused, side by side in each row (wgmma indexer, 5 pages in flight; "
+      "us per layer of a 61-layer step under CUDA graphs). Unfused: the indexer over SPIN's "
+      "compacted table, then Observe (Probe + EMA). Fused: IndexAndObserve (the indexer with the "
+      "row-0 EMA in its epilogue, then Probe). SPIN = the sparse stage less the plain sparse "
+      "indexer's own time (a step of BeginStep + Select + indexer, less BeginStep + Select). "
+      "Contexts: full (every entry SLOTS), ragged (entry e SLOTS - (7 e mod 64)); probe "
+      "period 8 staggered.\n\n"
+      "| batch | slots | sparsity | state | contexts | probe period | dense us | "
+      "unfused SPIN us | unfused SPIN/dense | unfused sparse/dense | fused SPIN us | "
+      "fused SPIN/dense | fused sparse/dense | indexer over SPIN's table us |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+  std::vector<Point> points = {
+      {64, 128 << 10, 0.5, StateDtype::kBf16, 0, kFull},
+      {64, 128 << 10, 0.5, StateDtype::kBf16, 0, kRagged},
+      {64, 128 << 10, 0.5, StateDtype::kFp32, 0, kRagged},
+      {64, 128 << 10, 0.3, StateDtype::kBf16, 0, kRagged},
+      {64, 128 << 10, 0.5, StateDtype::kBf16, 8, kRagged},
+      {1, 128 << 10, 0.5, StateDtype::kBf16, 0, kRagged},
+      {16, 128 << 10, 0.5, StateDtype::kBf16, 0, kRagged},
+      {128, 128 << 10, 0.5, StateDtype::kBf16, 0, kRagged},
+      {64, 32 << 10, 0.5, StateDtype::kBf16, 0, kRagged},
+      {64, 256 << 10, 0.5, StateDtype::kBf16, 0, kRagged},
+      {16, 256 << 10, 0.5, StateDtype::kBf16, 8, kRagged},
+  };
+  if (quick) points.resize(2);
+  char line[512];
+  for (const Point& pt : points) {
+    const Result r = Measure(pt, bw, plan, stream, reps);
+    const double idx = r.plain_us - r.select_us;
+    std::snprintf(line, sizeof(line),
+                  "| %d | %dK | %.1f | %s | %s | %u | %.1f | %.1f | %.3f | %.3f | %.1f | %.3f | "
+                  "%.3f | %.1f |\n",
+                  pt.batch, pt.slots >> 10, pt.rho, pt.dtype == StateDtype::kFp32 ? "fp32" : "bf16",
+                  pt.contexts == kRagged ? "ragged" : pt.contexts == kMixed ? "mixed" : "full",
+                  pt.probe_period, r.dense_us, r.spin_us, r.spin_us / r.dense_us,
+                  r.sparse_us / r.dense_us, r.FusedSpin(), r.FusedSpin() / r.dense_us,
+                  r.fused_us / r.dense_us, idx);
+    md += line;
+    std::fprintf(stderr, "%s", line);
+  }
+  std::printf("%s", md.c_str());
+  if (!out_path.empty()) std::ofstream(out_path) << md;
+  return 0;
 }
 
 double MeasureReadBandwidth(cudaStream_t stream) {
@@ -533,7 +628,7 @@ bool WgmmaPreflight() {
 int main(int argc, char** argv) {
   using namespace spin;
   std::string out_path;
-  bool quick = false;
+  bool quick = false, fused_table = false;
   int pb = 0, pn = 0;
   double prho = 0.5;
   char pdt[8] = "bf16";
@@ -544,6 +639,8 @@ int main(int argc, char** argv) {
       out_path = argv[++i];
     } else if (!std::strcmp(argv[i], "--quick")) {
       quick = true;
+    } else if (!std::strcmp(argv[i], "--fused")) {
+      fused_table = true;
     } else if (!std::strcmp(argv[i], "--point") && i + 1 < argc &&
                std::sscanf(argv[i + 1], "%d,%d,%lf,%4[^,],%u,%d", &pb, &pn, &prho, pdt, &pprobe,
                            &pmixed) >= 4 &&
@@ -551,9 +648,10 @@ int main(int argc, char** argv) {
       ++i;
     } else {
       std::fprintf(stderr,
-                   "usage: gpu_bench [--out FILE] [--quick] "
+                   "usage: gpu_bench [--out FILE] [--quick] [--fused] "
                    "[--point BATCH,SLOTS,RHO,fp32|bf16[,PROBE_PERIOD[,MIXED]]]\n"
                    "Times the dense reference indexer, SPIN and the sparse stage on the GPU.\n"
+                   "--fused times only the fused-mode table: unfused and fused side by side.\n"
                    "--point measures one configuration (for profilers); PROBE_PERIOD 1 makes\n"
                    "every step a probe step of every sequence (default 0: none); with a period\n"
                    "P > 1 sequence e starts e mod P steps in, so each step has about BATCH / P\n"
@@ -604,6 +702,7 @@ int main(int argc, char** argv) {
         "The wgmma indexer FAILED its preflight (a fault or an unsupported device): mma.sync "
         "only.\n\n";
   }
+  if (fused_table) return FusedTable(bw, wgmma_runs, out_path, quick, stream, reps, md);
   const Point sweep_at{64, 128 << 10, 0.5, StateDtype::kBf16};
   md += "Indexer variants (batch 64, 128K slots, dense, us per layer): mma.sync ";
   double best = 1e30;

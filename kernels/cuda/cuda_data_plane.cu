@@ -31,9 +31,15 @@
 #include "spin/cuda_data_plane.h"
 #include "spin/data_plane.h"
 #include "spin/numerics.h"
+#include "spin/paged_indexer.h"
 #include "spin/status_macros.h"
 
 namespace spin {
+namespace internal {
+// paged_indexer_wgmma.cu (sm_90a): the fused mode's indexer with the row-0 EMA in its epilogue.
+absl::Status LaunchIndexerEma(const cuda_kernels::Dev& d, int layer, const PagedIndexerArgs& a,
+                              cudaStream_t stream);
+}  // namespace internal
 namespace {
 
 namespace ck = cuda_kernels;
@@ -269,6 +275,50 @@ class CudaDataPlane final : public DataPlane {
                       "Observe launch");
   }
 
+  absl::Status IndexAndObserve(int32_t layer, const FusedIndexerArgs& f, cudaStream_t stream) {
+    SPIN_RETURN_IF_ERROR(CheckLayer(layer));
+    if (selected_layer_ != layer) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("IndexAndObserve of layer ", layer,
+                       " without its Select in this step (last: ", selected_layer_, ")"));
+    }
+    if (a_.geometry.block_size != static_cast<uint32_t>(kPageSlots)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the fused mode needs blocks of ", kPageSlots,
+                       " slots (one KV page each); this arena's blocks have ",
+                       a_.geometry.block_size, ": use the engine's indexer and Observe"));
+    }
+    if (n_ == 0) return absl::OkStatus();
+    if (f.q == nullptr || f.weights == nullptr || f.kv == nullptr || f.logits == nullptr ||
+        f.logits_stride < 0) {
+      return absl::InvalidArgumentError(
+          "IndexAndObserve: q, weights, kv and logits are required (logits_stride >= 0)");
+    }
+    PagedIndexerArgs a;
+    a.q = f.q;
+    a.weights = f.weights;
+    a.kv = f.kv;
+    a.table = a_.phys;
+    a.table_stride = a_.max_blocks;
+    a.lens = a_.compact_len;
+    a.lens_stride = a_.geometry.max_rows;
+    a.logits = f.logits;
+    a.logits_stride = f.logits_stride;
+    a.batch = n_;
+    a.next_n = rows_;
+    a.max_pages = static_cast<int32_t>(a_.max_blocks);
+    a.stages = f.stages;
+    a.kernel = IndexerKernel::kWgmma;
+    a.chunk_pages = f.chunk_pages;
+    SPIN_RETURN_IF_ERROR(internal::LaunchIndexerEma(d_, layer, a, stream));
+    observed_[layer] = 1;
+    // The rest of Observe from the logits just written: validation, fresh flags, probe curves
+    // (row 0 only: no accepted counts).
+    return CudaStatus(
+        ck::LaunchProbe(d_, layer, n_, sms_, f.logits, f.logits_stride, nullptr, stream),
+        "Probe launch");
+  }
+
  private:
   // Scores and selections of layers [l0, l0 + count) into their select-ahead records, in
   // groups of group_ layers: per group one Scores grid (chunks x rows x (layer, entry)) and one
@@ -425,6 +475,15 @@ absl::StatusOr<std::vector<float>> ReadDeviceBlockScores(const DataPlane& dp, in
   const auto* cuda = dynamic_cast<const CudaDataPlane*>(&dp);
   if (cuda == nullptr) return absl::InvalidArgumentError("not a CUDA data plane");
   return cuda->BlockScores(layer, entries);
+}
+
+absl::Status IndexAndObserve(DataPlane& dp, int32_t layer, const FusedIndexerArgs& args,
+                             cudaStream_t stream) {
+  auto* cuda = dynamic_cast<CudaDataPlane*>(&dp);
+  if (cuda == nullptr) {
+    return absl::InvalidArgumentError("the fused mode needs a CUDA data plane");
+  }
+  return cuda->IndexAndObserve(layer, args, stream);
 }
 
 absl::StatusOr<uint32_t> ReadDeviceError(const ArenaView& view) {

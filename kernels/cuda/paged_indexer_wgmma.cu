@@ -8,6 +8,14 @@
 //
 // Both tiles use the 128-byte swizzle: a 128-byte row (one key or one head) is one swizzle row,
 // and its 16-byte chunk c lives at chunk c ^ (row % 8) of that row; tiles start 1024-aligned.
+//
+// Fused mode (kFused, LaunchIndexerEma; docs/cuda-backend.md, "Fused mode"): the same kernel
+// over a layer's compacted table, which also applies Observe's EMA of row 0 (the engine
+// contract) to the layer's state from the logits it holds, so the EMA never reads them back.
+// Each compacted page is one block of the union: the thread that holds slot kr's logit z updates
+// V[base + kr] and, at or before the query, D[q - base - kr], exactly as EmaVecKernel does; the
+// block's V summary is reduced over the CTA, and the observed and non-finite counts go to the
+// layer's statistics once per CTA. Rows r > 0 only compute their logits.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -15,10 +23,20 @@
 
 #include "absl/strings/str_cat.h"
 #include "cp_async.cuh"
+#include "device_common.cuh"
+#include "ema_state.cuh"
 #include "spin/paged_indexer.h"
 
 namespace spin::internal {
 namespace {
+
+using cuda_kernels::Dev;
+
+// What the fused kernel needs beyond the indexer's arguments.
+struct FusedEma {
+  Dev d;
+  int layer = 0;
+};
 
 constexpr int kThreads = 128;                         // one warpgroup
 constexpr int kTileBytes = kPageSlots * kIndexerDim;  // 8 KB: 64 rows of 128 bytes
@@ -65,8 +83,79 @@ __device__ __forceinline__ void FenceOperands(float (&d)[32]) {
   for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-template <int kStages>
-__global__ void __launch_bounds__(kThreads) PagedIndexerWgmmaKernel(PagedIndexerArgs a, int chunk) {
+// The fused epilogue's state for this CTA: whether it applies the EMA, and where.
+template <typename T>
+struct EmaTarget {
+  bool on = false;
+  int q = 0;
+  T* v = nullptr;
+  T* dd = nullptr;
+  float* vsum = nullptr;
+  const int32_t* ids = nullptr;
+  float alpha = 0, beta = 0;
+};
+
+// One page's EMA (fused mode): slot kr (held by threads t < 2; z its logit) of compacted block
+// sg, then this warp's part of the block's V summary into part[warp] (m, unset).
+template <typename T>
+__device__ __forceinline__ void PageEma(const EmaTarget<T>& x, const Dev& d, int sg, int len,
+                                        bool holds, int kr, float z, unsigned& obs, unsigned& bad,
+                                        float2* part) {
+  using B = cuda_kernels::StateBits<T>;
+  const int base = x.ids[sg] * kPageSlots;
+  const int cnt = min(kPageSlots, len - sg * kPageSlots);
+  float m = -INFINITY;
+  int unset = 0;
+  if (holds) {
+    const int i = base + kr;
+    if (i < d.max_slots) {
+      float cur = B::Get(B::Load(x.v + i));
+      if (kr < cnt) {
+        if (!isfinite(z)) {
+          ++bad;
+        } else {
+          ++obs;
+          const float bz = ScaledScore(z, x.beta);
+          const auto nv = B::Put(EmaUpdateScaled(cur, z, x.alpha, bz));
+          B::Store(x.v + i, nv);
+          cur = B::Get(nv);
+          if (i <= x.q) {  // D[q - i]: the slot is at or before the query
+            T* dp = x.dd + (x.q - i);
+            B::Store(dp, B::Put(EmaUpdateScaled(B::Get(B::Load(dp)), z, x.alpha, bz)));
+          }
+        }
+      }
+      if (cur != cur) {
+        unset = 1;
+      } else {
+        m = cur;
+      }
+    }
+  }
+  for (int o = 16; o > 0; o /= 2) {
+    const float om = __shfl_xor_sync(0xFFFFFFFFu, m, o);
+    m = om > m ? om : m;
+    unset |= __shfl_xor_sync(0xFFFFFFFFu, unset, o);
+  }
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = make_float2(m, unset ? 1.0f : 0.0f);
+}
+
+// The V summary of a page's block from the four warps' parts: NaN if any entry is unset, else
+// the largest (+0 for a zero, as VSummaryKernel writes it).
+template <typename T>
+__device__ __forceinline__ void WriteSummary(const EmaTarget<T>& x, int block, const float2* part) {
+  float m = -INFINITY;
+  bool unset = false;
+  for (int w = 0; w < kThreads / 32; ++w) {
+    m = part[w].x > m ? part[w].x : m;
+    unset = unset || part[w].y != 0.0f;
+  }
+  x.vsum[block] = unset ? __int_as_float(0x7FC00000) : (m == 0.0f ? 0.0f : m);
+}
+
+template <int kStages, bool kFused, typename T>
+__global__ void __launch_bounds__(kThreads)
+    PagedIndexerWgmmaKernel(PagedIndexerArgs a, int chunk, FusedEma f) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
   const int row = blockIdx.y;
@@ -108,6 +197,29 @@ __global__ void __launch_bounds__(kThreads) PagedIndexerWgmmaKernel(PagedIndexer
     w[j][1] = v.y;
   }
   float* out = a.logits + static_cast<int64_t>(row) * a.logits_stride;
+  // Fused mode: row 0 of an entry whose row 0 Observe applies (the rule of every Observe kernel).
+  EmaTarget<T> x;
+  __shared__ float2 s_part[2][kThreads / 32];
+  unsigned obs = 0, bad = 0;
+  if constexpr (kFused) {
+    const Dev& d = f.d;
+    if (r == 0) {
+      const StepEntry en = d.entries[seq];
+      int len0 = 0;
+      const bool fit =
+          cuda_kernels::RowsFitStride(d, seq, d.batch->rows, a.logits_stride, 0, len0);
+      x.on = cuda_kernels::RowApplied(seq, d.batch->n, en.seq, 0, d.batch->rows, 1, fit);
+      if (x.on) {
+        x.q = en.q_pos;
+        x.v = reinterpret_cast<T*>(d.Record(en.seq, f.layer));
+        x.dd = x.v + d.max_slots;
+        x.vsum = d.VSum(en.seq, f.layer);
+        x.ids = d.union_ids + static_cast<int64_t>(seq) * d.max_blocks;
+        x.alpha = d.policy->alpha;
+        x.beta = d.policy->beta;
+      }
+    }
+  }
   __syncthreads();  // page ids visible
 
   auto issue = [&](int i) {
@@ -165,10 +277,37 @@ __global__ void __launch_bounds__(kThreads) PagedIndexerWgmmaKernel(PagedIndexer
     s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, 1);
     s0 += __shfl_xor_sync(0xFFFFFFFFu, s0, 2);
     s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, 2);
+    const int kr = r0 + 8 * (t & 1);
+    const float z = (t == 0 ? s0 : s1) * scale_s[s * kPageSlots + kr];
     if (t < 2) {
-      const int kr = r0 + 8 * t;
       const int slot = (p0 + i) * kPageSlots + kr;
-      if (slot < len) out[slot] = (t == 0 ? s0 : s1) * scale_s[s * kPageSlots + kr];
+      if (slot < len) out[slot] = z;
+    }
+    if constexpr (kFused) {
+      if (x.on) {  // uniform over the CTA
+        // Page i - 1's summary: its warps' parts were written before this iteration's barrier.
+        if (i > 0 && tid == 0) WriteSummary(x, x.ids[p0 + i - 1], s_part[(i - 1) & 1]);
+        PageEma(x, f.d, p0 + i, len, t < 2, kr, z, obs, bad, s_part[i & 1]);
+      }
+    }
+  }
+  if constexpr (kFused) {
+    if (x.on) {
+      __syncthreads();  // the last page's parts
+      if (tid == 0) WriteSummary(x, x.ids[p0 + n - 1], s_part[(n - 1) & 1]);
+      obs = __reduce_add_sync(0xFFFFFFFFu, obs);
+      bad = __reduce_add_sync(0xFFFFFFFFu, bad);
+      if (lane == 0 && (obs | bad)) {
+        LayerStats* st = f.d.stats + f.layer;
+        if (obs) {
+          atomicAdd(reinterpret_cast<unsigned long long*>(&st->observed),
+                    static_cast<unsigned long long>(obs));
+        }
+        if (bad) {
+          atomicAdd(reinterpret_cast<unsigned long long*>(&st->bad_scores),
+                    static_cast<unsigned long long>(bad));
+        }
+      }
     }
   }
   CpAsyncWait<0>();
@@ -178,8 +317,8 @@ __global__ void __launch_bounds__(kThreads) PagedIndexerWgmmaKernel(PagedIndexer
 #endif
 }
 
-template <int kStages>
-absl::Status Launch(const PagedIndexerArgs& a, cudaStream_t stream) {
+template <int kStages, bool kFused, typename T>
+absl::Status Launch(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t stream) {
   constexpr size_t kSmem = SmemBytes<kStages>();
   struct Config {
     cudaError_t err;
@@ -187,10 +326,10 @@ absl::Status Launch(const PagedIndexerArgs& a, cudaStream_t stream) {
   };
   static const Config cfg = [] {
     Config c{cudaSuccess, 0};
-    c.err = cudaFuncSetAttribute(PagedIndexerWgmmaKernel<kStages>,
+    c.err = cudaFuncSetAttribute(PagedIndexerWgmmaKernel<kStages, kFused, T>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (c.err == cudaSuccess) {
-      c.err = cudaFuncSetAttribute(PagedIndexerWgmmaKernel<kStages>,
+      c.err = cudaFuncSetAttribute(PagedIndexerWgmmaKernel<kStages, kFused, T>,
                                    cudaFuncAttributePreferredSharedMemoryCarveout,
                                    cudaSharedmemCarveoutMaxShared);
     }
@@ -199,7 +338,7 @@ absl::Status Launch(const PagedIndexerArgs& a, cudaStream_t stream) {
       c.err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
     if (c.err == cudaSuccess) {
       c.err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &per_sm, PagedIndexerWgmmaKernel<kStages>, kThreads, kSmem);
+          &per_sm, PagedIndexerWgmmaKernel<kStages, kFused, T>, kThreads, kSmem);
     }
     c.resident = std::max(1, sms * per_sm);
     return c;
@@ -221,13 +360,15 @@ absl::Status Launch(const PagedIndexerArgs& a, cudaStream_t stream) {
   }
   chunk = std::clamp<int64_t>(chunk, 1, kMaxChunk);
   const dim3 grid(static_cast<unsigned>((P + chunk - 1) / chunk), static_cast<unsigned>(rows));
-  PagedIndexerWgmmaKernel<kStages><<<grid, kThreads, kSmem, stream>>>(a, static_cast<int>(chunk));
+  PagedIndexerWgmmaKernel<kStages, kFused, T><<<grid, kThreads, kSmem, stream>>>(a, static_cast<int>(chunk), f);
+  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("paged indexer (wgmma) launch: ", cudaGetErrorString(e)));
+  }
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::Status LaunchPagedIndexerWgmma(const PagedIndexerArgs& a, cudaStream_t stream) {
+// Compute capability 9.0 (sm_90a), or why not.
+absl::Status CheckSm90() {
   int dev = 0, major = 0, minor = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
@@ -239,16 +380,38 @@ absl::Status LaunchPagedIndexerWgmma(const PagedIndexerArgs& a, cudaStream_t str
         absl::StrCat("paged indexer (wgmma): needs compute capability 9.0 (sm_90a), device is ",
                      major, ".", minor));
   }
+  return absl::OkStatus();
+}
+
+template <bool kFused, typename T>
+absl::Status LaunchStages(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t stream) {
   switch (std::clamp(a.stages, 4, 7)) {
     case 4:
-      return Launch<4>(a, stream);
+      return Launch<4, kFused, T>(a, f, stream);
     case 5:
-      return Launch<5>(a, stream);
+      return Launch<5, kFused, T>(a, f, stream);
     case 6:
-      return Launch<6>(a, stream);
+      return Launch<6, kFused, T>(a, f, stream);
     default:
-      return Launch<7>(a, stream);
+      return Launch<7, kFused, T>(a, f, stream);
   }
+}
+
+}  // namespace
+
+absl::Status LaunchPagedIndexerWgmma(const PagedIndexerArgs& a, cudaStream_t stream) {
+  if (absl::Status s = CheckSm90(); !s.ok()) return s;
+  return LaunchStages<false, float>(a, FusedEma{}, stream);
+}
+
+absl::Status LaunchIndexerEma(const cuda_kernels::Dev& d, int layer, const PagedIndexerArgs& a,
+                              cudaStream_t stream) {
+  if (absl::Status s = CheckSm90(); !s.ok()) return s;
+  FusedEma f;
+  f.d = d;
+  f.layer = layer;
+  return d.dtype_bytes == 2 ? LaunchStages<true, uint16_t>(a, f, stream)
+                            : LaunchStages<true, float>(a, f, stream);
 }
 
 }  // namespace spin::internal

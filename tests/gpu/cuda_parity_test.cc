@@ -17,6 +17,7 @@
 #include "require_gpu.h"
 #include "spin/budget.h"
 #include "spin/cuda_data_plane.h"
+#include "spin/paged_indexer.h"
 #include "test_arena.h"
 
 namespace spin::testing {
@@ -62,6 +63,57 @@ float Score(int seq, int layer, int step, int row, int slot, int q) {
   const float base = static_cast<float>(h % 1000) / 250.0f + ((h >> 10) % 50 == 0 ? 6.0f : 0.0f);
   const float band = (q - slot >= 0 && q - slot < 40) ? 3.0f : 0.0f;
   return base + band + static_cast<float>(n % 997) / 997.0f;
+}
+
+// The engine's indexer inputs for the fused mode: random fp8 q and keys (magnitudes about 2^-3 ..
+// 2^3, never NaN), head weights in [-1, 1], per-slot scales in [0.5, 1.5] with a sprinkle of NaN
+// and inf (non-finite logits), in S * MB pages, and a block table that permutes them.
+struct FusedInputs {
+  std::unique_ptr<DevBuf> kv, q, w;
+  std::vector<int32_t> table;
+  FusedInputs(size_t S, size_t R, size_t MB) {
+    const size_t pages = S * MB;
+    std::mt19937 rng(17);
+    auto fp8 = [&] { return static_cast<uint8_t>((rng() % 0x30 + 0x28) | ((rng() & 1) << 7)); };
+    std::vector<uint8_t> hkv(pages * kPageBytes);
+    for (size_t pg = 0; pg < pages; ++pg) {
+      uint8_t* page = hkv.data() + pg * kPageBytes;
+      for (int x = 0; x < kPageSlots * kIndexerDim; ++x) page[x] = fp8();
+      for (int x = 0; x < kPageSlots; ++x) {
+        const uint32_t u = static_cast<uint32_t>(rng());
+        float scale = 0.5f + static_cast<float>(u % 1000) / 1000.0f;
+        if (u % 251 == 0) scale = NAN;
+        if (u % 257 == 0) scale = INFINITY;
+        std::memcpy(page + kPageSlots * kIndexerDim + 4 * x, &scale, 4);
+      }
+    }
+    std::vector<uint8_t> hq(S * R * kIndexerHeads * kIndexerDim);
+    for (uint8_t& b : hq) b = fp8();
+    std::vector<float> hw(S * R * kIndexerHeads);
+    for (float& x : hw) x = static_cast<float>(static_cast<int>(rng() % 2001) - 1000) / 1000.0f;
+    kv = std::make_unique<DevBuf>(hkv.size());
+    q = std::make_unique<DevBuf>(hq.size());
+    w = std::make_unique<DevBuf>(hw.size() * 4);
+    EXPECT_EQ(cudaMemcpy(kv->p, hkv.data(), hkv.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(q->p, hq.data(), hq.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(w->p, hw.data(), hw.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    // A permutation of the pages (37 is coprime with the page counts of these tests).
+    table.resize(S * MB);
+    for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<int32_t>((i * 37) % pages);
+  }
+  FusedIndexerArgs Args(float* logits) const {
+    FusedIndexerArgs f;
+    f.q = q->as<uint8_t>();
+    f.weights = w->as<float>();
+    f.kv = kv->as<uint8_t>();
+    f.logits = logits;
+    return f;
+  }
+};
+
+bool Sm90() {
+  cudaDeviceProp prop;
+  return cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9 && prop.minor == 0;
 }
 
 // Runs the same random multi-sequence decode through both backends and compares everything.
@@ -171,6 +223,19 @@ class Twin {
       ASSERT_TRUE(cpu_.dp().Remap(idx.data(), kTopK).ok());
       ASSERT_TRUE(gpu_->Remap(d_idx_->as<int32_t>(), kTopK).ok());
       ASSERT_EQ(ToHost(d_idx_->as<int32_t>(), idx.size()), idx) << "remap, step " << step;
+      if (fused_) {
+        // The GPU's own indexer writes the logits and applies the EMA; the CPU observes them.
+        FusedIndexerArgs f = in_->Args(d_logits_->as<float>());
+        f.logits_stride = stride_;
+        f.stages = 4 + step % 4;
+        f.chunk_pages = step % 3 == 2 ? 3 : 0;  // several CTAs per row, and the automatic chunk
+        const absl::Status st = IndexAndObserve(*gpu_, l, f);
+        ASSERT_TRUE(st.ok()) << st;
+        logits = ToHost(d_logits_->as<float>(), logits.size());
+        ASSERT_TRUE(cpu_.dp().Observe(l, logits.data(), stride_, nullptr).ok());
+        if (after_observe_) after_observe_(step, l);
+        continue;
+      }
       // The engine contract passes no accepted counts: row 0 only on both backends.
       ASSERT_TRUE(
           cpu_.dp().Observe(l, logits.data(), stride_, no_accepted_ ? nullptr : acc.data()).ok());
@@ -180,6 +245,18 @@ class Twin {
       if (after_observe_) after_observe_(step, l);
     }
     CUDA_OK(cudaDeviceSynchronize());
+  }
+
+  // The fused mode from now on: the engine's indexer inputs (FusedInputs) in a pool of KV
+  // pages that the block table points into; each layer then runs IndexAndObserve on the GPU, and
+  // the CPU observes the logits the fused kernel wrote (row 0 only, the engine contract).
+  void Fused() {
+    fused_ = true;
+    no_accepted_ = true;
+    in_ = std::make_unique<FusedInputs>(g_.max_seqs, g_.max_rows, cpu_.view().max_blocks);
+    table_ = in_->table;
+    EXPECT_EQ(cudaMemcpy(d_table_->p, table_.data(), table_.size() * 4, cudaMemcpyHostToDevice),
+              cudaSuccess);
   }
 
   // The engine's scores for (seq, layer, step, row, slot, q) in later Steps (default: Score).
@@ -249,6 +326,8 @@ class Twin {
   std::mt19937 rng_{3};
   std::function<void(int, int)> after_observe_;
   bool no_accepted_ = false;
+  bool fused_ = false;
+  std::unique_ptr<FusedInputs> in_;
   ScoreFn score_ = Score;
 };
 
@@ -258,6 +337,7 @@ struct Scenario {
   double rho, gamma;
   uint32_t period;
   bool engine_contract = false;  ///< Observe without accepted counts (row 0 only)
+  bool fused = false;            ///< IndexAndObserve on the GPU (row 0 only), from its logits
 };
 
 // max_slots 64 * 40 + 17 runs the word-access EMA kernel (EmaWordKernel) and slot-by-slot block
@@ -292,6 +372,7 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uin
   options.ahead_group_layers = ahead_group;
   Twin t(g, p, 99, stride_pad, options);
   if (sc.engine_contract) t.NoAccepted();
+  if (sc.fused) t.Fused();
   int step_n = 0;  // entries of the current step
   if (mid_step) {
     t.AfterObserve([&](int step, int l) {
@@ -350,6 +431,116 @@ TEST_F(CudaTest, ParityBf16MtpEngineContract) {
   RunScenario({StateDtype::kBf16, 3, 0.6, 0.2, 0, true});
 }
 TEST_F(CudaTest, ParityNoExplorationNoProbes) { RunScenario({StateDtype::kFp32, 1, 0.3, 0.0, 0}); }
+
+// The fused mode (IndexAndObserve: spind's indexer with the row-0 EMA in its epilogue) against
+// the CPU observing the logits it wrote: every selection, and at the end every byte of state,
+// V summaries, statistics and curves. fp32 and bf16, one row and MTP rows (row 0 applied),
+// probe steps, rows split over several CTAs, max_slots a multiple of 8 and not (a partial last
+// block), and the mid-step events (a layer selected again after its fused Observe, a policy
+// write, a reset). The scales' NaN and inf make non-finite logits (the bad-score count).
+TEST_F(CudaTest, ParityFusedIndexerEma) {
+  SPIN_REQUIRE_OR_SKIP(Sm90(), "the fused mode needs an sm_90 device (wgmma), this one is "
+                                   << DeviceArch());
+  for (const Scenario& sc : {Scenario{StateDtype::kFp32, 1, 0.5, 0.1, 3, true, true},
+                             Scenario{StateDtype::kBf16, 1, 0.4, 0.05, 0, true, true},
+                             Scenario{StateDtype::kBf16, 3, 0.6, 0.2, 4, true, true},
+                             Scenario{StateDtype::kFp32, 2, 0.7, 0.25, 2, true, true}}) {
+    RunScenarioWith(sc, 64 * 40 + 8, 0);
+    RunScenarioWith(sc, 64 * 40 + 17, 3);
+    RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true);
+  }
+}
+
+// The fused mode captured in a CUDA graph: a step (BeginStep, then per layer Select and
+// IndexAndObserve) captured once and replayed on one arena, the same calls eagerly on a twin
+// arena with the same inputs; after every step the two arenas are equal byte for byte (and the
+// eager fused mode equals the CPU reference: ParityFusedIndexerEma). MTP rows, probe steps, a
+// policy change in the middle.
+TEST_F(CudaTest, FusedStepInAGraphEqualsEager) {
+  SPIN_REQUIRE_OR_SKIP(Sm90(), "the fused mode needs an sm_90 device (wgmma), this one is "
+                                   << DeviceArch());
+  for (StateDtype dtype : {StateDtype::kBf16, StateDtype::kFp32}) {
+    Geometry g;
+    g.layers = 3;
+    g.max_seqs = 4;
+    g.max_slots = 64 * 48 + 8;
+    g.topk = 128;
+    g.max_rows = 2;
+    g.dtype = dtype;
+    Policy p;
+    p.target_sparsity = 0.5;
+    p.exploration = 0.1;
+    p.probe_period = 4;
+    const uint64_t bytes = ArenaBytes(g);
+    DevBuf ea(bytes), ga(bytes);
+    auto ev = InitDeviceArena(ea.p, bytes, g, 7, p);
+    auto gv = InitDeviceArena(ga.p, bytes, g, 7, p);
+    ASSERT_TRUE(ev.ok() && gv.ok());
+    auto edp = MakeCudaDataPlane(*ev);
+    auto gdp = MakeCudaDataPlane(*gv);
+    ASSERT_TRUE(edp.ok() && gdp.ok());
+    const int n = 4, rows = 2, L = 3;
+    const int64_t MB = ev->max_blocks, stride = MB * 64;
+    FusedInputs in(g.max_seqs, g.max_rows, MB);
+    DevBuf d_seq(n * 4), d_ctx(n * 4), d_q(n * 4), d_table(in.table.size() * 4);
+    DevBuf e_logits(static_cast<size_t>(n) * rows * stride * 4);
+    DevBuf g_logits(static_cast<size_t>(n) * rows * stride * 4);
+    CUDA_OK(cudaMemcpy(d_table.p, in.table.data(), in.table.size() * 4, cudaMemcpyHostToDevice));
+    for (int s = 0; s < n; ++s) {
+      ASSERT_TRUE((*edp)->ResetSequence(s, 40 + s).ok());
+      ASSERT_TRUE((*gdp)->ResetSequence(s, 40 + s).ok());
+    }
+    const StepBatch batch{d_seq.as<int32_t>(), d_ctx.as<int32_t>(), d_q.as<int32_t>(), n, rows};
+    auto step = [&](DataPlane& dp, float* logits, cudaStream_t st) {
+      ASSERT_TRUE(dp.BeginStep(batch, st).ok());
+      for (int l = 0; l < L; ++l) {
+        ASSERT_TRUE(dp.Select(l, d_table.as<int32_t>(), MB, st).ok());
+        FusedIndexerArgs f = in.Args(logits);
+        f.logits_stride = stride;
+        const absl::Status s = IndexAndObserve(dp, l, f, st);
+        ASSERT_TRUE(s.ok()) << s;
+      }
+    };
+    cudaStream_t stream;
+    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cudaGraph_t graph;
+    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    step(**gdp, g_logits.as<float>(), stream);
+    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    cudaGraphExec_t exec;
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    std::vector<int32_t> seq = {2, 0, 3, 1}, ctx = {300, 900, 1700, 64 * 48 - 60};
+    for (int t = 0; t < 24; ++t) {
+      if (t == 10) {
+        Policy q2 = p;
+        q2.target_sparsity = 0.7;
+        ASSERT_TRUE(WriteDevicePolicy(*ev, q2).ok());
+        ASSERT_TRUE(WriteDevicePolicy(*gv, q2).ok());
+      }
+      std::vector<int32_t> q(n);
+      for (int e = 0; e < n; ++e) q[e] = ctx[e] - 1;
+      CUDA_OK(cudaMemcpy(d_seq.p, seq.data(), n * 4, cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemcpy(d_ctx.p, ctx.data(), n * 4, cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemcpy(d_q.p, q.data(), n * 4, cudaMemcpyHostToDevice));
+      CUDA_OK(cudaGraphLaunch(exec, stream));
+      CUDA_OK(cudaStreamSynchronize(stream));
+      step(**edp, e_logits.as<float>(), stream);
+      CUDA_OK(cudaStreamSynchronize(stream));
+      const auto eb = ToHost(static_cast<const uint8_t*>(ea.p), bytes);
+      const auto gb = ToHost(static_cast<const uint8_t*>(ga.p), bytes);
+      ArenaHeader h;
+      std::memcpy(&h, eb.data(), sizeof(h));
+      for (uint64_t i = 0; i < h.off_scratch; ++i) {
+        ASSERT_EQ(eb[i], gb[i]) << "step " << t << ": the graph's arena differs at byte " << i;
+      }
+      for (int e = 0; e < n; ++e) ctx[e] += 1;
+    }
+    ASSERT_EQ(*ReadDeviceError(*ev), 0u);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+  }
+}
 
 // The step's selections made ahead in groups of 1 and 2 layers instead of all 3 at once, and
 // events inside a step (a policy write, a layer selected again after its Observe, a sequence

@@ -47,6 +47,30 @@ struct CudaDataPlaneOptions {
 absl::StatusOr<std::unique_ptr<DataPlane>> MakeCudaDataPlane(
     const ArenaView& view, const CudaDataPlaneOptions& options = {});
 
+/// The engine's indexer inputs for the fused mode (device pointers; the layouts of
+/// PagedIndexerArgs, spin/paged_indexer.h). The table, lengths, batch and rows are the data
+/// plane's: the compacted table and lengths the layer's Select published.
+struct FusedIndexerArgs {
+  const uint8_t* q = nullptr;      ///< [batch * rows][64][128] fp8 e4m3
+  const float* weights = nullptr;  ///< [batch * rows][64]
+  const uint8_t* kv = nullptr;     ///< the KV pages (the engine's block table points into them)
+  float* logits = nullptr;         ///< [batch * rows][logits_stride], compacted positions
+  int64_t logits_stride = 0;
+  int32_t stages = 5;       ///< pages in each CTA's ring, [4, 7]
+  int32_t chunk_pages = 0;  ///< pages per CTA; 0 chooses
+};
+
+/// The fused mode (docs/cuda-backend.md, "Fused mode"; sm_90a): in place of the engine's indexer
+/// over layer's compacted table followed by Observe(layer) without accepted counts. Runs spind's
+/// sparse paged indexer (the wgmma reference kernel) over the compacted table the layer's Select
+/// published, writing the logits as LaunchPagedIndexer does, and applies row 0's EMA to the
+/// layer's state in its epilogue from the logits it holds; then the rest of Observe (validation,
+/// fresh flags, probe curves) from those logits. The state, statistics and curves it leaves are
+/// Observe's, bit for bit. Same call-order errors as Observe; needs 64-slot blocks (one KV page
+/// per block) and a CUDA data plane. Asynchronous on `stream`, graph-capturable.
+absl::Status IndexAndObserve(DataPlane& dp, int32_t layer, const FusedIndexerArgs& args,
+                             cudaStream_t stream = nullptr);
+
 /// Device memory for tools and tests (synchronous; never on the engine's hot path).
 absl::StatusOr<void*> DeviceAlloc(uint64_t bytes);
 /// Frees memory from DeviceAlloc.
