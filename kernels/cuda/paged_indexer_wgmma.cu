@@ -281,7 +281,9 @@ __global__ void __launch_bounds__(kThreads)
     const float z = (t == 0 ? s0 : s1) * scale_s[s * kPageSlots + kr];
     if (t < 2) {
       const int slot = (p0 + i) * kPageSlots + kr;
-      if (slot < len) out[slot] = z;
+      // Fused mode: the lengths are SPIN's, the stride the caller's; a row longer than the
+      // stride is not written past it (Probe records the error, and the row is not applied).
+      if (slot < len && (!kFused || slot < a.logits_stride)) out[slot] = z;
     }
     if constexpr (kFused) {
       if (x.on) {  // uniform over the CTA
