@@ -95,41 +95,60 @@ struct EmaTarget {
   float alpha = 0, beta = 0;
 };
 
-// One page's EMA (fused mode): slot kr (held by threads t < 2; z its logit) of compacted block
-// sg, then this warp's part of the block's V summary into part[warp] (m, unset).
+// The state entries of slot kr of a page's block, loaded one page ahead (fused mode): V[i] and,
+// at or before the query, D[q - i] (i = base + kr). Blocks differ from page to page, and the D
+// offsets q - i of one row are distinct, so a load for page j + 1 never reads what page j
+// writes.
 template <typename T>
-__device__ __forceinline__ void PageEma(const EmaTarget<T>& x, const Dev& d, int sg, int len,
-                                        bool holds, int kr, float z, unsigned& obs, unsigned& bad,
-                                        float2* part) {
+struct SlotState {
+  typename cuda_kernels::StateBits<T>::E v{}, dv{};
+  bool has_v = false, has_d = false;
+};
+template <typename T>
+__device__ __forceinline__ SlotState<T> LoadSlot(const EmaTarget<T>& x, const Dev& d, int block,
+                                                 bool holds, int kr) {
   using B = cuda_kernels::StateBits<T>;
-  const int base = x.ids[sg] * kPageSlots;
+  SlotState<T> st;
+  const int i = block * kPageSlots + kr;
+  st.has_v = holds && i < d.max_slots;
+  st.has_d = st.has_v && i <= x.q;
+  if (st.has_v) st.v = B::Load(x.v + i);
+  if (st.has_d) st.dv = B::Load(x.dd + (x.q - i));
+  return st;
+}
+
+// One page's EMA (fused mode): slot kr (held by threads t < 2; z its logit, st its state
+// entries) of compacted block sg, then this warp's part of the block's V summary into
+// part[warp] (m, unset).
+template <typename T>
+__device__ __forceinline__ void PageEma(const EmaTarget<T>& x, const Dev& d, int sg, int block,
+                                        int len, int kr, float z, const SlotState<T>& st,
+                                        unsigned& obs, unsigned& bad, float2* part) {
+  using B = cuda_kernels::StateBits<T>;
   const int cnt = min(kPageSlots, len - sg * kPageSlots);
   float m = -INFINITY;
   int unset = 0;
-  if (holds) {
-    const int i = base + kr;
-    if (i < d.max_slots) {
-      float cur = B::Get(B::Load(x.v + i));
-      if (kr < cnt) {
-        if (!isfinite(z)) {
-          ++bad;
-        } else {
-          ++obs;
-          const float bz = ScaledScore(z, x.beta);
-          const auto nv = B::Put(EmaUpdateScaled(cur, z, x.alpha, bz));
-          B::Store(x.v + i, nv);
-          cur = B::Get(nv);
-          if (i <= x.q) {  // D[q - i]: the slot is at or before the query
-            T* dp = x.dd + (x.q - i);
-            B::Store(dp, B::Put(EmaUpdateScaled(B::Get(B::Load(dp)), z, x.alpha, bz)));
-          }
+  if (st.has_v) {
+    const int i = block * kPageSlots + kr;
+    float cur = B::Get(st.v);
+    if (kr < cnt) {
+      if (!isfinite(z)) {
+        ++bad;
+      } else {
+        ++obs;
+        const float bz = ScaledScore(z, x.beta);
+        const auto nv = B::Put(EmaUpdateScaled(cur, z, x.alpha, bz));
+        B::Store(x.v + i, nv);
+        cur = B::Get(nv);
+        if (st.has_d) {  // D[q - i]: the slot is at or before the query
+          B::Store(x.dd + (x.q - i), B::Put(EmaUpdateScaled(B::Get(st.dv), z, x.alpha, bz)));
         }
       }
-      if (cur != cur) {
-        unset = 1;
-      } else {
-        m = cur;
-      }
+    }
+    if (cur != cur) {
+      unset = 1;
+    } else {
+      m = cur;
     }
   }
   for (int o = 16; o > 0; o /= 2) {
@@ -200,6 +219,7 @@ __global__ void __launch_bounds__(kThreads)
   // Fused mode: row 0 of an entry whose row 0 Observe applies (the rule of every Observe kernel).
   EmaTarget<T> x;
   __shared__ float2 s_part[2][kThreads / 32];
+  __shared__ int32_t s_block[kMaxChunk];  // fused mode: the chunk's logical blocks
   unsigned obs = 0, bad = 0;
   if constexpr (kFused) {
     const Dev& d = f.d;
@@ -217,10 +237,16 @@ __global__ void __launch_bounds__(kThreads)
         x.ids = d.union_ids + static_cast<int64_t>(seq) * d.max_blocks;
         x.alpha = d.policy->alpha;
         x.beta = d.policy->beta;
+        if (tid < n) s_block[tid] = x.ids[p0 + tid];
       }
     }
   }
   __syncthreads();  // page ids visible
+  const int kr = warp * 16 + g + 8 * (t & 1);  // the slot whose logit this thread holds (t < 2)
+  SlotState<T> next;  // fused mode: page i's state entries, loaded during page i - 1
+  if constexpr (kFused) {
+    if (x.on) next = LoadSlot(x, f.d, s_block[0], t < 2, kr);
+  }
 
   auto issue = [&](int i) {
     if (i < n) {
@@ -242,7 +268,6 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = 0; i < kStages - 1; ++i) issue(i);
 
   const uint64_t desc_q = Desc(q_s);
-  const int r0 = warp * 16 + g;  // this thread's slots in the page: r0 and r0 + 8
   for (int i = 0; i < n; ++i) {
     CpAsyncWait<kStages - 2>();  // this thread's copies of q and page i have landed
     // cp.async writes are generic-proxy; wgmma reads shared memory through the async proxy.
@@ -251,6 +276,15 @@ __global__ void __launch_bounds__(kThreads)
     // stage the next copy reuses.
     __syncthreads();
     issue(i + kStages - 1);
+    // Fused mode: page i's state entries were loaded during page i - 1; page i + 1's go out now,
+    // so their latency hides behind this page's MMA and EMA.
+    SlotState<T> cur;
+    if constexpr (kFused) {
+      if (x.on) {
+        cur = next;
+        if (i + 1 < n) next = LoadSlot(x, f.d, s_block[i + 1], t < 2, kr);
+      }
+    }
     const int s = i % kStages;
     const uint64_t desc_k = Desc(k_s + s * kTileBytes);
     float d[32];
@@ -263,7 +297,7 @@ __global__ void __launch_bounds__(kThreads)
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     FenceOperands(d);
-    // d[4j + 2i + c]: slot r0 + 8i, head 8j + 2t + c.
+    // d[4j + 2i + c]: slot r0 + 8i (r0 = 16 warp + g), head 8j + 2t + c.
     float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -272,12 +306,12 @@ __global__ void __launch_bounds__(kThreads)
       s1 = __fmaf_rn(w[j][0], fmaxf(d[4 * j + 2], 0.0f), s1);
       s1 = __fmaf_rn(w[j][1], fmaxf(d[4 * j + 3], 0.0f), s1);
     }
-    // The quad (t = 0..3) holds all 64 heads of slots r0 and r0 + 8.
+    // The quad (t = 0..3) holds all 64 heads of slots r0 and r0 + 8; thread t < 2 keeps slot
+    // kr = r0 + 8t.
     s0 += __shfl_xor_sync(0xFFFFFFFFu, s0, 1);
     s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, 1);
     s0 += __shfl_xor_sync(0xFFFFFFFFu, s0, 2);
     s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, 2);
-    const int kr = r0 + 8 * (t & 1);
     const float z = (t == 0 ? s0 : s1) * scale_s[s * kPageSlots + kr];
     if (t < 2) {
       const int slot = (p0 + i) * kPageSlots + kr;
@@ -288,15 +322,15 @@ __global__ void __launch_bounds__(kThreads)
     if constexpr (kFused) {
       if (x.on) {  // uniform over the CTA
         // Page i - 1's summary: its warps' parts were written before this iteration's barrier.
-        if (i > 0 && tid == 0) WriteSummary(x, x.ids[p0 + i - 1], s_part[(i - 1) & 1]);
-        PageEma(x, f.d, p0 + i, len, t < 2, kr, z, obs, bad, s_part[i & 1]);
+        if (i > 0 && tid == 0) WriteSummary(x, s_block[i - 1], s_part[(i - 1) & 1]);
+        PageEma(x, f.d, p0 + i, s_block[i], len, kr, z, cur, obs, bad, s_part[i & 1]);
       }
     }
   }
   if constexpr (kFused) {
     if (x.on) {
       __syncthreads();  // the last page's parts
-      if (tid == 0) WriteSummary(x, x.ids[p0 + n - 1], s_part[(n - 1) & 1]);
+      if (tid == 0) WriteSummary(x, s_block[n - 1], s_part[(n - 1) & 1]);
       obs = __reduce_add_sync(0xFFFFFFFFu, obs);
       bad = __reduce_add_sync(0xFFFFFFFFu, bad);
       if (lane == 0 && (obs | bad)) {
