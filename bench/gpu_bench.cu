@@ -676,6 +676,7 @@ int main(int argc, char** argv) {
     const StateDtype dt = std::strcmp(pdt, "fp32") == 0 ? StateDtype::kFp32 : StateDtype::kBf16;
     Plan point_plan;
     if (!wgmma_runs) point_plan.wg_stages = 0;
+    point_plan.fused = fused_table;
     const Result r = Measure({pb, pn, prho, dt, pprobe, pmixed}, 4.5e12, point_plan, stream, 3);
     std::printf(
         "point: dense mma.sync %.1f us, wgmma %.1f us (%s, worst deviation %.2g of the row "
@@ -685,6 +686,10 @@ int main(int argc, char** argv) {
         r.mma_us, r.wg_us, r.wg_ok ? "agrees" : "DISAGREES or unavailable", r.wg_dev,
         IndexerKernelName(r.used), r.spin_us, r.select_us, r.sparse_us, kModelLayers, pprobe,
         r.begin_us, r.traffic_us);
+    if (fused_table) {
+      std::printf("point, fused mode: fused sparse stage %.1f us, SPIN %.1f us per layer\n",
+                  r.fused_us, r.FusedSpin());
+    }
     return r.wg_ok ? 0 : 3;
   }
   const double bw = MeasureReadBandwidth(stream);

@@ -119,15 +119,14 @@ __device__ __forceinline__ SlotState<T> LoadSlot(const EmaTarget<T>& x, const De
 
 // One page's EMA (fused mode): slot kr (held by threads t < 2; z its logit, st its state
 // entries) of compacted block sg, then this warp's part of the block's V summary into
-// part[warp] (m, unset).
+// part[warp] (the largest entry's FloatKey, 0 if none; whether one is unset).
 template <typename T>
 __device__ __forceinline__ void PageEma(const EmaTarget<T>& x, const Dev& d, int sg, int block,
                                         int len, int kr, float z, const SlotState<T>& st,
-                                        unsigned& obs, unsigned& bad, float2* part) {
+                                        unsigned& obs, unsigned& bad, uint2* part) {
   using B = cuda_kernels::StateBits<T>;
   const int cnt = min(kPageSlots, len - sg * kPageSlots);
-  float m = -INFINITY;
-  int unset = 0;
+  unsigned key = 0, unset = 0;
   if (st.has_v) {
     const int i = block * kPageSlots + kr;
     float cur = B::Get(st.v);
@@ -148,28 +147,26 @@ __device__ __forceinline__ void PageEma(const EmaTarget<T>& x, const Dev& d, int
     if (cur != cur) {
       unset = 1;
     } else {
-      m = cur;
+      key = cuda_kernels::FloatKey(cur);  // every float's key is above 0 (-inf's too)
     }
   }
-  for (int o = 16; o > 0; o /= 2) {
-    const float om = __shfl_xor_sync(0xFFFFFFFFu, m, o);
-    m = om > m ? om : m;
-    unset |= __shfl_xor_sync(0xFFFFFFFFu, unset, o);
-  }
-  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = make_float2(m, unset ? 1.0f : 0.0f);
+  // Two warp reductions (redux.sync) instead of a shuffle tree.
+  key = __reduce_max_sync(0xFFFFFFFFu, key);
+  unset = __reduce_or_sync(0xFFFFFFFFu, unset);
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = make_uint2(key, unset);
 }
 
 // The V summary of a page's block from the four warps' parts: NaN if any entry is unset, else
-// the largest (+0 for a zero, as VSummaryKernel writes it).
+// the largest (+0 for a zero, as VSummaryKernel writes it: FloatKey maps -0 to +0's key).
 template <typename T>
-__device__ __forceinline__ void WriteSummary(const EmaTarget<T>& x, int block, const float2* part) {
-  float m = -INFINITY;
-  bool unset = false;
+__device__ __forceinline__ void WriteSummary(const EmaTarget<T>& x, int block, const uint2* part) {
+  unsigned key = 0, unset = 0;
   for (int w = 0; w < kThreads / 32; ++w) {
-    m = part[w].x > m ? part[w].x : m;
-    unset = unset || part[w].y != 0.0f;
+    key = part[w].x > key ? part[w].x : key;
+    unset |= part[w].y;
   }
-  x.vsum[block] = unset ? __int_as_float(0x7FC00000) : (m == 0.0f ? 0.0f : m);
+  const uint32_t bits = (key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key;
+  x.vsum[block] = unset ? __int_as_float(0x7FC00000) : key == 0 ? -INFINITY : __uint_as_float(bits);
 }
 
 template <int kStages, bool kFused, typename T>
@@ -218,7 +215,7 @@ __global__ void __launch_bounds__(kThreads)
   float* out = a.logits + static_cast<int64_t>(row) * a.logits_stride;
   // Fused mode: row 0 of an entry whose row 0 Observe applies (the rule of every Observe kernel).
   EmaTarget<T> x;
-  __shared__ float2 s_part[2][kThreads / 32];
+  __shared__ uint2 s_part[2][kThreads / 32];
   __shared__ int32_t s_block[kMaxChunk];  // fused mode: the chunk's logical blocks
   unsigned obs = 0, bad = 0;
   if constexpr (kFused) {
