@@ -12,10 +12,11 @@
 // Fused mode (kFused, LaunchIndexerEma; docs/cuda-backend.md, "Fused mode"): the same kernel
 // over a layer's compacted table, which also applies Observe's EMA of row 0 (the engine
 // contract) to the layer's state from the logits it holds, so the EMA never reads them back.
-// Each compacted page is one block of the union: the thread that holds slot kr's logit z updates
-// V[base + kr] and, at or before the query, D[q - base - kr], exactly as EmaVecKernel does; the
-// block's V summary is reduced over the CTA, and the observed and non-finite counts go to the
-// layer's statistics once per CTA. Rows r > 0 only compute their logits.
+// Each compacted page is one block of the union. The warpgroup leaves each page's 64 logits in
+// shared memory; a fifth warp (the EMA warp) applies page i - 1's EMA while the warpgroup
+// computes page i: lane l updates V[base + 2l + k] and, at or before the query, D[q - base - 2l -
+// k] (k = 0, 1), as EmaVecKernel does, writes the block's V summary, and adds the observed and
+// non-finite counts to the layer's statistics once per CTA. Rows r > 0 only compute logits.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -38,7 +39,7 @@ struct FusedEma {
   int layer = 0;
 };
 
-constexpr int kThreads = 128;                         // one warpgroup
+constexpr int kThreads = 128;                         // one warpgroup (the MMA's threads)
 constexpr int kTileBytes = kPageSlots * kIndexerDim;  // 8 KB: 64 rows of 128 bytes
 constexpr int kScaleBytes = kPageSlots * 4;           // 256 B
 constexpr int kMaxChunk = 64;                         // pages per CTA (the table copy in smem)
@@ -83,7 +84,7 @@ __device__ __forceinline__ void FenceOperands(float (&d)[32]) {
   for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// The fused epilogue's state for this CTA: whether it applies the EMA, and where.
+// The fused mode's target for this CTA: whether it applies the EMA, and where.
 template <typename T>
 struct EmaTarget {
   bool on = false;
@@ -91,86 +92,90 @@ struct EmaTarget {
   T* v = nullptr;
   T* dd = nullptr;
   float* vsum = nullptr;
-  const int32_t* ids = nullptr;
   float alpha = 0, beta = 0;
 };
 
-// The state entries of slot kr of a page's block, loaded one page ahead (fused mode): V[i] and,
-// at or before the query, D[q - i] (i = base + kr). Blocks differ from page to page, and the D
-// offsets q - i of one row are distinct, so a load for page j + 1 never reads what page j
-// writes.
+// The EMA warp's two slots of a page's block (slots 2 lane + k), loaded one page ahead: V[i]
+// and, at or before the query, D[q - i] (i = base + 2 lane + k). Blocks differ from page to
+// page and the D offsets q - i of a row are distinct, so a load for page j + 1 never reads what
+// page j writes.
 template <typename T>
-struct SlotState {
-  typename cuda_kernels::StateBits<T>::E v{}, dv{};
-  bool has_v = false, has_d = false;
+struct PairState {
+  typename cuda_kernels::StateBits<T>::E v[2]{}, dv[2]{};
+  bool has_v[2] = {false, false}, has_d[2] = {false, false};
 };
 template <typename T>
-__device__ __forceinline__ SlotState<T> LoadSlot(const EmaTarget<T>& x, const Dev& d, int block,
-                                                 bool holds, int kr) {
+__device__ __forceinline__ PairState<T> LoadPair(const EmaTarget<T>& x, const Dev& d, int block,
+                                                 int lane) {
   using B = cuda_kernels::StateBits<T>;
-  SlotState<T> st;
-  const int i = block * kPageSlots + kr;
-  st.has_v = holds && i < d.max_slots;
-  st.has_d = st.has_v && i <= x.q;
-  if (st.has_v) st.v = B::Load(x.v + i);
-  if (st.has_d) st.dv = B::Load(x.dd + (x.q - i));
+  PairState<T> st;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int i = block * kPageSlots + 2 * lane + k;
+    st.has_v[k] = i < d.max_slots;
+    st.has_d[k] = st.has_v[k] && i <= x.q;
+    if (st.has_v[k]) st.v[k] = B::Load(x.v + i);
+    if (st.has_d[k]) st.dv[k] = B::Load(x.dd + (x.q - i));
+  }
   return st;
 }
 
-// One page's EMA (fused mode): slot kr (held by threads t < 2; z its logit, st its state
-// entries) of compacted block sg, then this warp's part of the block's V summary into
-// part[warp] (the largest entry's FloatKey, 0 if none; whether one is unset).
+// The EMA warp's work for one page (compacted block sg, logical block `block`): its two slots'
+// updates from the page's logits z (shared memory), then the block's V summary (NaN if any
+// entry is unset, else the largest; FloatKey maps -0 to +0, as VSummaryKernel writes it).
 template <typename T>
-__device__ __forceinline__ void PageEma(const EmaTarget<T>& x, const Dev& d, int sg, int block,
-                                        int len, int kr, float z, const SlotState<T>& st,
-                                        unsigned& obs, unsigned& bad, uint2* part) {
+__device__ __forceinline__ void PageEma(const EmaTarget<T>& x, int sg, int block, int len,
+                                        int lane, const float* z, const PairState<T>& st,
+                                        unsigned& obs, unsigned& bad) {
   using B = cuda_kernels::StateBits<T>;
   const int cnt = min(kPageSlots, len - sg * kPageSlots);
   unsigned key = 0, unset = 0;
-  if (st.has_v) {
-    const int i = block * kPageSlots + kr;
-    float cur = B::Get(st.v);
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    if (!st.has_v[k]) continue;
+    const int kr = 2 * lane + k, i = block * kPageSlots + kr;
+    float cur = B::Get(st.v[k]);
     if (kr < cnt) {
-      if (!isfinite(z)) {
+      const float zk = z[kr];
+      if (!isfinite(zk)) {
         ++bad;
       } else {
         ++obs;
-        const float bz = ScaledScore(z, x.beta);
-        const auto nv = B::Put(EmaUpdateScaled(cur, z, x.alpha, bz));
+        const float bz = ScaledScore(zk, x.beta);
+        const auto nv = B::Put(EmaUpdateScaled(cur, zk, x.alpha, bz));
         B::Store(x.v + i, nv);
         cur = B::Get(nv);
-        if (st.has_d) {  // D[q - i]: the slot is at or before the query
-          B::Store(x.dd + (x.q - i), B::Put(EmaUpdateScaled(B::Get(st.dv), z, x.alpha, bz)));
+        if (st.has_d[k]) {  // D[q - i]: the slot is at or before the query
+          B::Store(x.dd + (x.q - i), B::Put(EmaUpdateScaled(B::Get(st.dv[k]), zk, x.alpha, bz)));
         }
       }
     }
     if (cur != cur) {
       unset = 1;
     } else {
-      key = cuda_kernels::FloatKey(cur);  // every float's key is above 0 (-inf's too)
+      const unsigned kk = cuda_kernels::FloatKey(cur);  // above 0 for every float
+      key = kk > key ? kk : key;
     }
   }
-  // Two warp reductions (redux.sync) instead of a shuffle tree.
   key = __reduce_max_sync(0xFFFFFFFFu, key);
   unset = __reduce_or_sync(0xFFFFFFFFu, unset);
-  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = make_uint2(key, unset);
+  if (lane == 0) {
+    const uint32_t bits = (key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key;
+    x.vsum[block] =
+        unset ? __int_as_float(0x7FC00000) : key == 0 ? -INFINITY : __uint_as_float(bits);
+  }
 }
 
-// The V summary of a page's block from the four warps' parts: NaN if any entry is unset, else
-// the largest (+0 for a zero, as VSummaryKernel writes it: FloatKey maps -0 to +0's key).
-template <typename T>
-__device__ __forceinline__ void WriteSummary(const EmaTarget<T>& x, int block, const uint2* part) {
-  unsigned key = 0, unset = 0;
-  for (int w = 0; w < kThreads / 32; ++w) {
-    key = part[w].x > key ? part[w].x : key;
-    unset |= part[w].y;
-  }
-  const uint32_t bits = (key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key;
-  x.vsum[block] = unset ? __int_as_float(0x7FC00000) : key == 0 ? -INFINITY : __uint_as_float(bits);
+// One warpgroup computes the logits; in the fused mode a fifth warp (the EMA warp) applies the
+// EMA of page i - 1 while the warpgroup computes page i, from the logits the warpgroup left in
+// shared memory, between the same barriers: the EMA's latency runs beside the indexer's.
+template <bool kFused>
+constexpr int CtaThreads() {
+  return kFused ? kThreads + 32 : kThreads;
 }
 
 template <int kStages, bool kFused, typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(CtaThreads<kFused>())
     PagedIndexerWgmmaKernel(PagedIndexerArgs a, int chunk, FusedEma f) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
@@ -183,6 +188,7 @@ __global__ void __launch_bounds__(kThreads)
   if (len <= 0 || p0 >= pages) return;
   const int n = min(p0 + chunk, pages) - p0;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const bool mma = tid < kThreads;  // the warpgroup (in the fused mode warp 4 is the EMA warp)
 
   // Layout: [q tile][kStages key tiles] (1024-aligned), [kStages x 64 scales], [chunk page ids].
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
@@ -197,10 +203,12 @@ __global__ void __launch_bounds__(kThreads)
   if (tid < n) page_s[tid] = table[tid];
   // q: 512 chunks of 16 bytes, 4 per thread, into the swizzled layout (head h = chunk / 8).
   const uint8_t* q = a.q + static_cast<int64_t>(row) * kIndexerHeads * kIndexerDim;
+  if (mma) {
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int x = tid + j * kThreads, h = x / 8, c = x % 8;
-    CpAsync16(q_s + h * 128 + ((c ^ (h % 8)) << 4), q + x * 16);
+    for (int j = 0; j < 4; ++j) {
+      const int x = tid + j * kThreads, h = x / 8, c = x % 8;
+      CpAsync16(q_s + h * 128 + ((c ^ (h % 8)) << 4), q + x * 16);
+    }
   }
   CpAsyncCommit();
   // This thread's 16 head weights: heads 8j + 2t + {0, 1} (its accumulator columns).
@@ -215,7 +223,7 @@ __global__ void __launch_bounds__(kThreads)
   float* out = a.logits + static_cast<int64_t>(row) * a.logits_stride;
   // Fused mode: row 0 of an entry whose row 0 Observe applies (the rule of every Observe kernel).
   EmaTarget<T> x;
-  __shared__ uint2 s_part[2][kThreads / 32];
+  __shared__ float s_z[2][kPageSlots];    // fused mode: pages i and i - 1's logits
   __shared__ int32_t s_block[kMaxChunk];  // fused mode: the chunk's logical blocks
   unsigned obs = 0, bad = 0;
   if constexpr (kFused) {
@@ -231,22 +239,20 @@ __global__ void __launch_bounds__(kThreads)
         x.v = reinterpret_cast<T*>(d.Record(en.seq, f.layer));
         x.dd = x.v + d.max_slots;
         x.vsum = d.VSum(en.seq, f.layer);
-        x.ids = d.union_ids + static_cast<int64_t>(seq) * d.max_blocks;
         x.alpha = d.policy->alpha;
         x.beta = d.policy->beta;
-        if (tid < n) s_block[tid] = x.ids[p0 + tid];
+        const int32_t* ids = d.union_ids + static_cast<int64_t>(seq) * d.max_blocks;
+        if (tid < n) s_block[tid] = ids[p0 + tid];
       }
     }
   }
   __syncthreads();  // page ids visible
-  const int kr = warp * 16 + g + 8 * (t & 1);  // the slot whose logit this thread holds (t < 2)
-  SlotState<T> next;  // fused mode: page i's state entries, loaded during page i - 1
-  if constexpr (kFused) {
-    if (x.on) next = LoadSlot(x, f.d, s_block[0], t < 2, kr);
-  }
+  const bool ema = kFused && !mma && x.on;  // this thread applies the EMA
+  PairState<T> next;  // the EMA warp: the state entries of the page it applies next
+  if (ema) next = LoadPair(x, f.d, s_block[0], lane);
 
   auto issue = [&](int i) {
-    if (i < n) {
+    if (i < n && mma) {
       const uint8_t* page = a.kv + static_cast<int64_t>(page_s[i]) * kPageBytes;
       const int s = i % kStages;
       const uint32_t dst = k_s + s * kTileBytes;
@@ -265,23 +271,24 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = 0; i < kStages - 1; ++i) issue(i);
 
   const uint64_t desc_q = Desc(q_s);
+  const int r0 = warp * 16 + g;  // this thread's slots in the page: r0 and r0 + 8
   for (int i = 0; i < n; ++i) {
     CpAsyncWait<kStages - 2>();  // this thread's copies of q and page i have landed
     // cp.async writes are generic-proxy; wgmma reads shared memory through the async proxy.
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    // Everyone's copies of page i are visible, and everyone is done with page i - 1, whose
-    // stage the next copy reuses.
+    // Everyone's copies of page i are visible, everyone is done with page i - 1 (whose stage
+    // the next copy reuses), and page i - 1's logits are in s_z for the EMA warp.
     __syncthreads();
     issue(i + kStages - 1);
-    // Fused mode: page i's state entries were loaded during page i - 1; page i + 1's go out now,
-    // so their latency hides behind this page's MMA and EMA.
-    SlotState<T> cur;
-    if constexpr (kFused) {
-      if (x.on) {
-        cur = next;
-        if (i + 1 < n) next = LoadSlot(x, f.d, s_block[i + 1], t < 2, kr);
+    if (ema) {
+      if (i > 0) {
+        const PairState<T> cur = next;
+        next = LoadPair(x, f.d, s_block[i], lane);  // used at the next barrier
+        PageEma(x, p0 + i - 1, s_block[i - 1], len, lane, s_z[(i - 1) & 1], cur, obs, bad);
       }
+      continue;
     }
+    if (!mma) continue;  // the fifth warp of a CTA whose row applies no EMA
     const int s = i % kStages;
     const uint64_t desc_k = Desc(k_s + s * kTileBytes);
     float d[32];
@@ -294,7 +301,7 @@ __global__ void __launch_bounds__(kThreads)
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     FenceOperands(d);
-    // d[4j + 2i + c]: slot r0 + 8i (r0 = 16 warp + g), head 8j + 2t + c.
+    // d[4j + 2i + c]: slot r0 + 8i, head 8j + 2t + c.
     float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -303,42 +310,38 @@ __global__ void __launch_bounds__(kThreads)
       s1 = __fmaf_rn(w[j][0], fmaxf(d[4 * j + 2], 0.0f), s1);
       s1 = __fmaf_rn(w[j][1], fmaxf(d[4 * j + 3], 0.0f), s1);
     }
-    // The quad (t = 0..3) holds all 64 heads of slots r0 and r0 + 8; thread t < 2 keeps slot
-    // kr = r0 + 8t.
+    // The quad (t = 0..3) holds all 64 heads of slots r0 and r0 + 8.
     s0 += __shfl_xor_sync(0xFFFFFFFFu, s0, 1);
     s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, 1);
     s0 += __shfl_xor_sync(0xFFFFFFFFu, s0, 2);
     s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, 2);
-    const float z = (t == 0 ? s0 : s1) * scale_s[s * kPageSlots + kr];
     if (t < 2) {
+      const int kr = r0 + 8 * t;
       const int slot = (p0 + i) * kPageSlots + kr;
+      const float z = (t == 0 ? s0 : s1) * scale_s[s * kPageSlots + kr];
       // Fused mode: the lengths are SPIN's, the stride the caller's; a row longer than the
       // stride is not written past it (Probe records the error, and the row is not applied).
       if (slot < len && (!kFused || slot < a.logits_stride)) out[slot] = z;
-    }
-    if constexpr (kFused) {
-      if (x.on) {  // uniform over the CTA
-        // Page i - 1's summary: its warps' parts were written before this iteration's barrier.
-        if (i > 0 && tid == 0) WriteSummary(x, s_block[i - 1], s_part[(i - 1) & 1]);
-        PageEma(x, f.d, p0 + i, s_block[i], len, kr, z, cur, obs, bad, s_part[i & 1]);
-      }
+      if (kFused && x.on) s_z[i & 1][kr] = z;
     }
   }
   if constexpr (kFused) {
     if (x.on) {
-      __syncthreads();  // the last page's parts
-      if (tid == 0) WriteSummary(x, s_block[n - 1], s_part[(n - 1) & 1]);
-      obs = __reduce_add_sync(0xFFFFFFFFu, obs);
-      bad = __reduce_add_sync(0xFFFFFFFFu, bad);
-      if (lane == 0 && (obs | bad)) {
-        LayerStats* st = f.d.stats + f.layer;
-        if (obs) {
-          atomicAdd(reinterpret_cast<unsigned long long*>(&st->observed),
-                    static_cast<unsigned long long>(obs));
-        }
-        if (bad) {
-          atomicAdd(reinterpret_cast<unsigned long long*>(&st->bad_scores),
-                    static_cast<unsigned long long>(bad));
+      __syncthreads();  // the last page's logits
+      if (ema) {
+        PageEma(x, p0 + n - 1, s_block[n - 1], len, lane, s_z[(n - 1) & 1], next, obs, bad);
+        obs = __reduce_add_sync(0xFFFFFFFFu, obs);
+        bad = __reduce_add_sync(0xFFFFFFFFu, bad);
+        if (lane == 0 && (obs | bad)) {
+          LayerStats* st = f.d.stats + f.layer;
+          if (obs) {
+            atomicAdd(reinterpret_cast<unsigned long long*>(&st->observed),
+                      static_cast<unsigned long long>(obs));
+          }
+          if (bad) {
+            atomicAdd(reinterpret_cast<unsigned long long*>(&st->bad_scores),
+                      static_cast<unsigned long long>(bad));
+          }
         }
       }
     }
@@ -371,7 +374,7 @@ absl::Status Launch(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t s
       c.err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
     if (c.err == cudaSuccess) {
       c.err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &per_sm, PagedIndexerWgmmaKernel<kStages, kFused, T>, kThreads, kSmem);
+          &per_sm, PagedIndexerWgmmaKernel<kStages, kFused, T>, CtaThreads<kFused>(), kSmem);
     }
     c.resident = std::max(1, sms * per_sm);
     return c;
@@ -393,7 +396,8 @@ absl::Status Launch(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t s
   }
   chunk = std::clamp<int64_t>(chunk, 1, kMaxChunk);
   const dim3 grid(static_cast<unsigned>((P + chunk - 1) / chunk), static_cast<unsigned>(rows));
-  PagedIndexerWgmmaKernel<kStages, kFused, T><<<grid, kThreads, kSmem, stream>>>(a, static_cast<int>(chunk), f);
+  PagedIndexerWgmmaKernel<kStages, kFused, T>
+      <<<grid, CtaThreads<kFused>(), kSmem, stream>>>(a, static_cast<int>(chunk), f);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
     return absl::InternalError(absl::StrCat("paged indexer (wgmma) launch: ", cudaGetErrorString(e)));
   }
