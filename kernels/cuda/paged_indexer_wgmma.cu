@@ -188,7 +188,8 @@ __global__ void __launch_bounds__(CtaThreads<kFused>())
   if (len <= 0 || p0 >= pages) return;
   const int n = min(p0 + chunk, pages) - p0;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  const bool mma = tid < kThreads;  // the warpgroup (in the fused mode warp 4 is the EMA warp)
+  // The warpgroup (in the fused mode warp 4 is the EMA warp; the plain kernel has no other).
+  const bool mma = !kFused || tid < kThreads;
 
   // Layout: [q tile][kStages key tiles] (1024-aligned), [kStages x 64 scales], [chunk page ids].
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
