@@ -67,7 +67,8 @@ struct FusedIndexerArgs {
 /// layer's state in its epilogue from the logits it holds; then the rest of Observe (validation,
 /// fresh flags, probe curves) from those logits. The state, statistics and curves it leaves are
 /// Observe's, bit for bit. Same call-order errors as Observe; needs 64-slot blocks (one KV page
-/// per block) and a CUDA data plane. Asynchronous on `stream`, graph-capturable.
+/// per block) and a CUDA data plane. Asynchronous on `stream`, graph-capturable. Today it is
+/// faster than the unfused path only at batch 1 (docs/cuda-backend.md, "Fused mode").
 absl::Status IndexAndObserve(DataPlane& dp, int32_t layer, const FusedIndexerArgs& args,
                              cudaStream_t stream = nullptr);
 
