@@ -87,8 +87,9 @@ ParseResult ParseConfig(int argc, const char* const* argv) {
       ->capture_default_str();
   app.add_option("--state-dir", c.state_dir,
                  "Directory for each model's last per-layer miss curves (warm budgets: a new "
-                 "per-layer session of the same model starts from them; created if missing); "
-                 "empty: off")
+                 "per-layer session of the same model starts from them) and the node default "
+                 "policy (node-defaults.json), kept across restarts; created if missing; "
+                 "empty: neither is kept")
       ->envname("SPIND_STATE_DIR");
   app.add_option("--warm-max-age-hours", c.warm_max_age_hours,
                  "Warm budgets older than this are ignored (logged)")

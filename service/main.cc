@@ -202,16 +202,21 @@ int main(int argc, char** argv) {
               ": create it for spind's user, or leave --state-dir out (no warm budgets)");
       return 2;
     }
-    Log(c, "info", "warm budgets in " + c.state_dir);
+    Log(c, "info", "warm budgets and the node default policy kept in " + c.state_dir);
   }
   service_options.warm = std::make_shared<WarmBudgets>(
       c.state_dir, std::chrono::hours(c.warm_max_age_hours),
       [&c](const char* level, const std::string& msg) { Log(c, level, msg); });
+  if (!c.state_dir.empty()) {
+    service_options.defaults_file =
+        (std::filesystem::path(c.state_dir) / "node-defaults.json").string();
+  }
   service_options.admin_token = admin_token;
   service_options.allow_unauthenticated_tcp = c.tcp_allow_unauthenticated;
   service_options.workers = c.workers;
   SpinService service(&sessions, fds.path(), &metrics, service_options);
   service.SetLogger([&c](const char* level, const std::string& msg) { Log(c, level, msg); });
+  service.RestoreDefaults();
   BudgetProbe probe(
       &sessions, std::chrono::milliseconds(c.probe_interval_ms),
       [&service](Session& s) { service.PublishBudgets(s); },

@@ -5,6 +5,9 @@
 #include <chrono>
 #include <cmath>
 #include <deque>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -12,6 +15,7 @@
 #include "budget_probe.h"
 #include "convert.h"
 #include "google/protobuf/arena.h"
+#include "google/protobuf/util/json_util.h"
 #include "grpcpp/support/message_allocator.h"
 #include "spin/status_macros.h"
 
@@ -560,6 +564,65 @@ absl::Status SpinService::ChangePolicy(Session& s, const Policy& p, const std::s
   return absl::OkStatus();
 }
 
+void SpinService::RestoreDefaults() {
+  const std::string& path = options_.defaults_file;
+  if (path.empty()) return;
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) return;  // none kept yet
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  auto ignored = [&](const std::string& why) {
+    if (log_) {
+      log_("warning", absl::StrCat("node default policy in ", path, " ignored: ", why,
+                                   "; new sessions keep their own policy until an operator sets "
+                                   "the defaults again (spinctl policy set --default ...)"));
+    }
+  };
+  if (!in) return ignored("cannot read it");
+  pb::PolicyDefaults d;
+  if (const auto st = google::protobuf::util::JsonStringToMessage(text.str(), &d); !st.ok()) {
+    return ignored(absl::StrCat("not a spin.v1.PolicyDefaults in JSON (", st.ToString(), ")"));
+  }
+  absl::StatusOr<Policy> p = WithDefaults(d, Policy{});
+  absl::Status v = p.ok() ? ValidatePolicy(*p) : p.status();
+  if (!v.ok()) return ignored(std::string(v.message()));
+  {
+    std::lock_guard<std::mutex> lock(defaults_mu_);
+    defaults_ = d;
+  }
+  if (log_) {
+    log_("info", absl::StrCat("node default policy {", d.ShortDebugString(), "} from ", path));
+  }
+}
+
+namespace {
+// Keeps the node default policy in `path` (a temporary file renamed over the old one), or says
+// why not. Called under defaults_mu_, so concurrent changes are written in order.
+absl::Status KeepDefaults(const std::string& path, const pb::PolicyDefaults& d) {
+  std::string json;
+  google::protobuf::util::JsonPrintOptions opts;
+  opts.add_whitespace = true;
+  if (const auto st = google::protobuf::util::MessageToJsonString(d, &json, opts); !st.ok()) {
+    return absl::InternalError(st.ToString());
+  }
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << json;
+    out.flush();
+    if (!out) return absl::UnavailableError(absl::StrCat("cannot write ", tmp));
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    std::filesystem::remove(tmp, ec);
+    return absl::UnavailableError(absl::StrCat("cannot rename ", tmp, " into ", path));
+  }
+  return absl::OkStatus();
+}
+}  // namespace
+
 grpc::ServerUnaryReactor* SpinService::SetDefaultPolicy(grpc::CallbackServerContext* ctx,
                                                         const pb::SetDefaultPolicyRequest* req,
                                                         pb::SetDefaultPolicyResponse* resp) {
@@ -583,6 +646,13 @@ grpc::ServerUnaryReactor* SpinService::SetDefaultPolicy(grpc::CallbackServerCont
   {
     std::lock_guard<std::mutex> lock(defaults_mu_);
     defaults_ = next;
+    if (changes && !options_.defaults_file.empty()) {
+      // The change holds either way; a node that cannot keep it says so.
+      if (absl::Status k = KeepDefaults(options_.defaults_file, next); !k.ok() && log_) {
+        log_("error", absl::StrCat("the node default policy holds until spind stops: ",
+                                   k.message(), " (check --state-dir's space and permissions)"));
+      }
+    }
   }
   const std::string who = Caller(ctx, false);
   if (changes && log_) {

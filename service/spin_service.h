@@ -51,6 +51,9 @@ struct ServiceOptions {
   size_t max_queued_per_session = 64;
   /// Warm budgets: the store of models' per-layer curves (null or disabled: none).
   std::shared_ptr<const WarmBudgets> warm;
+  /// Where the node default policy (SetDefaultPolicy) is kept across restarts, as protobuf JSON
+  /// (spind --state-dir: <dir>/node-defaults.json); empty: in memory only.
+  std::string defaults_file;
 };
 
 /// Longest client_name accepted at attach.
@@ -71,6 +74,10 @@ class SpinService final : public spin::v1::Spin::CallbackService {
               std::string admin_token = "")
       : SpinService(sessions, std::move(fd_socket), metrics, TestOptions(std::move(admin_token))) {}
   ~SpinService() override;
+  /// Reads the node default policy from ServiceOptions::defaults_file, if there is one (call
+  /// after SetLogger, before serving). A file that does not parse or holds an out-of-range
+  /// field is ignored with a log line saying what to do; the defaults then start empty.
+  void RestoreDefaults();
   static ServiceOptions TestOptions(std::string admin_token) {
     ServiceOptions o;
     o.admin_token = std::move(admin_token);
