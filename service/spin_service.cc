@@ -52,6 +52,17 @@ absl::StatusOr<Policy> WithDefaults(const pb::PolicyDefaults& d, Policy p) {
   return p;
 }
 
+// A node default policy whose every set field is in range on its own (checked over the built-in
+// policy): what SetDefaultPolicy accepts and RestoreDefaults keeps.
+absl::Status ValidateDefaults(const pb::PolicyDefaults& d) {
+  absl::StatusOr<Policy> p = WithDefaults(d, Policy{});
+  if (!p.ok()) return p.status();
+  if (absl::Status v = ValidatePolicy(*p); !v.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("default policy: ", v.message()));
+  }
+  return absl::OkStatus();
+}
+
 pb::GetBudgetsResponse Budgets(const Session& s) {
   pb::GetBudgetsResponse r;
   const ArenaView& v = s.arena->host();
@@ -584,9 +595,7 @@ void SpinService::RestoreDefaults() {
   if (const auto st = google::protobuf::util::JsonStringToMessage(text.str(), &d); !st.ok()) {
     return ignored(absl::StrCat("not a spin.v1.PolicyDefaults in JSON (", st.ToString(), ")"));
   }
-  absl::StatusOr<Policy> p = WithDefaults(d, Policy{});
-  absl::Status v = p.ok() ? ValidatePolicy(*p) : p.status();
-  if (!v.ok()) return ignored(std::string(v.message()));
+  if (absl::Status v = ValidateDefaults(d); !v.ok()) return ignored(std::string(v.message()));
   {
     std::lock_guard<std::mutex> lock(defaults_mu_);
     defaults_ = d;
@@ -595,33 +604,6 @@ void SpinService::RestoreDefaults() {
     log_("info", absl::StrCat("node default policy {", d.ShortDebugString(), "} from ", path));
   }
 }
-
-namespace {
-// Keeps the node default policy in `path` (a temporary file renamed over the old one), or says
-// why not. Called under defaults_mu_, so concurrent changes are written in order.
-absl::Status KeepDefaults(const std::string& path, const pb::PolicyDefaults& d) {
-  std::string json;
-  google::protobuf::util::JsonPrintOptions opts;
-  opts.add_whitespace = true;
-  if (const auto st = google::protobuf::util::MessageToJsonString(d, &json, opts); !st.ok()) {
-    return absl::InternalError(st.ToString());
-  }
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << json;
-    out.flush();
-    if (!out) return absl::UnavailableError(absl::StrCat("cannot write ", tmp));
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::filesystem::remove(tmp, ec);
-    return absl::UnavailableError(absl::StrCat("cannot rename ", tmp, " into ", path));
-  }
-  return absl::OkStatus();
-}
-}  // namespace
 
 grpc::ServerUnaryReactor* SpinService::SetDefaultPolicy(grpc::CallbackServerContext* ctx,
                                                         const pb::SetDefaultPolicyRequest* req,
@@ -635,12 +617,8 @@ grpc::ServerUnaryReactor* SpinService::SetDefaultPolicy(grpc::CallbackServerCont
   }
   if (req->clear()) next.Clear();
   next.MergeFrom(req->defaults());  // set fields replace; an unspecified mode keeps the old
-  // Every set field must be in range on its own: checked over the built-in policy.
-  if (absl::StatusOr<Policy> p = WithDefaults(next, Policy{}); !p.ok()) {
-    return Done(ctx, "SetDefaultPolicy", t0, p.status());
-  } else if (absl::Status v = ValidatePolicy(*p); !v.ok()) {
-    return Done(ctx, "SetDefaultPolicy", t0,
-                absl::InvalidArgumentError(absl::StrCat("default policy: ", v.message())));
+  if (absl::Status v = ValidateDefaults(next); !v.ok()) {
+    return Done(ctx, "SetDefaultPolicy", t0, v);
   }
   const bool changes = req->clear() || req->defaults().ByteSizeLong() > 0;
   {
@@ -648,9 +626,15 @@ grpc::ServerUnaryReactor* SpinService::SetDefaultPolicy(grpc::CallbackServerCont
     defaults_ = next;
     if (changes && !options_.defaults_file.empty()) {
       // The change holds either way; a node that cannot keep it says so.
-      if (absl::Status k = KeepDefaults(options_.defaults_file, next); !k.ok() && log_) {
-        log_("error", absl::StrCat("the node default policy holds until spind stops: ",
-                                   k.message(), " (check --state-dir's space and permissions)"));
+      std::string json;
+      google::protobuf::util::JsonPrintOptions opts;
+      opts.add_whitespace = true;
+      absl::Status k = google::protobuf::util::MessageToJsonString(next, &json, opts).ok()
+                           ? WriteFileAtomically(options_.defaults_file, json)
+                           : absl::InternalError("cannot print the defaults as JSON");
+      if (!k.ok() && log_) {
+        log_("error", absl::StrCat("the node default policy holds until spind stops: ", k.message(),
+                                   " (check --state-dir's space and permissions)"));
       }
     }
   }

@@ -118,35 +118,35 @@ void WarmBudgets::Save(const std::string& model, const Geometry& g,
   for (const MissCurve& c : curves) cs.push_back(std::vector<double>(c.begin(), c.end()));
   j["curves"] = std::move(cs);
   const std::string path = PathOf(model);
-  // A temporary name of this process and thread, then an atomic rename.
+  if (absl::Status w = WriteFileAtomically(path, j.dump() + "\n"); !w.ok() && log_) {
+    log_("warning",
+         absl::StrCat("cannot keep warm budgets of model ", model, ": ", w.message(),
+                      " (check that --state-dir ", dir_, " exists and is writable by spind)"));
+  }
+}
+
+absl::Status WriteFileAtomically(const std::string& path, const std::string& text) {
   std::ostringstream tmp_name;
   tmp_name << path << ".tmp." << getpid() << "."
            << std::hash<std::thread::id>{}(std::this_thread::get_id());
   const std::string tmp = tmp_name.str();
+  std::error_code ec;
   {
     std::ofstream out(tmp, std::ios::trunc);
-    out << j.dump() << "\n";
+    out << text;
     out.flush();
     if (!out) {
-      std::error_code ec;
       std::filesystem::remove(tmp, ec);
-      if (log_) {
-        log_("warning",
-             absl::StrCat("cannot write warm budgets of model ", model, " to ", tmp,
-                          ": check that --state-dir ", dir_, " exists and is writable by spind"));
-      }
-      return;
+      return absl::UnavailableError(absl::StrCat("cannot write ", tmp));
     }
   }
-  std::error_code ec;
   std::filesystem::rename(tmp, path, ec);
   if (ec) {
+    const std::string why = ec.message();
     std::filesystem::remove(tmp, ec);
-    if (log_) {
-      log_("warning", absl::StrCat("cannot rename warm budgets of model ", model, " into ", path,
-                                   ": ", ec.message()));
-    }
+    return absl::UnavailableError(absl::StrCat("cannot rename ", tmp, " into ", path, ": ", why));
   }
+  return absl::OkStatus();
 }
 
 }  // namespace spin::service

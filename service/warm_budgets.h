@@ -28,6 +28,10 @@ struct WarmCurves {
 absl::Status ValidateModelName(const std::string& model);
 
 /// The state directory's store. Thread-safe (files are written whole, then renamed).
+/// Writes `text` to `path` whole or not at all: a temporary file of this process and thread next
+/// to it, renamed over it. The error says which step failed (for files in --state-dir).
+absl::Status WriteFileAtomically(const std::string& path, const std::string& text);
+
 class WarmBudgets {
  public:
   using LogFn = std::function<void(const char*, const std::string&)>;
