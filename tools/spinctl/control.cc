@@ -6,8 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "grpcpp/grpcpp.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
 #include "spin/v1/spin.grpc.pb.h"
 
 namespace spin {
@@ -23,8 +23,9 @@ int Fail(const std::string& what, const grpc::Status& s) {
 
 // Every control call: a deadline, and the admin token when one is given.
 std::string g_admin_token;
-void Deadline(grpc::ClientContext* c) {
-  c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+void Deadline(grpc::ClientContext* c,
+              std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
+  c->set_deadline(std::chrono::system_clock::now() + timeout);
   if (!g_admin_token.empty()) c->AddMetadata("authorization", "Bearer " + g_admin_token);
 }
 
@@ -73,10 +74,11 @@ int CmdStatus(const ControlArgs& a) {
 
 int CmdHealth(const ControlArgs& a, const std::string& service, int timeout_ms) {
   namespace health = grpc::health::v1;
-  auto stub = health::Health::NewStub(grpc::CreateChannel(a.target, grpc::InsecureChannelCredentials()));
+  g_admin_token = a.admin_token;
+  auto stub =
+      health::Health::NewStub(grpc::CreateChannel(a.target, grpc::InsecureChannelCredentials()));
   grpc::ClientContext c;
-  c.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
-  if (!a.admin_token.empty()) c.AddMetadata("authorization", "Bearer " + a.admin_token);
+  Deadline(&c, std::chrono::milliseconds(timeout_ms));
   health::HealthCheckRequest q;
   q.set_service(service);
   health::HealthCheckResponse r;
