@@ -542,7 +542,9 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
                   "| %d | %dK | %.1f | %s | %s | %u | %.1f | %.1f | %.3f | %.3f | %.1f | %.3f | "
                   "%.3f | %.1f |\n",
                   pt.batch, pt.slots >> 10, pt.rho, pt.dtype == StateDtype::kFp32 ? "fp32" : "bf16",
-                  pt.contexts == kRagged ? "ragged" : pt.contexts == kMixed ? "mixed" : "full",
+                  pt.contexts == kRagged  ? "ragged"
+                  : pt.contexts == kMixed ? "mixed"
+                                          : "full",
                   pt.probe_period, r.dense_us, r.spin_us, r.spin_us / r.dense_us,
                   r.sparse_us / r.dense_us, r.FusedSpin(), r.FusedSpin() / r.dense_us,
                   r.fused_us / r.dense_us, idx);

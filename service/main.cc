@@ -239,8 +239,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   chmod(socket_path.c_str(), 0660);
-  // On the CUDA backend, <socket dir>/<GPU UUID>.sock (GPU-xxxxxxxx-...) also leads to this socket, so an engine
-  // finds its GPU's spind by the UUID it sees, whatever order its container numbers GPUs in.
+  // On the CUDA backend, <socket dir>/<GPU UUID>.sock (GPU-xxxxxxxx-...) also leads to this socket,
+  // so an engine finds its GPU's spind by the UUID it sees, whatever order its container numbers
+  // GPUs in.
   std::string gpu_link;
   if (!uuid.empty()) {
     const std::filesystem::path sock(socket_path);

@@ -124,9 +124,9 @@ __device__ __forceinline__ PairState<T> LoadPair(const EmaTarget<T>& x, const De
 // updates from the page's logits z (shared memory), then the block's V summary (NaN if any
 // entry is unset, else the largest; FloatKey maps -0 to +0, as VSummaryKernel writes it).
 template <typename T>
-__device__ __forceinline__ void PageEma(const EmaTarget<T>& x, int sg, int block, int len,
-                                        int lane, const float* z, const PairState<T>& st,
-                                        unsigned& obs, unsigned& bad) {
+__device__ __forceinline__ void PageEma(const EmaTarget<T>& x, int sg, int block, int len, int lane,
+                                        const float* z, const PairState<T>& st, unsigned& obs,
+                                        unsigned& bad) {
   using B = cuda_kernels::StateBits<T>;
   const int cnt = min(kPageSlots, len - sg * kPageSlots);
   unsigned key = 0, unset = 0;
@@ -161,8 +161,9 @@ __device__ __forceinline__ void PageEma(const EmaTarget<T>& x, int sg, int block
   unset = __reduce_or_sync(0xFFFFFFFFu, unset);
   if (lane == 0) {
     const uint32_t bits = (key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key;
-    x.vsum[block] =
-        unset ? __int_as_float(0x7FC00000) : key == 0 ? -INFINITY : __uint_as_float(bits);
+    x.vsum[block] = unset      ? __int_as_float(0x7FC00000)
+                    : key == 0 ? -INFINITY
+                               : __uint_as_float(bits);
   }
 }
 
@@ -232,8 +233,7 @@ __global__ void __launch_bounds__(CtaThreads<kFused>())
     if (r == 0) {
       const StepEntry en = d.entries[seq];
       int len0 = 0;
-      const bool fit =
-          cuda_kernels::RowsFitStride(d, seq, d.batch->rows, a.logits_stride, 0, len0);
+      const bool fit = cuda_kernels::RowsFitStride(d, seq, d.batch->rows, a.logits_stride, 0, len0);
       x.on = cuda_kernels::RowApplied(seq, d.batch->n, en.seq, 0, d.batch->rows, 1, fit);
       if (x.on) {
         x.q = en.q_pos;
@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(CtaThreads<kFused>())
       }
     }
   }
-  __syncthreads();  // page ids visible
+  __syncthreads();                          // page ids visible
   const bool ema = kFused && !mma && x.on;  // this thread applies the EMA
   PairState<T> next;  // the EMA warp: the state entries of the page it applies next
   if (ema) next = LoadPair(x, f.d, s_block[0], lane);
@@ -400,7 +400,8 @@ absl::Status Launch(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t s
   PagedIndexerWgmmaKernel<kStages, kFused, T>
       <<<grid, CtaThreads<kFused>(), kSmem, stream>>>(a, static_cast<int>(chunk), f);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
-    return absl::InternalError(absl::StrCat("paged indexer (wgmma) launch: ", cudaGetErrorString(e)));
+    return absl::InternalError(
+        absl::StrCat("paged indexer (wgmma) launch: ", cudaGetErrorString(e)));
   }
   return absl::OkStatus();
 }

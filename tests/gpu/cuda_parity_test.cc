@@ -439,8 +439,8 @@ TEST_F(CudaTest, ParityNoExplorationNoProbes) { RunScenario({StateDtype::kFp32, 
 // block), and the mid-step events (a layer selected again after its fused Observe, a policy
 // write, a reset). The scales' NaN and inf make non-finite logits (the bad-score count).
 TEST_F(CudaTest, ParityFusedIndexerEma) {
-  SPIN_REQUIRE_OR_SKIP(Sm90(), "the fused mode needs an sm_90 device (wgmma), this one is "
-                                   << DeviceArch());
+  SPIN_REQUIRE_OR_SKIP(
+      Sm90(), "the fused mode needs an sm_90 device (wgmma), this one is " << DeviceArch());
   for (const Scenario& sc : {Scenario{StateDtype::kFp32, 1, 0.5, 0.1, 3, true, true},
                              Scenario{StateDtype::kBf16, 1, 0.4, 0.05, 0, true, true},
                              Scenario{StateDtype::kBf16, 3, 0.6, 0.2, 4, true, true},
@@ -457,8 +457,8 @@ TEST_F(CudaTest, ParityFusedIndexerEma) {
 // eager fused mode equals the CPU reference: ParityFusedIndexerEma). MTP rows, probe steps, a
 // policy change in the middle.
 TEST_F(CudaTest, FusedStepInAGraphEqualsEager) {
-  SPIN_REQUIRE_OR_SKIP(Sm90(), "the fused mode needs an sm_90 device (wgmma), this one is "
-                                   << DeviceArch());
+  SPIN_REQUIRE_OR_SKIP(
+      Sm90(), "the fused mode needs an sm_90 device (wgmma), this one is " << DeviceArch());
   for (StateDtype dtype : {StateDtype::kBf16, StateDtype::kFp32}) {
     Geometry g;
     g.layers = 3;

@@ -343,7 +343,8 @@ int main(int argc, char** argv) {
     std::getline(f, admin_token);
   }
 
-  if (st->parsed() || hc->parsed() || ss->parsed() || pol->parsed() || bud->parsed() || sts->parsed()) {
+  if (st->parsed() || hc->parsed() || ss->parsed() || pol->parsed() || bud->parsed() ||
+      sts->parsed()) {
     if (target.empty()) target = "unix:///run/spin/spind.sock";
     ControlArgs ca{target, session_id, token, admin_token};
     if (st->parsed()) return CmdStatus(ca);
