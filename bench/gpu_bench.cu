@@ -212,6 +212,9 @@ struct Result {
   // plain_us - select_us is the indexer's own part, fused_us minus that is SPIN's.
   double fused_us = 0, plain_us = 0;
   double FusedSpin() const { return fused_us - (plain_us - select_us); }
+  // The fused sparse stage with the EMA warp's state loads 1 and 2 pages ahead (fused_us: 4,
+  // the default), when Plan::ahead_ab.
+  double fused_ahead1_us = 0, fused_ahead2_us = 0;
 };
 
 // wgmma accumulates fp8 products with fewer bits than fp32; a wrong layout gives differences
@@ -224,6 +227,7 @@ struct Plan {
   int wg_stages = 7;
   bool full = true;
   bool fused = false;  // also time the fused mode (when the sparse stage runs wgmma)
+  bool ahead_ab = false;  // and the fused mode with its EMA loads 1 and 2 pages ahead
 };
 
 // DeepSeek-V3.2's layer count: SPIN's graphs cover one whole decode step of this many layers.
@@ -456,6 +460,16 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
     r.plain_us = MedianGraphMs(g_plain, stream, reps) * 1e3 / Ls;
     cudaGraphExecDestroy(g_fused);
     cudaGraphExecDestroy(g_plain);
+    if (plan.ahead_ab) {
+      for (int ahead : {1, 2}) {
+        fa.ema_ahead = ahead;
+        cudaGraphExec_t g = Capture(stream, fused_step);
+        (ahead == 1 ? r.fused_ahead1_us : r.fused_ahead2_us) =
+            MedianGraphMs(g, stream, reps) * 1e3 / Ls;
+        cudaGraphExecDestroy(g);
+      }
+      fa.ema_ahead = FusedIndexerArgs{}.ema_ahead;
+    }
   }
   r.spin_us = MedianGraphMs(g_spin, stream, reps) * 1e3 / Ls;
   r.sparse_us = MedianGraphMs(g_sparse, stream, reps) * 1e3 / Ls;
@@ -508,6 +522,7 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
   plan.mma_stages = 0;
   plan.wg_stages = 5;
   plan.fused = true;
+  plan.ahead_ab = true;
   md +=
       "Fused mode against unfused, side by side in each row (wgmma indexer, 5 pages in flight; "
       "us per layer of a 61-layer step under CUDA graphs). Unfused: the indexer over SPIN's "
@@ -515,11 +530,13 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
       "row-0 EMA in its epilogue, then Probe). SPIN = the sparse stage less the plain sparse "
       "indexer's own time (a step of BeginStep + Select + indexer, less BeginStep + Select). "
       "Contexts: full (every entry SLOTS), ragged (entry e SLOTS - (7 e mod 64)); probe "
-      "period 8 staggered.\n\n"
+      "period 8 staggered. The fused columns load the EMA warp's state 4 pages ahead (the "
+      "default); the last column is fused SPIN/dense with those loads 1 and 2 pages ahead.\n\n"
       "| batch | slots | sparsity | state | contexts | probe period | dense us | "
       "unfused SPIN us | unfused SPIN/dense | unfused sparse/dense | fused SPIN us | "
-      "fused SPIN/dense | fused sparse/dense | indexer over SPIN's table us |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+      "fused SPIN/dense | fused sparse/dense | indexer over SPIN's table us | "
+      "fused SPIN/dense, loads 1 / 2 ahead |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   std::vector<Point> points = {
       {64, 128 << 10, 0.5, StateDtype::kBf16, 0, kFull},
       {64, 128 << 10, 0.5, StateDtype::kBf16, 0, kRagged},
@@ -540,14 +557,15 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
     const double idx = r.plain_us - r.select_us;
     std::snprintf(line, sizeof(line),
                   "| %d | %dK | %.1f | %s | %s | %u | %.1f | %.1f | %.3f | %.3f | %.1f | %.3f | "
-                  "%.3f | %.1f |\n",
+                  "%.3f | %.1f | %.3f / %.3f |\n",
                   pt.batch, pt.slots >> 10, pt.rho, pt.dtype == StateDtype::kFp32 ? "fp32" : "bf16",
                   pt.contexts == kRagged  ? "ragged"
                   : pt.contexts == kMixed ? "mixed"
                                           : "full",
                   pt.probe_period, r.dense_us, r.spin_us, r.spin_us / r.dense_us,
                   r.sparse_us / r.dense_us, r.FusedSpin(), r.FusedSpin() / r.dense_us,
-                  r.fused_us / r.dense_us, idx);
+                  r.fused_us / r.dense_us, idx, (r.fused_ahead1_us - idx) / r.dense_us,
+                  (r.fused_ahead2_us - idx) / r.dense_us);
     md += line;
     std::fprintf(stderr, "%s", line);
   }

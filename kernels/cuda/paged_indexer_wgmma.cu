@@ -39,6 +39,7 @@ struct FusedEma {
   int layer = 0;
 };
 
+
 constexpr int kThreads = 128;                         // one warpgroup (the MMA's threads)
 constexpr int kTileBytes = kPageSlots * kIndexerDim;  // 8 KB: 64 rows of 128 bytes
 constexpr int kScaleBytes = kPageSlots * 4;           // 256 B
@@ -95,20 +96,22 @@ struct EmaTarget {
   float alpha = 0, beta = 0;
 };
 
-// The EMA warp's two slots of a page's block (slots 2 lane + k), loaded one page ahead: V[i]
-// and, at or before the query, D[q - i] (i = base + 2 lane + k). Blocks differ from page to
-// page and the D offsets q - i of a row are distinct, so a load for page j + 1 never reads what
-// page j writes.
+// The EMA warp's two slots of a page's block (slots 2 lane + k): V[i] and, at or before the
+// query, D[q - i] (i = base + 2 lane + k), loaded kEmaAhead pages before the warp applies that
+// page (under a saturated memory system a load's latency is longer than one page of the CTA's
+// loop). Blocks differ from page to page and the D offsets q - i of a row are distinct, so a
+// load for a later page never reads what an earlier page writes.
 template <typename T>
 struct PairState {
   typename cuda_kernels::StateBits<T>::E v[2]{}, dv[2]{};
   bool has_v[2] = {false, false}, has_d[2] = {false, false};
 };
 template <typename T>
-__device__ __forceinline__ PairState<T> LoadPair(const EmaTarget<T>& x, const Dev& d, int block,
-                                                 int lane) {
+__device__ __forceinline__ PairState<T> LoadPair(const EmaTarget<T>& x, const Dev& d, bool page,
+                                                 int block, int lane) {
   using B = cuda_kernels::StateBits<T>;
   PairState<T> st;
+  if (!page) return st;  // past the chunk's last page
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const int i = block * kPageSlots + 2 * lane + k;
@@ -175,8 +178,16 @@ constexpr int CtaThreads() {
   return kFused ? kThreads + 32 : kThreads;
 }
 
-template <int kStages, bool kFused, typename T>
-__global__ void __launch_bounds__(CtaThreads<kFused>())
+// The fused mode keeps four CTAs per SM, as many as the shared memory of 4 or 5 stages allows:
+// at most 102 registers a thread in its 160-thread CTA (the plain kernel, 128 threads at 64
+// registers, needs no bound; giving it one changes its register allocation).
+template <bool kFused>
+constexpr int MinCtasPerSm() {
+  return kFused ? 4 : 1;
+}
+
+template <int kStages, bool kFused, typename T, int kEmaAhead>
+__global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
     PagedIndexerWgmmaKernel(PagedIndexerArgs a, int chunk, FusedEma f) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
@@ -248,10 +259,6 @@ __global__ void __launch_bounds__(CtaThreads<kFused>())
     }
   }
   __syncthreads();                          // page ids visible
-  const bool ema = kFused && !mma && x.on;  // this thread applies the EMA
-  PairState<T> next;  // the EMA warp: the state entries of the page it applies next
-  if (ema) next = LoadPair(x, f.d, s_block[0], lane);
-
   auto issue = [&](int i) {
     if (i < n && mma) {
       const uint8_t* page = a.kv + static_cast<int64_t>(page_s[i]) * kPageBytes;
@@ -271,81 +278,97 @@ __global__ void __launch_bounds__(CtaThreads<kFused>())
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) issue(i);
 
-  const uint64_t desc_q = Desc(q_s);
-  const int r0 = warp * 16 + g;  // this thread's slots in the page: r0 and r0 + 8
-  for (int i = 0; i < n; ++i) {
-    CpAsyncWait<kStages - 2>();  // this thread's copies of q and page i have landed
-    // cp.async writes are generic-proxy; wgmma reads shared memory through the async proxy.
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    // Everyone's copies of page i are visible, everyone is done with page i - 1 (whose stage
-    // the next copy reuses), and page i - 1's logits are in s_z for the EMA warp.
-    __syncthreads();
-    issue(i + kStages - 1);
+  // The warpgroup and the EMA warp run loops of their own, one barrier per page each, so that
+  // neither's registers are live in the other's: the EMA warp's ring of state loads never
+  // raises the warpgroup's register count (the CTAs per SM).
+  if (kFused && !mma) {
+    const bool ema = x.on;  // this warp applies the EMA
+    // The state entries of the pages it applies next: ahead[j] is page i - 1 + j's at the top
+    // of iteration i (a register ring: every index is a constant).
+    PairState<T> ahead[kEmaAhead > 0 ? kEmaAhead : 1];
     if (ema) {
-      if (i > 0) {
-        const PairState<T> cur = next;
-        next = LoadPair(x, f.d, s_block[i], lane);  // used at the next barrier
+#pragma unroll
+      for (int j = 0; j < kEmaAhead; ++j) {
+        ahead[j] = LoadPair(x, f.d, j < n, s_block[min(j, n - 1)], lane);
+      }
+    }
+    for (int i = 0; i < n; ++i) {
+      __syncthreads();  // the warpgroup's barrier of page i: page i - 1's logits are in s_z
+      issue(i + kStages - 1);  // no copies: keeps this warp's group count the warpgroup's
+      if (ema && i > 0) {
+        const PairState<T> cur = ahead[0];
+#pragma unroll
+        for (int j = 0; j + 1 < kEmaAhead; ++j) ahead[j] = ahead[j + 1];
+        const int nx = i - 1 + kEmaAhead;  // its loads are used kEmaAhead barriers from now
+        ahead[kEmaAhead - 1] = LoadPair(x, f.d, nx < n, s_block[min(nx, n - 1)], lane);
         PageEma(x, p0 + i - 1, s_block[i - 1], len, lane, s_z[(i - 1) & 1], cur, obs, bad);
       }
-      continue;
     }
-    if (!mma) continue;  // the fifth warp of a CTA whose row applies no EMA
-    const int s = i % kStages;
-    const uint64_t desc_k = Desc(k_s + s * kTileBytes);
-    float d[32];
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-    // k-step j: 32 bytes further along each 128-byte row (start address + 2 x 16 bytes).
-    WgmmaM64N64K32<0>(d, desc_k, desc_q);
-    WgmmaM64N64K32<1>(d, desc_k + 2, desc_q + 2);
-    WgmmaM64N64K32<1>(d, desc_k + 4, desc_q + 4);
-    WgmmaM64N64K32<1>(d, desc_k + 6, desc_q + 6);
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    FenceOperands(d);
-    // d[4j + 2i + c]: slot r0 + 8i, head 8j + 2t + c.
-    float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      s0 = __fmaf_rn(w[j][0], fmaxf(d[4 * j + 0], 0.0f), s0);
-      s0 = __fmaf_rn(w[j][1], fmaxf(d[4 * j + 1], 0.0f), s0);
-      s1 = __fmaf_rn(w[j][0], fmaxf(d[4 * j + 2], 0.0f), s1);
-      s1 = __fmaf_rn(w[j][1], fmaxf(d[4 * j + 3], 0.0f), s1);
-    }
-    // The quad (t = 0..3) holds all 64 heads of slots r0 and r0 + 8.
-    s0 += __shfl_xor_sync(0xFFFFFFFFu, s0, 1);
-    s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, 1);
-    s0 += __shfl_xor_sync(0xFFFFFFFFu, s0, 2);
-    s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, 2);
-    if (t < 2) {
-      const int kr = r0 + 8 * t;
-      const int slot = (p0 + i) * kPageSlots + kr;
-      const float z = (t == 0 ? s0 : s1) * scale_s[s * kPageSlots + kr];
-      // Fused mode: the lengths are SPIN's, the stride the caller's; a row longer than the
-      // stride is not written past it (Probe records the error, and the row is not applied).
-      if (slot < len && (!kFused || slot < a.logits_stride)) out[slot] = z;
-      if (kFused && x.on) s_z[i & 1][kr] = z;
-    }
-  }
-  if constexpr (kFused) {
-    if (x.on) {
+    if (ema) {
       __syncthreads();  // the last page's logits
-      if (ema) {
-        PageEma(x, p0 + n - 1, s_block[n - 1], len, lane, s_z[(n - 1) & 1], next, obs, bad);
-        obs = __reduce_add_sync(0xFFFFFFFFu, obs);
-        bad = __reduce_add_sync(0xFFFFFFFFu, bad);
-        if (lane == 0 && (obs | bad)) {
-          LayerStats* st = f.d.stats + f.layer;
-          if (obs) {
-            atomicAdd(reinterpret_cast<unsigned long long*>(&st->observed),
-                      static_cast<unsigned long long>(obs));
-          }
-          if (bad) {
-            atomicAdd(reinterpret_cast<unsigned long long*>(&st->bad_scores),
-                      static_cast<unsigned long long>(bad));
-          }
+      PageEma(x, p0 + n - 1, s_block[n - 1], len, lane, s_z[(n - 1) & 1], ahead[0], obs, bad);
+      obs = __reduce_add_sync(0xFFFFFFFFu, obs);
+      bad = __reduce_add_sync(0xFFFFFFFFu, bad);
+      if (lane == 0 && (obs | bad)) {
+        LayerStats* st = f.d.stats + f.layer;
+        if (obs) {
+          atomicAdd(reinterpret_cast<unsigned long long*>(&st->observed),
+                    static_cast<unsigned long long>(obs));
+        }
+        if (bad) {
+          atomicAdd(reinterpret_cast<unsigned long long*>(&st->bad_scores),
+                    static_cast<unsigned long long>(bad));
         }
       }
     }
+  } else {
+    const uint64_t desc_q = Desc(q_s);
+    const int r0 = warp * 16 + g;  // this thread's slots in the page: r0 and r0 + 8
+    for (int i = 0; i < n; ++i) {
+      CpAsyncWait<kStages - 2>();  // this thread's copies of q and page i have landed
+      // cp.async writes are generic-proxy; wgmma reads shared memory through the async proxy.
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      // Everyone's copies of page i are visible, everyone is done with page i - 1 (whose stage
+      // the next copy reuses), and page i - 1's logits are in s_z for the EMA warp.
+      __syncthreads();
+      issue(i + kStages - 1);
+      const int s = i % kStages;
+      const uint64_t desc_k = Desc(k_s + s * kTileBytes);
+      float d[32];
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+      // k-step j: 32 bytes further along each 128-byte row (start address + 2 x 16 bytes).
+      WgmmaM64N64K32<0>(d, desc_k, desc_q);
+      WgmmaM64N64K32<1>(d, desc_k + 2, desc_q + 2);
+      WgmmaM64N64K32<1>(d, desc_k + 4, desc_q + 4);
+      WgmmaM64N64K32<1>(d, desc_k + 6, desc_q + 6);
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      FenceOperands(d);
+      // d[4j + 2i + c]: slot r0 + 8i, head 8j + 2t + c.
+      float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        s0 = __fmaf_rn(w[j][0], fmaxf(d[4 * j + 0], 0.0f), s0);
+        s0 = __fmaf_rn(w[j][1], fmaxf(d[4 * j + 1], 0.0f), s0);
+        s1 = __fmaf_rn(w[j][0], fmaxf(d[4 * j + 2], 0.0f), s1);
+        s1 = __fmaf_rn(w[j][1], fmaxf(d[4 * j + 3], 0.0f), s1);
+      }
+      // The quad (t = 0..3) holds all 64 heads of slots r0 and r0 + 8.
+      s0 += __shfl_xor_sync(0xFFFFFFFFu, s0, 1);
+      s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, 1);
+      s0 += __shfl_xor_sync(0xFFFFFFFFu, s0, 2);
+      s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, 2);
+      if (t < 2) {
+        const int kr = r0 + 8 * t;
+        const int slot = (p0 + i) * kPageSlots + kr;
+        const float z = (t == 0 ? s0 : s1) * scale_s[s * kPageSlots + kr];
+        // Fused mode: the lengths are SPIN's, the stride the caller's; a row longer than the
+        // stride is not written past it (Probe records the error, and the row is not applied).
+        if (slot < len && (!kFused || slot < a.logits_stride)) out[slot] = z;
+        if (kFused && x.on) s_z[i & 1][kr] = z;
+      }
+    }
+    if (kFused && x.on) __syncthreads();  // the EMA warp's last page
   }
   CpAsyncWait<0>();
 #else
@@ -354,7 +377,7 @@ __global__ void __launch_bounds__(CtaThreads<kFused>())
 #endif
 }
 
-template <int kStages, bool kFused, typename T>
+template <int kStages, bool kFused, typename T, int kEmaAhead>
 absl::Status Launch(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t stream) {
   constexpr size_t kSmem = SmemBytes<kStages>();
   struct Config {
@@ -363,10 +386,10 @@ absl::Status Launch(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t s
   };
   static const Config cfg = [] {
     Config c{cudaSuccess, 0};
-    c.err = cudaFuncSetAttribute(PagedIndexerWgmmaKernel<kStages, kFused, T>,
+    c.err = cudaFuncSetAttribute(PagedIndexerWgmmaKernel<kStages, kFused, T, kEmaAhead>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (c.err == cudaSuccess) {
-      c.err = cudaFuncSetAttribute(PagedIndexerWgmmaKernel<kStages, kFused, T>,
+      c.err = cudaFuncSetAttribute(PagedIndexerWgmmaKernel<kStages, kFused, T, kEmaAhead>,
                                    cudaFuncAttributePreferredSharedMemoryCarveout,
                                    cudaSharedmemCarveoutMaxShared);
     }
@@ -375,7 +398,7 @@ absl::Status Launch(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t s
       c.err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
     if (c.err == cudaSuccess) {
       c.err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &per_sm, PagedIndexerWgmmaKernel<kStages, kFused, T>, CtaThreads<kFused>(), kSmem);
+          &per_sm, PagedIndexerWgmmaKernel<kStages, kFused, T, kEmaAhead>, CtaThreads<kFused>(), kSmem);
     }
     c.resident = std::max(1, sms * per_sm);
     return c;
@@ -397,7 +420,7 @@ absl::Status Launch(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t s
   }
   chunk = std::clamp<int64_t>(chunk, 1, kMaxChunk);
   const dim3 grid(static_cast<unsigned>((P + chunk - 1) / chunk), static_cast<unsigned>(rows));
-  PagedIndexerWgmmaKernel<kStages, kFused, T>
+  PagedIndexerWgmmaKernel<kStages, kFused, T, kEmaAhead>
       <<<grid, CtaThreads<kFused>(), kSmem, stream>>>(a, static_cast<int>(chunk), f);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
     return absl::InternalError(
@@ -422,35 +445,43 @@ absl::Status CheckSm90() {
   return absl::OkStatus();
 }
 
-template <bool kFused, typename T>
+template <bool kFused, typename T, int kEmaAhead>
 absl::Status LaunchStages(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t stream) {
   switch (std::clamp(a.stages, 4, 7)) {
     case 4:
-      return Launch<4, kFused, T>(a, f, stream);
+      return Launch<4, kFused, T, kEmaAhead>(a, f, stream);
     case 5:
-      return Launch<5, kFused, T>(a, f, stream);
+      return Launch<5, kFused, T, kEmaAhead>(a, f, stream);
     case 6:
-      return Launch<6, kFused, T>(a, f, stream);
+      return Launch<6, kFused, T, kEmaAhead>(a, f, stream);
     default:
-      return Launch<7, kFused, T>(a, f, stream);
+      return Launch<7, kFused, T, kEmaAhead>(a, f, stream);
   }
+}
+
+template <typename T>
+absl::Status LaunchFused(const PagedIndexerArgs& a, const FusedEma& f, int ahead,
+                         cudaStream_t stream) {
+  if (ahead <= 1) return LaunchStages<true, T, 1>(a, f, stream);
+  if (ahead <= 3) return LaunchStages<true, T, 2>(a, f, stream);
+  return LaunchStages<true, T, 4>(a, f, stream);
 }
 
 }  // namespace
 
 absl::Status LaunchPagedIndexerWgmma(const PagedIndexerArgs& a, cudaStream_t stream) {
   if (absl::Status s = CheckSm90(); !s.ok()) return s;
-  return LaunchStages<false, float>(a, FusedEma{}, stream);
+  return LaunchStages<false, float, 0>(a, FusedEma{}, stream);
 }
 
 absl::Status LaunchIndexerEma(const cuda_kernels::Dev& d, int layer, const PagedIndexerArgs& a,
-                              cudaStream_t stream) {
+                              int ema_ahead, cudaStream_t stream) {
   if (absl::Status s = CheckSm90(); !s.ok()) return s;
   FusedEma f;
   f.d = d;
   f.layer = layer;
-  return d.dtype_bytes == 2 ? LaunchStages<true, uint16_t>(a, f, stream)
-                            : LaunchStages<true, float>(a, f, stream);
+  return d.dtype_bytes == 2 ? LaunchFused<uint16_t>(a, f, ema_ahead, stream)
+                            : LaunchFused<float>(a, f, ema_ahead, stream);
 }
 
 }  // namespace spin::internal
