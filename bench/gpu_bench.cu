@@ -671,7 +671,8 @@ int main(int argc, char** argv) {
                    "usage: gpu_bench [--out FILE] [--quick] [--fused] "
                    "[--point BATCH,SLOTS,RHO,fp32|bf16[,PROBE_PERIOD[,MIXED]]]\n"
                    "Times the dense reference indexer, SPIN and the sparse stage on the GPU.\n"
-                   "--fused times only the fused-mode table: unfused and fused side by side.\n"
+                   "--fused times only the fused-mode table: unfused and fused side by side\n"
+                   "(with --point: that point, the fused mode too, 5 pages in flight).\n"
                    "--point measures one configuration (for profilers); PROBE_PERIOD 1 makes\n"
                    "every step a probe step of every sequence (default 0: none); with a period\n"
                    "P > 1 sequence e starts e mod P steps in, so each step has about BATCH / P\n"
@@ -697,6 +698,7 @@ int main(int argc, char** argv) {
     Plan point_plan;
     if (!wgmma_runs) point_plan.wg_stages = 0;
     point_plan.fused = fused_table;
+    if (fused_table) point_plan.wg_stages = 5;  // as the fused table runs it
     const Result r = Measure({pb, pn, prho, dt, pprobe, pmixed}, 4.5e12, point_plan, stream, 3);
     std::printf(
         "point: dense mma.sync %.1f us, wgmma %.1f us (%s, worst deviation %.2g of the row "

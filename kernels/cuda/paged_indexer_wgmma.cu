@@ -124,11 +124,11 @@ __device__ __forceinline__ PairState<T> LoadPair(const EmaTarget<T>& x, const De
 }
 
 // The EMA warp's work for one page (compacted block sg, logical block `block`): its two slots'
-// updates from the page's logits z (shared memory), then the block's V summary (NaN if any
+// updates from the page's logits z (its slots 2 lane and 2 lane + 1), then the block's V summary (NaN if any
 // entry is unset, else the largest; FloatKey maps -0 to +0, as VSummaryKernel writes it).
 template <typename T>
 __device__ __forceinline__ void PageEma(const EmaTarget<T>& x, int sg, int block, int len, int lane,
-                                        const float* z, const PairState<T>& st, unsigned& obs,
+                                        float2 z, const PairState<T>& st, unsigned& obs,
                                         unsigned& bad) {
   using B = cuda_kernels::StateBits<T>;
   const int cnt = min(kPageSlots, len - sg * kPageSlots);
@@ -139,7 +139,7 @@ __device__ __forceinline__ void PageEma(const EmaTarget<T>& x, int sg, int block
     const int kr = 2 * lane + k, i = block * kPageSlots + kr;
     float cur = B::Get(st.v[k]);
     if (kr < cnt) {
-      const float zk = z[kr];
+      const float zk = k == 0 ? z.x : z.y;
       if (!isfinite(zk)) {
         ++bad;
       } else {
@@ -171,11 +171,50 @@ __device__ __forceinline__ void PageEma(const EmaTarget<T>& x, int sg, int block
 }
 
 // One warpgroup computes the logits; in the fused mode a fifth warp (the EMA warp) applies the
-// EMA of page i - 1 while the warpgroup computes page i, from the logits the warpgroup left in
-// shared memory, between the same barriers: the EMA's latency runs beside the indexer's.
+// EMA from the logits the warpgroup leaves in a ring of kZBufs shared-memory buffers, at its own
+// pace: the two are coupled only through that ring (a full and an empty named barrier per
+// buffer), so the warpgroup waits for the EMA warp only when the EMA warp is kZBufs pages
+// behind, and the EMA warp takes no part in the warpgroup's per-page barrier.
 template <bool kFused>
 constexpr int CtaThreads() {
   return kFused ? kThreads + 32 : kThreads;
+}
+// Three buffers. Named barriers (0 is __syncthreads): 1, the warpgroup's per-page barrier in the
+// fused mode; 2 + b and 5 + b, buffer b's full (the warpgroup arrives, the EMA warp waits) and
+// empty (the reverse) barriers, for all 160 threads. Their ids are immediates, so the kernel
+// holds 8 of the SM's barriers (ids in registers would hold all 16, leaving room for two CTAs).
+constexpr int kZBufs = 3;
+constexpr int kBarWarpgroup = 1, kBarFull = 2, kBarEmpty = 2 + kZBufs;
+template <int kId, int kCount>
+__device__ __forceinline__ void BarSync() {
+  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kCount) : "memory");
+}
+template <int kId, int kCount>
+__device__ __forceinline__ void BarArrive() {
+  asm volatile("bar.arrive %0, %1;\n" ::"n"(kId), "n"(kCount) : "memory");
+}
+// Barrier kBase + b of buffer b (warp-uniform b < kZBufs).
+template <int kBase, int kCount>
+__device__ __forceinline__ void RingSync(int b) {
+  static_assert(kZBufs == 3);
+  if (b == 0) {
+    BarSync<kBase, kCount>();
+  } else if (b == 1) {
+    BarSync<kBase + 1, kCount>();
+  } else {
+    BarSync<kBase + 2, kCount>();
+  }
+}
+template <int kBase, int kCount>
+__device__ __forceinline__ void RingArrive(int b) {
+  static_assert(kZBufs == 3);
+  if (b == 0) {
+    BarArrive<kBase, kCount>();
+  } else if (b == 1) {
+    BarArrive<kBase + 1, kCount>();
+  } else {
+    BarArrive<kBase + 2, kCount>();
+  }
 }
 
 // The fused mode keeps four CTAs per SM, as many as the shared memory of 4 or 5 stages allows:
@@ -236,7 +275,7 @@ __global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
   float* out = a.logits + static_cast<int64_t>(row) * a.logits_stride;
   // Fused mode: row 0 of an entry whose row 0 Observe applies (the rule of every Observe kernel).
   EmaTarget<T> x;
-  __shared__ float s_z[2][kPageSlots];    // fused mode: pages i and i - 1's logits
+  __shared__ __align__(8) float s_z[kZBufs][kPageSlots];  // fused mode: page i's in i % kZBufs
   __shared__ int32_t s_block[kMaxChunk];  // fused mode: the chunk's logical blocks
   unsigned obs = 0, bad = 0;
   if constexpr (kFused) {
@@ -260,7 +299,7 @@ __global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
   }
   __syncthreads();                          // page ids visible
   auto issue = [&](int i) {
-    if (i < n && mma) {
+    if (i < n) {
       const uint8_t* page = a.kv + static_cast<int64_t>(page_s[i]) * kPageBytes;
       const int s = i % kStages;
       const uint32_t dst = k_s + s * kTileBytes;
@@ -275,100 +314,105 @@ __global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
     }
     CpAsyncCommit();  // an empty group past the end keeps the wait count uniform
   };
+
+  // The warpgroup and the EMA warp run loops of their own, so that neither's registers are live
+  // in the other's: the EMA warp's ring of state loads never raises the warpgroup's register
+  // count (the CTAs per SM).
+  if (kFused && !mma) {
+    if (!x.on) return;  // a row whose Observe applies no EMA: the warpgroup alone
+    // The state entries of the pages it applies next: ahead[j] is page i + j's at the top of
+    // iteration i (a register ring: every index is a constant).
+    PairState<T> ahead[kEmaAhead > 0 ? kEmaAhead : 1];
+#pragma unroll
+    for (int j = 0; j < kEmaAhead; ++j) {
+      ahead[j] = LoadPair(x, f.d, j < n, s_block[min(j, n - 1)], lane);
+    }
+    constexpr int kCta = CtaThreads<kFused>();
+    for (int i = 0, zb = 0; i < n; ++i, zb = zb + 1 == kZBufs ? 0 : zb + 1) {
+      RingSync<kBarFull, kCta>(zb);  // page i's logits are in s_z[zb]
+      const float2 z = *reinterpret_cast<const float2*>(&s_z[zb][2 * lane]);
+      // The warpgroup may write page i + kZBufs's logits there (none waits past the last page).
+      if (i + kZBufs < n) RingArrive<kBarEmpty, kCta>(zb);
+      const PairState<T> cur = ahead[0];
+#pragma unroll
+      for (int j = 0; j + 1 < kEmaAhead; ++j) ahead[j] = ahead[j + 1];
+      const int nx = i + kEmaAhead;  // its loads are used kEmaAhead pages from now
+      ahead[kEmaAhead - 1] = LoadPair(x, f.d, nx < n, s_block[min(nx, n - 1)], lane);
+      PageEma(x, p0 + i, s_block[i], len, lane, z, cur, obs, bad);
+    }
+    obs = __reduce_add_sync(0xFFFFFFFFu, obs);
+    bad = __reduce_add_sync(0xFFFFFFFFu, bad);
+    if (lane == 0 && (obs | bad)) {
+      LayerStats* st = f.d.stats + f.layer;
+      if (obs) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(&st->observed),
+                  static_cast<unsigned long long>(obs));
+      }
+      if (bad) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(&st->bad_scores),
+                  static_cast<unsigned long long>(bad));
+      }
+    }
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) issue(i);
-
-  // The warpgroup and the EMA warp run loops of their own, one barrier per page each, so that
-  // neither's registers are live in the other's: the EMA warp's ring of state loads never
-  // raises the warpgroup's register count (the CTAs per SM).
-  if (kFused && !mma) {
-    const bool ema = x.on;  // this warp applies the EMA
-    // The state entries of the pages it applies next: ahead[j] is page i - 1 + j's at the top
-    // of iteration i (a register ring: every index is a constant).
-    PairState<T> ahead[kEmaAhead > 0 ? kEmaAhead : 1];
-    if (ema) {
-#pragma unroll
-      for (int j = 0; j < kEmaAhead; ++j) {
-        ahead[j] = LoadPair(x, f.d, j < n, s_block[min(j, n - 1)], lane);
-      }
-    }
-    for (int i = 0; i < n; ++i) {
-      __syncthreads();  // the warpgroup's barrier of page i: page i - 1's logits are in s_z
-      issue(i + kStages - 1);  // no copies: keeps this warp's group count the warpgroup's
-      if (ema && i > 0) {
-        const PairState<T> cur = ahead[0];
-#pragma unroll
-        for (int j = 0; j + 1 < kEmaAhead; ++j) ahead[j] = ahead[j + 1];
-        const int nx = i - 1 + kEmaAhead;  // its loads are used kEmaAhead barriers from now
-        ahead[kEmaAhead - 1] = LoadPair(x, f.d, nx < n, s_block[min(nx, n - 1)], lane);
-        PageEma(x, p0 + i - 1, s_block[i - 1], len, lane, s_z[(i - 1) & 1], cur, obs, bad);
-      }
-    }
-    if (ema) {
-      __syncthreads();  // the last page's logits
-      PageEma(x, p0 + n - 1, s_block[n - 1], len, lane, s_z[(n - 1) & 1], ahead[0], obs, bad);
-      obs = __reduce_add_sync(0xFFFFFFFFu, obs);
-      bad = __reduce_add_sync(0xFFFFFFFFu, bad);
-      if (lane == 0 && (obs | bad)) {
-        LayerStats* st = f.d.stats + f.layer;
-        if (obs) {
-          atomicAdd(reinterpret_cast<unsigned long long*>(&st->observed),
-                    static_cast<unsigned long long>(obs));
-        }
-        if (bad) {
-          atomicAdd(reinterpret_cast<unsigned long long*>(&st->bad_scores),
-                    static_cast<unsigned long long>(bad));
-        }
-      }
-    }
-  } else {
-    const uint64_t desc_q = Desc(q_s);
-    const int r0 = warp * 16 + g;  // this thread's slots in the page: r0 and r0 + 8
-    for (int i = 0; i < n; ++i) {
-      CpAsyncWait<kStages - 2>();  // this thread's copies of q and page i have landed
-      // cp.async writes are generic-proxy; wgmma reads shared memory through the async proxy.
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      // Everyone's copies of page i are visible, everyone is done with page i - 1 (whose stage
-      // the next copy reuses), and page i - 1's logits are in s_z for the EMA warp.
+  const uint64_t desc_q = Desc(q_s);
+  const int r0 = warp * 16 + g;  // this thread's slots in the page: r0 and r0 + 8
+  int zb = 0;                    // fused mode: page i's logits buffer, i % kZBufs
+  for (int i = 0; i < n; ++i) {
+    CpAsyncWait<kStages - 2>();  // this thread's copies of q and page i have landed
+    // cp.async writes are generic-proxy; wgmma reads shared memory through the async proxy.
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    // Everyone's copies of page i are visible, and everyone is done with page i - 1 (whose
+    // stage the next copy reuses).
+    if constexpr (kFused) {
+      BarSync<kBarWarpgroup, kThreads>();
+    } else {
       __syncthreads();
-      issue(i + kStages - 1);
-      const int s = i % kStages;
-      const uint64_t desc_k = Desc(k_s + s * kTileBytes);
-      float d[32];
-      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-      // k-step j: 32 bytes further along each 128-byte row (start address + 2 x 16 bytes).
-      WgmmaM64N64K32<0>(d, desc_k, desc_q);
-      WgmmaM64N64K32<1>(d, desc_k + 2, desc_q + 2);
-      WgmmaM64N64K32<1>(d, desc_k + 4, desc_q + 4);
-      WgmmaM64N64K32<1>(d, desc_k + 6, desc_q + 6);
-      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-      FenceOperands(d);
-      // d[4j + 2i + c]: slot r0 + 8i, head 8j + 2t + c.
-      float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        s0 = __fmaf_rn(w[j][0], fmaxf(d[4 * j + 0], 0.0f), s0);
-        s0 = __fmaf_rn(w[j][1], fmaxf(d[4 * j + 1], 0.0f), s0);
-        s1 = __fmaf_rn(w[j][0], fmaxf(d[4 * j + 2], 0.0f), s1);
-        s1 = __fmaf_rn(w[j][1], fmaxf(d[4 * j + 3], 0.0f), s1);
-      }
-      // The quad (t = 0..3) holds all 64 heads of slots r0 and r0 + 8.
-      s0 += __shfl_xor_sync(0xFFFFFFFFu, s0, 1);
-      s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, 1);
-      s0 += __shfl_xor_sync(0xFFFFFFFFu, s0, 2);
-      s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, 2);
-      if (t < 2) {
-        const int kr = r0 + 8 * t;
-        const int slot = (p0 + i) * kPageSlots + kr;
-        const float z = (t == 0 ? s0 : s1) * scale_s[s * kPageSlots + kr];
-        // Fused mode: the lengths are SPIN's, the stride the caller's; a row longer than the
-        // stride is not written past it (Probe records the error, and the row is not applied).
-        if (slot < len && (!kFused || slot < a.logits_stride)) out[slot] = z;
-        if (kFused && x.on) s_z[i & 1][kr] = z;
-      }
     }
-    if (kFused && x.on) __syncthreads();  // the EMA warp's last page
+    issue(i + kStages - 1);
+    const int s = i % kStages;
+    const uint64_t desc_k = Desc(k_s + s * kTileBytes);
+    float d[32];
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    // k-step j: 32 bytes further along each 128-byte row (start address + 2 x 16 bytes).
+    WgmmaM64N64K32<0>(d, desc_k, desc_q);
+    WgmmaM64N64K32<1>(d, desc_k + 2, desc_q + 2);
+    WgmmaM64N64K32<1>(d, desc_k + 4, desc_q + 4);
+    WgmmaM64N64K32<1>(d, desc_k + 6, desc_q + 6);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    FenceOperands(d);
+    // d[4j + 2i + c]: slot r0 + 8i, head 8j + 2t + c.
+    float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      s0 = __fmaf_rn(w[j][0], fmaxf(d[4 * j + 0], 0.0f), s0);
+      s0 = __fmaf_rn(w[j][1], fmaxf(d[4 * j + 1], 0.0f), s0);
+      s1 = __fmaf_rn(w[j][0], fmaxf(d[4 * j + 2], 0.0f), s1);
+      s1 = __fmaf_rn(w[j][1], fmaxf(d[4 * j + 3], 0.0f), s1);
+    }
+    // The quad (t = 0..3) holds all 64 heads of slots r0 and r0 + 8.
+    s0 += __shfl_xor_sync(0xFFFFFFFFu, s0, 1);
+    s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, 1);
+    s0 += __shfl_xor_sync(0xFFFFFFFFu, s0, 2);
+    s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, 2);
+    const int kr = r0 + 8 * t;
+    const float z = t < 2 ? (t == 0 ? s0 : s1) * scale_s[s * kPageSlots + kr] : 0.0f;
+    if (t < 2) {
+      const int slot = (p0 + i) * kPageSlots + kr;
+      // Fused mode: the lengths are SPIN's, the stride the caller's; a row longer than the
+      // stride is not written past it (Probe records the error, and the row is not applied).
+      if (slot < len && (!kFused || slot < a.logits_stride)) out[slot] = z;
+    }
+    if (kFused && x.on) {  // hand page i's logits to the EMA warp
+      constexpr int kCta = CtaThreads<kFused>();
+      if (i >= kZBufs) RingSync<kBarEmpty, kCta>(zb);  // it is done with page i - kZBufs
+      if (t < 2) s_z[zb][kr] = z;
+      RingArrive<kBarFull, kCta>(zb);
+    }
+    zb = zb + 1 == kZBufs ? 0 : zb + 1;
   }
   CpAsyncWait<0>();
 #else
