@@ -212,14 +212,18 @@ struct Result {
   // plain_us - select_us is the indexer's own part, fused_us minus that is SPIN's.
   double fused_us = 0, plain_us = 0;
   double FusedSpin() const { return fused_us - (plain_us - select_us); }
-  // The fused sparse stage with the EMA warp's state loads 1 and 2 pages ahead (fused_us: 4,
-  // the default), when Plan::ahead_ab.
-  double fused_ahead1_us = 0, fused_ahead2_us = 0;
+  // The fused sparse stage with other EMA settings (kFusedVariants; fused_us has the
+  // defaults), when Plan::variants.
+  double fused_variant_us[3] = {0, 0, 0};
 };
 
 // wgmma accumulates fp8 products with fewer bits than fp32; a wrong layout gives differences
 // of the order of the logits themselves.
 constexpr double kAgreeLimit = 1e-2;
+
+// The fused mode's EMA settings timed beside the defaults (FusedIndexerArgs: ema_warps 2,
+// ema_ahead 4): {warps, ahead}.
+constexpr int kFusedVariants[3][2] = {{1, 4}, {2, 1}, {2, 2}};
 
 // Which kernels to time (stages; 0: not timed) and whether to time SPIN and the sparse stage.
 struct Plan {
@@ -227,7 +231,7 @@ struct Plan {
   int wg_stages = 7;
   bool full = true;
   bool fused = false;  // also time the fused mode (when the sparse stage runs wgmma)
-  bool ahead_ab = false;  // and the fused mode with its EMA loads 1 and 2 pages ahead
+  bool variants = false;  // and the fused mode with the EMA settings of kFusedVariants
 };
 
 // DeepSeek-V3.2's layer count: SPIN's graphs cover one whole decode step of this many layers.
@@ -460,14 +464,15 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
     r.plain_us = MedianGraphMs(g_plain, stream, reps) * 1e3 / Ls;
     cudaGraphExecDestroy(g_fused);
     cudaGraphExecDestroy(g_plain);
-    if (plan.ahead_ab) {
-      for (int ahead : {1, 2}) {
-        fa.ema_ahead = ahead;
+    if (plan.variants) {
+      for (int v = 0; v < 3; ++v) {
+        fa.ema_warps = kFusedVariants[v][0];
+        fa.ema_ahead = kFusedVariants[v][1];
         cudaGraphExec_t g = Capture(stream, fused_step);
-        (ahead == 1 ? r.fused_ahead1_us : r.fused_ahead2_us) =
-            MedianGraphMs(g, stream, reps) * 1e3 / Ls;
+        r.fused_variant_us[v] = MedianGraphMs(g, stream, reps) * 1e3 / Ls;
         cudaGraphExecDestroy(g);
       }
+      fa.ema_warps = FusedIndexerArgs{}.ema_warps;
       fa.ema_ahead = FusedIndexerArgs{}.ema_ahead;
     }
   }
@@ -522,7 +527,7 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
   plan.mma_stages = 0;
   plan.wg_stages = 5;
   plan.fused = true;
-  plan.ahead_ab = true;
+  plan.variants = true;
   md +=
       "Fused mode against unfused, side by side in each row (wgmma indexer, 5 pages in flight; "
       "us per layer of a 61-layer step under CUDA graphs). Unfused: the indexer over SPIN's "
@@ -530,12 +535,13 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
       "row-0 EMA in its epilogue, then Probe). SPIN = the sparse stage less the plain sparse "
       "indexer's own time (a step of BeginStep + Select + indexer, less BeginStep + Select). "
       "Contexts: full (every entry SLOTS), ragged (entry e SLOTS - (7 e mod 64)); probe "
-      "period 8 staggered. The fused columns load the EMA warp's state 4 pages ahead (the "
-      "default); the last column is fused SPIN/dense with those loads 1 and 2 pages ahead.\n\n"
+      "period 8 staggered. The fused columns run the defaults (two EMA warps, each loading its "
+      "state 4 of its pages ahead); the last column is fused SPIN/dense with one EMA warp "
+      "(loads 4 ahead) / two EMA warps, loads 1 ahead / two, loads 2 ahead.\n\n"
       "| batch | slots | sparsity | state | contexts | probe period | dense us | "
       "unfused SPIN us | unfused SPIN/dense | unfused sparse/dense | fused SPIN us | "
       "fused SPIN/dense | fused sparse/dense | indexer over SPIN's table us | "
-      "fused SPIN/dense, loads 1 / 2 ahead |\n"
+      "fused SPIN/dense, 1 warp / 2 warps 1 ahead / 2 warps 2 ahead |\n"
       "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   std::vector<Point> points = {
       {64, 128 << 10, 0.5, StateDtype::kBf16, 0, kFull},
@@ -557,15 +563,15 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
     const double idx = r.plain_us - r.select_us;
     std::snprintf(line, sizeof(line),
                   "| %d | %dK | %.1f | %s | %s | %u | %.1f | %.1f | %.3f | %.3f | %.1f | %.3f | "
-                  "%.3f | %.1f | %.3f / %.3f |\n",
+                  "%.3f | %.1f | %.3f / %.3f / %.3f |\n",
                   pt.batch, pt.slots >> 10, pt.rho, pt.dtype == StateDtype::kFp32 ? "fp32" : "bf16",
                   pt.contexts == kRagged  ? "ragged"
                   : pt.contexts == kMixed ? "mixed"
                                           : "full",
                   pt.probe_period, r.dense_us, r.spin_us, r.spin_us / r.dense_us,
                   r.sparse_us / r.dense_us, r.FusedSpin(), r.FusedSpin() / r.dense_us,
-                  r.fused_us / r.dense_us, idx, (r.fused_ahead1_us - idx) / r.dense_us,
-                  (r.fused_ahead2_us - idx) / r.dense_us);
+                  r.fused_us / r.dense_us, idx, (r.fused_variant_us[0] - idx) / r.dense_us,
+                  (r.fused_variant_us[1] - idx) / r.dense_us, (r.fused_variant_us[2] - idx) / r.dense_us);
     md += line;
     std::fprintf(stderr, "%s", line);
   }

@@ -170,63 +170,56 @@ __device__ __forceinline__ void PageEma(const EmaTarget<T>& x, int sg, int block
   }
 }
 
-// One warpgroup computes the logits; in the fused mode a fifth warp (the EMA warp) applies the
-// EMA from the logits the warpgroup leaves in a ring of kZBufs shared-memory buffers, at its own
-// pace: the two are coupled only through that ring (a full and an empty named barrier per
-// buffer), so the warpgroup waits for the EMA warp only when the EMA warp is kZBufs pages
-// behind, and the EMA warp takes no part in the warpgroup's per-page barrier.
-template <bool kFused>
+// One warpgroup computes the logits; in the fused mode kEmaWarps more warps (the EMA warps;
+// warp 4 + e takes pages e, e + kEmaWarps, ...) apply the EMA from the logits the warpgroup
+// leaves in a ring of kZBufs shared-memory buffers, at their own pace: the two sides are
+// coupled only through that ring, a full and an empty mbarrier per buffer, so the warpgroup
+// waits for the EMA warps only when they are kZBufs pages behind, and they take no part in the
+// warpgroup's per-page barrier.
+template <int kEmaWarps>
 constexpr int CtaThreads() {
-  return kFused ? kThreads + 32 : kThreads;
+  return kThreads + 32 * kEmaWarps;
 }
-// Three buffers. Named barriers (0 is __syncthreads): 1, the warpgroup's per-page barrier in the
-// fused mode; 2 + b and 5 + b, buffer b's full (the warpgroup arrives, the EMA warp waits) and
-// empty (the reverse) barriers, for all 160 threads. Their ids are immediates, so the kernel
-// holds 8 of the SM's barriers (ids in registers would hold all 16, leaving room for two CTAs).
-constexpr int kZBufs = 3;
-constexpr int kBarWarpgroup = 1, kBarFull = 2, kBarEmpty = 2 + kZBufs;
-template <int kId, int kCount>
-__device__ __forceinline__ void BarSync() {
-  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kCount) : "memory");
+constexpr int kZBufs = 4;  // page i's logits are in buffer i % 4 (the use's parity: (i / 4) % 2)
+// The warpgroup's own per-page barrier in the fused mode (0 is __syncthreads).
+constexpr int kBarWarpgroup = 1;
+
+// mbarrier operations on shared memory (CTA scope): arrive releases this thread's earlier
+// accesses, and a completed wait acquires those of every thread that arrived in that phase.
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-template <int kId, int kCount>
-__device__ __forceinline__ void BarArrive() {
-  asm volatile("bar.arrive %0, %1;\n" ::"n"(kId), "n"(kCount) : "memory");
+__device__ __forceinline__ void MbarInit(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddr(bar)), "r"(count)
+               : "memory");
 }
-// Barrier kBase + b of buffer b (warp-uniform b < kZBufs).
-template <int kBase, int kCount>
-__device__ __forceinline__ void RingSync(int b) {
-  static_assert(kZBufs == 3);
-  if (b == 0) {
-    BarSync<kBase, kCount>();
-  } else if (b == 1) {
-    BarSync<kBase + 1, kCount>();
-  } else {
-    BarSync<kBase + 2, kCount>();
-  }
+__device__ __forceinline__ void MbarArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(SmemAddr(bar)) : "memory");
 }
-template <int kBase, int kCount>
-__device__ __forceinline__ void RingArrive(int b) {
-  static_assert(kZBufs == 3);
-  if (b == 0) {
-    BarArrive<kBase, kCount>();
-  } else if (b == 1) {
-    BarArrive<kBase + 1, kCount>();
-  } else {
-    BarArrive<kBase + 2, kCount>();
-  }
+// Waits until the phase of parity `parity` has completed.
+__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(SmemAddr(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
 }
 
 // The fused mode keeps four CTAs per SM, as many as the shared memory of 4 or 5 stages allows:
-// at most 102 registers a thread in its 160-thread CTA (the plain kernel, 128 threads at 64
-// registers, needs no bound; giving it one changes its register allocation).
+// at most 102 registers a thread in a 160-thread CTA, 85 in a 192-thread one (the plain kernel,
+// 128 threads at 64 registers, needs no bound; giving it one changes its register allocation).
 template <bool kFused>
 constexpr int MinCtasPerSm() {
   return kFused ? 4 : 1;
 }
 
-template <int kStages, bool kFused, typename T, int kEmaAhead>
-__global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
+template <int kStages, bool kFused, typename T, int kEmaAhead, int kEmaWarps>
+__global__ void __launch_bounds__(CtaThreads<kEmaWarps>(), MinCtasPerSm<kFused>())
     PagedIndexerWgmmaKernel(PagedIndexerArgs a, int chunk, FusedEma f) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
@@ -276,6 +269,7 @@ __global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
   // Fused mode: row 0 of an entry whose row 0 Observe applies (the rule of every Observe kernel).
   EmaTarget<T> x;
   __shared__ __align__(8) float s_z[kZBufs][kPageSlots];  // fused mode: page i's in i % kZBufs
+  __shared__ uint64_t s_full[kZBufs], s_empty[kZBufs];     // fused mode: the ring's mbarriers
   __shared__ int32_t s_block[kMaxChunk];  // fused mode: the chunk's logical blocks
   unsigned obs = 0, bad = 0;
   if constexpr (kFused) {
@@ -296,8 +290,12 @@ __global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
         if (tid < n) s_block[tid] = ids[p0 + tid];
       }
     }
+    if (tid < kZBufs) {
+      MbarInit(&s_full[tid], kThreads);  // the warpgroup's threads arrive
+      MbarInit(&s_empty[tid], 32);       // the lanes of the EMA warp that read it arrive
+    }
   }
-  __syncthreads();                          // page ids visible
+  __syncthreads();  // page ids and the mbarriers visible
   auto issue = [&](int i) {
     if (i < n) {
       const uint8_t* page = a.kv + static_cast<int64_t>(page_s[i]) * kPageBytes;
@@ -320,23 +318,24 @@ __global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
   // count (the CTAs per SM).
   if (kFused && !mma) {
     if (!x.on) return;  // a row whose Observe applies no EMA: the warpgroup alone
-    // The state entries of the pages it applies next: ahead[j] is page i + j's at the top of
-    // iteration i (a register ring: every index is a constant).
+    const int ew = warp - kThreads / 32;  // this EMA warp takes pages ew, ew + kEmaWarps, ...
+    // The state entries of its pages to come: ahead[j] is page i + j kEmaWarps's at the top of
+    // the iteration for page i (a register ring: every index is a constant).
     PairState<T> ahead[kEmaAhead > 0 ? kEmaAhead : 1];
 #pragma unroll
     for (int j = 0; j < kEmaAhead; ++j) {
-      ahead[j] = LoadPair(x, f.d, j < n, s_block[min(j, n - 1)], lane);
+      const int pj = ew + j * kEmaWarps;
+      ahead[j] = LoadPair(x, f.d, pj < n, s_block[min(pj, n - 1)], lane);
     }
-    constexpr int kCta = CtaThreads<kFused>();
-    for (int i = 0, zb = 0; i < n; ++i, zb = zb + 1 == kZBufs ? 0 : zb + 1) {
-      RingSync<kBarFull, kCta>(zb);  // page i's logits are in s_z[zb]
+    for (int i = ew; i < n; i += kEmaWarps) {
+      const int zb = i % kZBufs;
+      MbarWait(&s_full[zb], (i / kZBufs) & 1);  // page i's logits are in s_z[zb]
       const float2 z = *reinterpret_cast<const float2*>(&s_z[zb][2 * lane]);
-      // The warpgroup may write page i + kZBufs's logits there (none waits past the last page).
-      if (i + kZBufs < n) RingArrive<kBarEmpty, kCta>(zb);
+      MbarArrive(&s_empty[zb]);  // the warpgroup may write page i + kZBufs's there
       const PairState<T> cur = ahead[0];
 #pragma unroll
       for (int j = 0; j + 1 < kEmaAhead; ++j) ahead[j] = ahead[j + 1];
-      const int nx = i + kEmaAhead;  // its loads are used kEmaAhead pages from now
+      const int nx = i + kEmaAhead * kEmaWarps;  // its loads are used kEmaAhead rounds from now
       ahead[kEmaAhead - 1] = LoadPair(x, f.d, nx < n, s_block[min(nx, n - 1)], lane);
       PageEma(x, p0 + i, s_block[i], len, lane, z, cur, obs, bad);
     }
@@ -359,7 +358,6 @@ __global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
   for (int i = 0; i < kStages - 1; ++i) issue(i);
   const uint64_t desc_q = Desc(q_s);
   const int r0 = warp * 16 + g;  // this thread's slots in the page: r0 and r0 + 8
-  int zb = 0;                    // fused mode: page i's logits buffer, i % kZBufs
   for (int i = 0; i < n; ++i) {
     CpAsyncWait<kStages - 2>();  // this thread's copies of q and page i have landed
     // cp.async writes are generic-proxy; wgmma reads shared memory through the async proxy.
@@ -367,7 +365,7 @@ __global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
     // Everyone's copies of page i are visible, and everyone is done with page i - 1 (whose
     // stage the next copy reuses).
     if constexpr (kFused) {
-      BarSync<kBarWarpgroup, kThreads>();
+      asm volatile("bar.sync %0, %1;\n" ::"n"(kBarWarpgroup), "n"(kThreads) : "memory");
     } else {
       __syncthreads();
     }
@@ -406,13 +404,14 @@ __global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
       // stride is not written past it (Probe records the error, and the row is not applied).
       if (slot < len && (!kFused || slot < a.logits_stride)) out[slot] = z;
     }
-    if (kFused && x.on) {  // hand page i's logits to the EMA warp
-      constexpr int kCta = CtaThreads<kFused>();
-      if (i >= kZBufs) RingSync<kBarEmpty, kCta>(zb);  // it is done with page i - kZBufs
+    if (kFused && x.on) {  // hand page i's logits to its EMA warp
+      const int zb = i % kZBufs;
+      // Its EMA warp is done with page i - kZBufs (that use of the buffer had parity
+      // (i / kZBufs - 1) & 1).
+      if (i >= kZBufs) MbarWait(&s_empty[zb], ((i / kZBufs) & 1) ^ 1);
       if (t < 2) s_z[zb][kr] = z;
-      RingArrive<kBarFull, kCta>(zb);
+      MbarArrive(&s_full[zb]);
     }
-    zb = zb + 1 == kZBufs ? 0 : zb + 1;
   }
   CpAsyncWait<0>();
 #else
@@ -421,7 +420,7 @@ __global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
 #endif
 }
 
-template <int kStages, bool kFused, typename T, int kEmaAhead>
+template <int kStages, bool kFused, typename T, int kEmaAhead, int kEmaWarps>
 absl::Status Launch(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t stream) {
   constexpr size_t kSmem = SmemBytes<kStages>();
   struct Config {
@@ -430,10 +429,10 @@ absl::Status Launch(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t s
   };
   static const Config cfg = [] {
     Config c{cudaSuccess, 0};
-    c.err = cudaFuncSetAttribute(PagedIndexerWgmmaKernel<kStages, kFused, T, kEmaAhead>,
+    c.err = cudaFuncSetAttribute(PagedIndexerWgmmaKernel<kStages, kFused, T, kEmaAhead, kEmaWarps>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (c.err == cudaSuccess) {
-      c.err = cudaFuncSetAttribute(PagedIndexerWgmmaKernel<kStages, kFused, T, kEmaAhead>,
+      c.err = cudaFuncSetAttribute(PagedIndexerWgmmaKernel<kStages, kFused, T, kEmaAhead, kEmaWarps>,
                                    cudaFuncAttributePreferredSharedMemoryCarveout,
                                    cudaSharedmemCarveoutMaxShared);
     }
@@ -442,7 +441,7 @@ absl::Status Launch(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t s
       c.err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
     if (c.err == cudaSuccess) {
       c.err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &per_sm, PagedIndexerWgmmaKernel<kStages, kFused, T, kEmaAhead>, CtaThreads<kFused>(), kSmem);
+          &per_sm, PagedIndexerWgmmaKernel<kStages, kFused, T, kEmaAhead, kEmaWarps>, CtaThreads<kEmaWarps>(), kSmem);
     }
     c.resident = std::max(1, sms * per_sm);
     return c;
@@ -464,8 +463,8 @@ absl::Status Launch(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t s
   }
   chunk = std::clamp<int64_t>(chunk, 1, kMaxChunk);
   const dim3 grid(static_cast<unsigned>((P + chunk - 1) / chunk), static_cast<unsigned>(rows));
-  PagedIndexerWgmmaKernel<kStages, kFused, T, kEmaAhead>
-      <<<grid, CtaThreads<kFused>(), kSmem, stream>>>(a, static_cast<int>(chunk), f);
+  PagedIndexerWgmmaKernel<kStages, kFused, T, kEmaAhead, kEmaWarps>
+      <<<grid, CtaThreads<kEmaWarps>(), kSmem, stream>>>(a, static_cast<int>(chunk), f);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
     return absl::InternalError(
         absl::StrCat("paged indexer (wgmma) launch: ", cudaGetErrorString(e)));
@@ -489,43 +488,49 @@ absl::Status CheckSm90() {
   return absl::OkStatus();
 }
 
-template <bool kFused, typename T, int kEmaAhead>
+template <bool kFused, typename T, int kEmaAhead, int kEmaWarps>
 absl::Status LaunchStages(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t stream) {
   switch (std::clamp(a.stages, 4, 7)) {
     case 4:
-      return Launch<4, kFused, T, kEmaAhead>(a, f, stream);
+      return Launch<4, kFused, T, kEmaAhead, kEmaWarps>(a, f, stream);
     case 5:
-      return Launch<5, kFused, T, kEmaAhead>(a, f, stream);
+      return Launch<5, kFused, T, kEmaAhead, kEmaWarps>(a, f, stream);
     case 6:
-      return Launch<6, kFused, T, kEmaAhead>(a, f, stream);
+      return Launch<6, kFused, T, kEmaAhead, kEmaWarps>(a, f, stream);
     default:
-      return Launch<7, kFused, T, kEmaAhead>(a, f, stream);
+      return Launch<7, kFused, T, kEmaAhead, kEmaWarps>(a, f, stream);
   }
 }
 
+template <typename T, int kEmaWarps>
+absl::Status LaunchFusedWarps(const PagedIndexerArgs& a, const FusedEma& f, int ahead,
+                              cudaStream_t stream) {
+  if (ahead <= 1) return LaunchStages<true, T, 1, kEmaWarps>(a, f, stream);
+  if (ahead <= 3) return LaunchStages<true, T, 2, kEmaWarps>(a, f, stream);
+  return LaunchStages<true, T, 4, kEmaWarps>(a, f, stream);
+}
 template <typename T>
-absl::Status LaunchFused(const PagedIndexerArgs& a, const FusedEma& f, int ahead,
+absl::Status LaunchFused(const PagedIndexerArgs& a, const FusedEma& f, int ahead, int warps,
                          cudaStream_t stream) {
-  if (ahead <= 1) return LaunchStages<true, T, 1>(a, f, stream);
-  if (ahead <= 3) return LaunchStages<true, T, 2>(a, f, stream);
-  return LaunchStages<true, T, 4>(a, f, stream);
+  return warps >= 2 ? LaunchFusedWarps<T, 2>(a, f, ahead, stream)
+                    : LaunchFusedWarps<T, 1>(a, f, ahead, stream);
 }
 
 }  // namespace
 
 absl::Status LaunchPagedIndexerWgmma(const PagedIndexerArgs& a, cudaStream_t stream) {
   if (absl::Status s = CheckSm90(); !s.ok()) return s;
-  return LaunchStages<false, float, 0>(a, FusedEma{}, stream);
+  return LaunchStages<false, float, 0, 0>(a, FusedEma{}, stream);
 }
 
 absl::Status LaunchIndexerEma(const cuda_kernels::Dev& d, int layer, const PagedIndexerArgs& a,
-                              int ema_ahead, cudaStream_t stream) {
+                              int ema_ahead, int ema_warps, cudaStream_t stream) {
   if (absl::Status s = CheckSm90(); !s.ok()) return s;
   FusedEma f;
   f.d = d;
   f.layer = layer;
-  return d.dtype_bytes == 2 ? LaunchFused<uint16_t>(a, f, ema_ahead, stream)
-                            : LaunchFused<float>(a, f, ema_ahead, stream);
+  return d.dtype_bytes == 2 ? LaunchFused<uint16_t>(a, f, ema_ahead, ema_warps, stream)
+                            : LaunchFused<float>(a, f, ema_ahead, ema_warps, stream);
 }
 
 }  // namespace spin::internal
