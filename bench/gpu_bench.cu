@@ -12,6 +12,7 @@
 // a model step does, so its state does not stay in L2 either and BeginStep is paid once per
 // step rather than once per layer. Prints a Markdown table (and writes it to --out FILE).
 #include <cuda_runtime.h>
+#include <nvtx3/nvToolsExt.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -212,18 +213,11 @@ struct Result {
   // plain_us - select_us is the indexer's own part, fused_us minus that is SPIN's.
   double fused_us = 0, plain_us = 0;
   double FusedSpin() const { return fused_us - (plain_us - select_us); }
-  // The fused sparse stage with other EMA settings (kFusedVariants; fused_us has the
-  // defaults), when Plan::variants.
-  double fused_variant_us[3] = {0, 0, 0};
 };
 
 // wgmma accumulates fp8 products with fewer bits than fp32; a wrong layout gives differences
 // of the order of the logits themselves.
 constexpr double kAgreeLimit = 1e-2;
-
-// The fused mode's EMA settings timed beside the defaults (FusedIndexerArgs: ema_warps 2,
-// ema_ahead 4): {warps, ahead}.
-constexpr int kFusedVariants[3][2] = {{1, 4}, {2, 1}, {2, 2}};
 
 // Which kernels to time (stages; 0: not timed) and whether to time SPIN and the sparse stage.
 struct Plan {
@@ -231,7 +225,6 @@ struct Plan {
   int wg_stages = 7;
   bool full = true;
   bool fused = false;  // also time the fused mode (when the sparse stage runs wgmma)
-  bool variants = false;  // and the fused mode with the EMA settings of kFusedVariants
 };
 
 // DeepSeek-V3.2's layer count: SPIN's graphs cover one whole decode step of this many layers.
@@ -464,17 +457,17 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
     r.plain_us = MedianGraphMs(g_plain, stream, reps) * 1e3 / Ls;
     cudaGraphExecDestroy(g_fused);
     cudaGraphExecDestroy(g_plain);
-    if (plan.variants) {
-      for (int v = 0; v < 3; ++v) {
-        fa.ema_warps = kFusedVariants[v][0];
-        fa.ema_ahead = kFusedVariants[v][1];
-        cudaGraphExec_t g = Capture(stream, fused_step);
-        r.fused_variant_us[v] = MedianGraphMs(g, stream, reps) * 1e3 / Ls;
-        cudaGraphExecDestroy(g);
-      }
-      fa.ema_warps = FusedIndexerArgs{}.ema_warps;
-      fa.ema_ahead = FusedIndexerArgs{}.ema_ahead;
-    }
+    // One eager layer of each over the same compacted table, in NVTX ranges for profilers
+    // (ncu --nvtx --nvtx-include sparse-plain/ or fused/): the plain indexer, then the fused mode.
+    CHECK_OK(dp.BeginStep(batch, stream));
+    CHECK_OK(dp.Select(0, layer_table(0), P, stream));
+    nvtxRangePushA("sparse-plain");
+    CHECK_OK(LaunchPagedIndexer(sparse, stream));
+    nvtxRangePop();
+    nvtxRangePushA("fused");
+    CHECK_OK(IndexAndObserve(dp, 0, fa, stream));
+    nvtxRangePop();
+    CHECK_CUDA(cudaStreamSynchronize(stream));
   }
   r.spin_us = MedianGraphMs(g_spin, stream, reps) * 1e3 / Ls;
   r.sparse_us = MedianGraphMs(g_sparse, stream, reps) * 1e3 / Ls;
@@ -527,7 +520,6 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
   plan.mma_stages = 0;
   plan.wg_stages = 5;
   plan.fused = true;
-  plan.variants = true;
   md +=
       "Fused mode against unfused, side by side in each row (wgmma indexer, 5 pages in flight; "
       "us per layer of a 61-layer step under CUDA graphs). Unfused: the indexer over SPIN's "
@@ -535,14 +527,11 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
       "row-0 EMA in its epilogue, then Probe). SPIN = the sparse stage less the plain sparse "
       "indexer's own time (a step of BeginStep + Select + indexer, less BeginStep + Select). "
       "Contexts: full (every entry SLOTS), ragged (entry e SLOTS - (7 e mod 64)); probe "
-      "period 8 staggered. The fused columns run the defaults (two EMA warps, each loading its "
-      "state 4 of its pages ahead); the last column is fused SPIN/dense with one EMA warp "
-      "(loads 4 ahead) / two EMA warps, loads 1 ahead / two, loads 2 ahead.\n\n"
+      "period 8 staggered.\n\n"
       "| batch | slots | sparsity | state | contexts | probe period | dense us | "
       "unfused SPIN us | unfused SPIN/dense | unfused sparse/dense | fused SPIN us | "
-      "fused SPIN/dense | fused sparse/dense | indexer over SPIN's table us | "
-      "fused SPIN/dense, 1 warp / 2 warps 1 ahead / 2 warps 2 ahead |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+      "fused SPIN/dense | fused sparse/dense | indexer over SPIN's table us |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   std::vector<Point> points = {
       {64, 128 << 10, 0.5, StateDtype::kBf16, 0, kFull},
       {64, 128 << 10, 0.5, StateDtype::kBf16, 0, kRagged},
@@ -563,15 +552,14 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
     const double idx = r.plain_us - r.select_us;
     std::snprintf(line, sizeof(line),
                   "| %d | %dK | %.1f | %s | %s | %u | %.1f | %.1f | %.3f | %.3f | %.1f | %.3f | "
-                  "%.3f | %.1f | %.3f / %.3f / %.3f |\n",
+                  "%.3f | %.1f |\n",
                   pt.batch, pt.slots >> 10, pt.rho, pt.dtype == StateDtype::kFp32 ? "fp32" : "bf16",
                   pt.contexts == kRagged  ? "ragged"
                   : pt.contexts == kMixed ? "mixed"
                                           : "full",
                   pt.probe_period, r.dense_us, r.spin_us, r.spin_us / r.dense_us,
                   r.sparse_us / r.dense_us, r.FusedSpin(), r.FusedSpin() / r.dense_us,
-                  r.fused_us / r.dense_us, idx, (r.fused_variant_us[0] - idx) / r.dense_us,
-                  (r.fused_variant_us[1] - idx) / r.dense_us, (r.fused_variant_us[2] - idx) / r.dense_us);
+                  r.fused_us / r.dense_us, idx);
     md += line;
     std::fprintf(stderr, "%s", line);
   }

@@ -229,8 +229,6 @@ class Twin {
         f.logits_stride = stride_;
         f.stages = 4 + step % 4;
         f.chunk_pages = step % 3 == 2 ? 3 : 0;  // several CTAs per row, and the automatic chunk
-        f.ema_ahead = 1 << ((step + l) % 3);     // 1, 2 and 4: more pages ahead than a chunk has
-        f.ema_warps = 1 + (step / 3 + l) % 2;    // one and two EMA warps
         const absl::Status st = IndexAndObserve(*gpu_, l, f);
         ASSERT_TRUE(st.ok()) << st;
         logits = ToHost(d_logits_->as<float>(), logits.size());

@@ -58,11 +58,6 @@ struct FusedIndexerArgs {
   int64_t logits_stride = 0;
   int32_t stages = 5;       ///< pages in each CTA's ring, [4, 7]
   int32_t chunk_pages = 0;  ///< pages per CTA; 0 chooses
-  /// Pages whose state the EMA warp loads before it applies them: 1, 2 or 4 (others round
-  /// down to one of these; at most 1 is 1).
-  int32_t ema_ahead = 4;
-  /// Warps that apply the EMA beside the indexer's warpgroup: 1 or 2.
-  int32_t ema_warps = 2;
 };
 
 /// The fused mode (docs/cuda-backend.md, "Fused mode"; sm_90a): in place of the engine's indexer
