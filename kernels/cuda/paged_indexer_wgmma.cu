@@ -46,6 +46,12 @@ constexpr int kScaleBytes = kPageSlots * 4;           // 256 B
 constexpr int kMaxChunk = 64;                         // pages per CTA (the table copy in smem)
 constexpr int kChunkTarget = 48;                      // automatic chunks stay at or below this
 
+template <int kStages>
+constexpr size_t SmemBytes() {
+  // q tile, key tiles, scales, the chunk's page ids, and up to 1 KB to align the tiles.
+  return kTileBytes * (1 + kStages) + kScaleBytes * kStages + kMaxChunk * 4 + 1024;
+}
+
 // Shared-memory matrix descriptor for a K-major tile with the 128-byte swizzle: start address
 // (bits 0-13, in 16-byte units), leading byte offset (bits 16-29; not used by this layout, 1),
 // stride byte offset (bits 32-45: 1024 bytes between groups of 8 rows), layout 1 = 128B swizzle
@@ -84,130 +90,173 @@ template <typename T>
 struct EmaTarget {
   bool on = false;
   int q = 0;
-  int dpar = 0;  // the parity of D's first entry in 4-byte words (bf16: max_slots odd)
+  int dpar = 0;  // D's first entry's parity in words of two entries (max_slots odd)
   T* v = nullptr;
   T* dd = nullptr;
   float* vsum = nullptr;
   float alpha = 0, beta = 0;
 };
 
-// The fused mode's state ring: per stage, the page's 64 V entries and the 4-byte words covering
-// its D range, copied with the page's keys (the same cp.async group), so the state's latency is
-// hidden like the keys'. 512 bytes a stage (fp32: 256 + 256; bf16: 128 + 33 words).
-constexpr int kStateStageBytes = 512;
-constexpr int kStateDOffset = 256;  // D words' offset in a stage
-
-template <int kStages, bool kFused>
-constexpr size_t SmemBytes() {
-  // q tile, key tiles, scales, the chunk's page ids, the fused mode's state ring, and up to
-  // 1 KB to align the tiles.
-  return kTileBytes * (1 + kStages) + kScaleBytes * kStages + kMaxChunk * 4 +
-         (kFused ? kStateStageBytes * kStages : 0) + 1024;
-}
-
-// A 4-byte cp.async of which the first src_bytes (2 or 4) are read, the rest zero.
-__device__ __forceinline__ void CpAsync4(uint32_t dst, const void* gmem, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem),
-               "r"(src_bytes)
-               : "memory");
-}
-
-// A page's D range: the offsets q - i of its slots i = base + t (t < 64) at or before the query,
-// [jhi - tmax, jhi], and the first entry `wlo` of the 4-byte words covering it (jlo, or
-// jlo - 1 for bf16 when jlo does not start a word). Empty (tmax < 0) past the query.
-struct PageDRange {
-  int jhi, tmax, wlo;
+// The EMA warp's two slots of a page's block (slots 2 lane + k): V[i] and, at or before the
+// query, D[q - i] (i = base + 2 lane + k), loaded kEmaAhead pages before the warp applies that
+// page (under a saturated memory system a load's latency is longer than one page of the CTA's
+// loop). Blocks differ from page to page and the D offsets q - i of a row are distinct, so a
+// load for a later page never reads what an earlier page writes.
+template <typename T>
+struct PairState {
+  typename cuda_kernels::StateBits<T>::E v[2]{}, dv[2]{};
+  bool has_v[2] = {false, false}, has_d[2] = {false, false};
 };
-template <typename T>
-__device__ __forceinline__ PageDRange PageDRangeOf(int base, int q, int dpar) {
-  PageDRange r;
-  r.jhi = q - base;
-  r.tmax = min(r.jhi, kPageSlots - 1);
-  const int jlo = r.jhi - r.tmax;
-  r.wlo = sizeof(T) == 2 ? jlo - ((dpar + jlo) & 1) : jlo;
-  return r;
-}
-
-// The fused mode's copies of page `block`'s state into stage `st`: V[base .. base + 63] as
-// 4-byte words (bf16 pairs or fp32 entries), threads 0-63, and D's words over the page's D
-// range, threads 64-127; no entry at or past max_slots is read (a word's second bf16 half past
-// it is not read).
-template <typename T>
-__device__ __forceinline__ void CopyPageState(const EmaTarget<T>& x, const Dev& d, int block,
-                                              uint32_t st, int tid) {
-  constexpr int kPer = 4 / static_cast<int>(sizeof(T));  // entries per word
-  const int base = block * kPageSlots;
-  if (tid < kPageSlots / kPer) {
-    const int j = base + kPer * tid;
-    if (j < d.max_slots) {
-      CpAsync4(st + 4 * tid, x.v + j, kPer == 2 && j + 1 >= d.max_slots ? 2 : 4);
+// With kWord, a pair of entries that lies in one aligned word is one word access: V's pair
+// always (i0 = base + 2 lane is even and V starts a word), D's pair (offsets q - i0 - 1 and
+// q - i0) when q - i0 - 1 starts a word of D (x.dpar: D's first entry's parity).
+template <typename T, bool kWord>
+__device__ __forceinline__ PairState<T> LoadPair(const EmaTarget<T>& x, const Dev& d, bool page,
+                                                 int block, int lane) {
+  using B = cuda_kernels::StateBits<T>;
+  PairState<T> st;
+  if (!page) return st;  // past the chunk's last page
+  const int i0 = block * kPageSlots + 2 * lane;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    st.has_v[k] = i0 + k < d.max_slots;
+    st.has_d[k] = st.has_v[k] && i0 + k <= x.q;
+  }
+  if (kWord) {
+    cuda_kernels::LoadEntries(x.v, i0, st.has_v[0], st.has_v[1], st.v[0], st.v[1]);
+    const int o1 = x.q - i0 - 1;  // slot i0 + 1's offset; slot i0's is o1 + 1
+    if (st.has_d[1] && ((x.dpar + o1) & 1) == 0) {
+      B::LoadWord(x.dd + o1, st.dv[1], st.dv[0]);
+    } else {
+      if (st.has_d[0]) st.dv[0] = B::Load(x.dd + (o1 + 1));
+      if (st.has_d[1]) st.dv[1] = B::Load(x.dd + o1);
     }
-  } else if (tid >= 64) {
-    const PageDRange r = PageDRangeOf<T>(base, x.q, x.dpar);
-    const int w = tid - 64, j = r.wlo + kPer * w;  // the word's first entry
-    if (r.tmax >= 0 && j <= r.jhi) {
-      // bf16: a word may start at -1 (V's last entry, in the record) and end at max_slots.
-      CpAsync4(st + kStateDOffset + 4 * w, x.dd + j, kPer == 2 && j + 1 >= d.max_slots ? 2 : 4);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      if (st.has_v[k]) st.v[k] = B::Load(x.v + i0 + k);
+      if (st.has_d[k]) st.dv[k] = B::Load(x.dd + (x.q - i0 - k));
     }
   }
+  return st;
 }
 
-// The fused mode's EMA of one slot (compacted page i of the chunk, logical block `block`, slot
-// kr of the page) from its logit z and the state the ring holds for it; updates the V summary's
-// key and unset flag of this thread, and the observed and non-finite counts.
-template <typename T>
-__device__ __forceinline__ void SlotEma(const EmaTarget<T>& x, const Dev& d, const uint8_t* st,
-                                        int block, int kr, bool scored, float z, unsigned& key,
-                                        unsigned& unset, unsigned& obs, unsigned& bad) {
+// The EMA warp's work for one page (compacted block sg, logical block `block`): its two slots'
+// updates from the page's logits z (its slots 2 lane and 2 lane + 1), then the block's V summary (NaN if any
+// entry is unset, else the largest; FloatKey maps -0 to +0, as VSummaryKernel writes it).
+template <typename T, bool kWord>
+__device__ __forceinline__ void PageEma(const EmaTarget<T>& x, int sg, int block, int len, int lane,
+                                        float2 z, const PairState<T>& st, unsigned& obs,
+                                        unsigned& bad) {
   using B = cuda_kernels::StateBits<T>;
   using E = typename B::E;
-  const int base = block * kPageSlots, i = base + kr;
-  if (i >= d.max_slots) return;  // past the state: not part of the block
-  float cur = B::Get(reinterpret_cast<const E*>(st)[kr]);
-  if (scored) {
-    if (!isfinite(z)) {
-      ++bad;
-    } else {
-      ++obs;
-      const float bz = ScaledScore(z, x.beta);
-      const E nv = B::Put(EmaUpdateScaled(cur, z, x.alpha, bz));
-      B::Store(x.v + i, nv);
-      cur = B::Get(nv);
-      if (i <= x.q) {  // D[q - i]: the slot is at or before the query
-        const PageDRange r = PageDRangeOf<T>(base, x.q, x.dpar);
-        const E dv = reinterpret_cast<const E*>(st + kStateDOffset)[x.q - i - r.wlo];
-        B::Store(x.dd + (x.q - i), B::Put(EmaUpdateScaled(B::Get(dv), z, x.alpha, bz)));
+  const int cnt = min(kPageSlots, len - sg * kPageSlots);
+  const int i0 = block * kPageSlots + 2 * lane;
+  unsigned key = 0, unset = 0;
+  E nv[2] = {st.v[0], st.v[1]}, nd[2] = {st.dv[0], st.dv[1]};  // new entries, else the old
+  bool vch[2] = {false, false}, dch[2] = {false, false};      // changed
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    if (!st.has_v[k]) continue;
+    float cur = B::Get(st.v[k]);
+    if (2 * lane + k < cnt) {
+      const float zk = k == 0 ? z.x : z.y;
+      if (!isfinite(zk)) {
+        ++bad;
+      } else {
+        ++obs;
+        const float bz = ScaledScore(zk, x.beta);
+        nv[k] = B::Put(EmaUpdateScaled(cur, zk, x.alpha, bz));
+        vch[k] = true;
+        cur = B::Get(nv[k]);
+        if (st.has_d[k]) {  // D[q - i]: the slot is at or before the query
+          nd[k] = B::Put(EmaUpdateScaled(B::Get(st.dv[k]), zk, x.alpha, bz));
+          dch[k] = true;
+        }
       }
     }
+    if (cur != cur) {
+      unset = 1;
+    } else {
+      const unsigned kk = cuda_kernels::FloatKey(cur);  // above 0 for every float
+      key = kk > key ? kk : key;
+    }
   }
-  if (cur != cur) {
-    unset = 1;
+  // The stores. A word holding a changed entry is written whole, its other entry with the bits
+  // read (each V and D entry of the row has one owner, this lane).
+  const int o1 = x.q - i0 - 1;  // slot i0 + 1's D offset; slot i0's is o1 + 1
+  if (kWord && st.has_v[1]) {
+    if (vch[0] || vch[1]) B::StoreWord(x.v + i0, nv[0], nv[1]);
   } else {
-    const unsigned kk = cuda_kernels::FloatKey(cur);  // above 0 for every float
-    key = kk > key ? kk : key;
+    if (vch[0]) B::Store(x.v + i0, nv[0]);
+    if (vch[1]) B::Store(x.v + i0 + 1, nv[1]);
+  }
+  if (kWord && st.has_d[1] && ((x.dpar + o1) & 1) == 0) {
+    if (dch[0] || dch[1]) B::StoreWord(x.dd + o1, nd[1], nd[0]);
+  } else {
+    if (dch[0]) B::Store(x.dd + (o1 + 1), nd[0]);
+    if (dch[1]) B::Store(x.dd + o1, nd[1]);
+  }
+  key = __reduce_max_sync(0xFFFFFFFFu, key);
+  unset = __reduce_or_sync(0xFFFFFFFFu, unset);
+  if (lane == 0) {
+    const uint32_t bits = (key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key;
+    x.vsum[block] = unset      ? __int_as_float(0x7FC00000)
+                    : key == 0 ? -INFINITY
+                               : __uint_as_float(bits);
   }
 }
 
-// The V summary of a block from its largest key and unset flag (NaN if any entry is unset, else
-// the largest; FloatKey maps -0 to +0, as VSummaryKernel writes it).
-__device__ __forceinline__ float SummaryOf(unsigned key, unsigned unset) {
-  const uint32_t bits = (key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key;
-  return unset ? __int_as_float(0x7FC00000) : key == 0 ? -INFINITY : __uint_as_float(bits);
+// One warpgroup computes the logits; in the fused mode kEmaWarps more warps (the EMA warps;
+// warp 4 + e takes pages e, e + kEmaWarps, ...) apply the EMA from the logits the warpgroup
+// leaves in a ring of kZBufs shared-memory buffers, at their own pace: the two sides are
+// coupled only through that ring, a full and an empty mbarrier per buffer, so the warpgroup
+// waits for the EMA warps only when they are kZBufs pages behind, and they take no part in the
+// warpgroup's per-page barrier.
+template <int kEmaWarps>
+constexpr int CtaThreads() {
+  return kThreads + 32 * kEmaWarps;
+}
+constexpr int kZBufs = 4;  // page i's logits are in buffer i % 4 (the use's parity: (i / 4) % 2)
+// The warpgroup's own per-page barrier in the fused mode (0 is __syncthreads).
+constexpr int kBarWarpgroup = 1;
+
+// mbarrier operations on shared memory (CTA scope): arrive releases this thread's earlier
+// accesses, and a completed wait acquires those of every thread that arrived in that phase.
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void MbarInit(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddr(bar)), "r"(count)
+               : "memory");
+}
+__device__ __forceinline__ void MbarArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(SmemAddr(bar)) : "memory");
+}
+// Waits until the phase of parity `parity` has completed.
+__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(SmemAddr(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
 }
 
-// The fused mode keeps four CTAs per SM, as many as the shared memory of 4 or 5 stages allows
-// (the plain kernel, at 64 registers, needs no bound; giving it one changes its allocation).
+// The fused mode keeps four CTAs per SM, as many as the shared memory of 4 or 5 stages allows:
+// at most 102 registers a thread in a 160-thread CTA, 85 in a 192-thread one (the plain kernel,
+// 128 threads at 64 registers, needs no bound; giving it one changes its register allocation).
 template <bool kFused>
 constexpr int MinCtasPerSm() {
   return kFused ? 4 : 1;
 }
 
-// One warpgroup per CTA. In the fused mode (row 0 of an applied entry) the same threads apply
-// the EMA in the epilogue: each page's state arrives in the ring with its keys, the thread that
-// holds slot kr's logit updates V and D from it and stores them, the warps' V summary keys meet
-// in shared memory, and thread 0 writes the block's summary after the next barrier.
-template <int kStages, bool kFused, typename T>
-__global__ void __launch_bounds__(kThreads, MinCtasPerSm<kFused>())
+template <int kStages, bool kFused, typename T, int kEmaWarps, bool kWord>
+__global__ void __launch_bounds__(CtaThreads<kEmaWarps>(), MinCtasPerSm<kFused>())
     PagedIndexerWgmmaKernel(PagedIndexerArgs a, int chunk, FusedEma f) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
@@ -220,27 +269,28 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm<kFused>())
   if (len <= 0 || p0 >= pages) return;
   const int n = min(p0 + chunk, pages) - p0;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  // The warpgroup (in the fused mode warp 4 is the EMA warp; the plain kernel has no other).
+  const bool mma = !kFused || tid < kThreads;
 
-  // Layout: [q tile][kStages key tiles] (1024-aligned), [kStages x 64 scales], [chunk page ids],
-  // fused mode: [kStages state stages].
+  // Layout: [q tile][kStages key tiles] (1024-aligned), [kStages x 64 scales], [chunk page ids].
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t q_s = (raw + 1023u) & ~1023u;
   const uint32_t k_s = q_s + kTileBytes;
   uint8_t* const base = smem_raw + (q_s - raw);
   float* const scale_s = reinterpret_cast<float*>(base + kTileBytes * (1 + kStages));
   int32_t* const page_s = reinterpret_cast<int32_t*>(scale_s + kStages * kPageSlots);
-  uint8_t* const state_s = reinterpret_cast<uint8_t*>(page_s + kMaxChunk);
   const uint32_t scale_a = q_s + kTileBytes * (1 + kStages);
-  const uint32_t state_a = scale_a + kScaleBytes * kStages + kMaxChunk * 4;
 
   const int32_t* table = a.table + seq * a.table_stride + p0;
   if (tid < n) page_s[tid] = table[tid];
   // q: 512 chunks of 16 bytes, 4 per thread, into the swizzled layout (head h = chunk / 8).
   const uint8_t* q = a.q + static_cast<int64_t>(row) * kIndexerHeads * kIndexerDim;
+  if (mma) {
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int x = tid + j * kThreads, h = x / 8, c = x % 8;
-    CpAsync16(q_s + h * 128 + ((c ^ (h % 8)) << 4), q + x * 16);
+    for (int j = 0; j < 4; ++j) {
+      const int x = tid + j * kThreads, h = x / 8, c = x % 8;
+      CpAsync16(q_s + h * 128 + ((c ^ (h % 8)) << 4), q + x * 16);
+    }
   }
   CpAsyncCommit();
   // This thread's 16 head weights: heads 8j + 2t + {0, 1} (its accumulator columns).
@@ -255,8 +305,9 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm<kFused>())
   float* out = a.logits + static_cast<int64_t>(row) * a.logits_stride;
   // Fused mode: row 0 of an entry whose row 0 Observe applies (the rule of every Observe kernel).
   EmaTarget<T> x;
-  __shared__ int32_t s_block[kMaxChunk];           // fused mode: the chunk's logical blocks
-  __shared__ unsigned s_key[kStages], s_unset[kStages];  // fused mode: page summaries, by stage
+  __shared__ __align__(8) float s_z[kZBufs][kPageSlots];  // fused mode: page i's in i % kZBufs
+  __shared__ uint64_t s_full[kZBufs], s_empty[kZBufs];     // fused mode: the ring's mbarriers
+  __shared__ int32_t s_block[kMaxChunk];  // fused mode: the chunk's logical blocks
   unsigned obs = 0, bad = 0;
   if constexpr (kFused) {
     const Dev& d = f.d;
@@ -267,9 +318,9 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm<kFused>())
       x.on = cuda_kernels::RowApplied(seq, d.batch->n, en.seq, 0, d.batch->rows, 1, fit);
       if (x.on) {
         x.q = en.q_pos;
-        x.dpar = sizeof(T) == 2 ? (d.max_slots & 1) : 0;
         x.v = reinterpret_cast<T*>(d.Record(en.seq, f.layer));
         x.dd = x.v + d.max_slots;
+        x.dpar = d.max_slots & 1;
         x.vsum = d.VSum(en.seq, f.layer);
         x.alpha = d.policy->alpha;
         x.beta = d.policy->beta;
@@ -277,10 +328,12 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm<kFused>())
         if (tid < n) s_block[tid] = ids[p0 + tid];
       }
     }
-    if (tid < kStages) s_key[tid] = s_unset[tid] = 0;
+    if (tid < kZBufs) {
+      MbarInit(&s_full[tid], kThreads);  // the warpgroup's threads arrive
+      MbarInit(&s_empty[tid], 32);       // the lanes of the EMA warp that read it arrive
+    }
   }
-  __syncthreads();  // page ids (and the fused mode's blocks) visible
-
+  __syncthreads();  // page ids and the mbarriers visible
   auto issue = [&](int i) {
     if (i < n) {
       const uint8_t* page = a.kv + static_cast<int64_t>(page_s[i]) * kPageBytes;
@@ -294,23 +347,54 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm<kFused>())
       if (tid < kScaleBytes / 16) {
         CpAsync16(scale_a + s * kScaleBytes + tid * 16, page + kTileBytes + tid * 16);
       }
-      if (kFused && x.on) CopyPageState(x, f.d, s_block[i], state_a + s * kStateStageBytes, tid);
     }
     CpAsyncCommit();  // an empty group past the end keeps the wait count uniform
   };
-  // The fused mode's summary of page j (stage j % kStages), by thread 0 after the barrier that
-  // follows every warp's contribution; the stage's key is cleared for its next page.
-  auto summary = [&](int j) {
-    if (kFused && x.on && tid == 0) {
-      const int s = j % kStages;
-      x.vsum[s_block[j]] = SummaryOf(s_key[s], s_unset[s]);
-      s_key[s] = 0;
-      s_unset[s] = 0;
+
+  // The warpgroup and the EMA warp run loops of their own, so that neither's registers are live
+  // in the other's: the EMA warp's ring of state loads never raises the warpgroup's register
+  // count (the CTAs per SM).
+  if (kFused && !mma) {
+    if (!x.on) return;  // a row whose Observe applies no EMA: the warpgroup alone
+    const int ew = warp - kThreads / 32;  // this EMA warp takes pages ew, ew + kEmaWarps, ...
+    // The state entries of its pages to come: ahead[j] is page i + j kEmaWarps's at the top of
+    // the iteration for page i (a register ring: every index is a constant).
+    constexpr int kEmaAhead = 4;
+    PairState<T> ahead[kEmaAhead];
+#pragma unroll
+    for (int j = 0; j < kEmaAhead; ++j) {
+      const int pj = ew + j * kEmaWarps;
+      ahead[j] = LoadPair<T, kWord>(x, f.d, pj < n, s_block[min(pj, n - 1)], lane);
     }
-  };
+    for (int i = ew; i < n; i += kEmaWarps) {
+      const int zb = i % kZBufs;
+      MbarWait(&s_full[zb], (i / kZBufs) & 1);  // page i's logits are in s_z[zb]
+      const float2 z = *reinterpret_cast<const float2*>(&s_z[zb][2 * lane]);
+      MbarArrive(&s_empty[zb]);  // the warpgroup may write page i + kZBufs's there
+      const PairState<T> cur = ahead[0];
+#pragma unroll
+      for (int j = 0; j + 1 < kEmaAhead; ++j) ahead[j] = ahead[j + 1];
+      const int nx = i + kEmaAhead * kEmaWarps;  // its loads are used kEmaAhead rounds from now
+      ahead[kEmaAhead - 1] = LoadPair<T, kWord>(x, f.d, nx < n, s_block[min(nx, n - 1)], lane);
+      PageEma<T, kWord>(x, p0 + i, s_block[i], len, lane, z, cur, obs, bad);
+    }
+    obs = __reduce_add_sync(0xFFFFFFFFu, obs);
+    bad = __reduce_add_sync(0xFFFFFFFFu, bad);
+    if (lane == 0 && (obs | bad)) {
+      LayerStats* st = f.d.stats + f.layer;
+      if (obs) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(&st->observed),
+                  static_cast<unsigned long long>(obs));
+      }
+      if (bad) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(&st->bad_scores),
+                  static_cast<unsigned long long>(bad));
+      }
+    }
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) issue(i);
-
   const uint64_t desc_q = Desc(q_s);
   const int r0 = warp * 16 + g;  // this thread's slots in the page: r0 and r0 + 8
   for (int i = 0; i < n; ++i) {
@@ -318,9 +402,12 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm<kFused>())
     // cp.async writes are generic-proxy; wgmma reads shared memory through the async proxy.
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     // Everyone's copies of page i are visible, and everyone is done with page i - 1 (whose
-    // stage the next copy reuses; in the fused mode its summary key is complete).
-    __syncthreads();
-    if (i > 0) summary(i - 1);
+    // stage the next copy reuses).
+    if constexpr (kFused) {
+      asm volatile("bar.sync %0, %1;\n" ::"n"(kBarWarpgroup), "n"(kThreads) : "memory");
+    } else {
+      __syncthreads();
+    }
     issue(i + kStages - 1);
     const int s = i % kStages;
     const uint64_t desc_k = Desc(k_s + s * kTileBytes);
@@ -349,45 +436,20 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm<kFused>())
     s0 += __shfl_xor_sync(0xFFFFFFFFu, s0, 2);
     s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, 2);
     const int kr = r0 + 8 * t;
+    const float z = t < 2 ? (t == 0 ? s0 : s1) * scale_s[s * kPageSlots + kr] : 0.0f;
     if (t < 2) {
       const int slot = (p0 + i) * kPageSlots + kr;
-      const float z = (t == 0 ? s0 : s1) * scale_s[s * kPageSlots + kr];
       // Fused mode: the lengths are SPIN's, the stride the caller's; a row longer than the
       // stride is not written past it (Probe records the error, and the row is not applied).
       if (slot < len && (!kFused || slot < a.logits_stride)) out[slot] = z;
-      if constexpr (kFused) {
-        if (x.on) {
-          unsigned key = 0, unset = 0;
-          SlotEma(x, f.d, state_s + s * kStateStageBytes, s_block[i], kr, slot < len, z, key,
-                  unset, obs, bad);
-          // The page's summary: every thread with a slot (t < 2) of every warp.
-          key = __reduce_max_sync(0x33333333u, key);
-          unset = __reduce_or_sync(0x33333333u, unset);
-          if (lane == 0) {
-            atomicMax(&s_key[s], key);
-            atomicOr(&s_unset[s], unset);
-          }
-        }
-      }
     }
-  }
-  if constexpr (kFused) {
-    if (x.on) {
-      __syncthreads();  // the last page's summary key is complete
-      summary(n - 1);
-      obs = __reduce_add_sync(0xFFFFFFFFu, obs);
-      bad = __reduce_add_sync(0xFFFFFFFFu, bad);
-      if (lane == 0 && (obs | bad)) {
-        LayerStats* st = f.d.stats + f.layer;
-        if (obs) {
-          atomicAdd(reinterpret_cast<unsigned long long*>(&st->observed),
-                    static_cast<unsigned long long>(obs));
-        }
-        if (bad) {
-          atomicAdd(reinterpret_cast<unsigned long long*>(&st->bad_scores),
-                    static_cast<unsigned long long>(bad));
-        }
-      }
+    if (kFused && x.on) {  // hand page i's logits to its EMA warp
+      const int zb = i % kZBufs;
+      // Its EMA warp is done with page i - kZBufs (that use of the buffer had parity
+      // (i / kZBufs - 1) & 1).
+      if (i >= kZBufs) MbarWait(&s_empty[zb], ((i / kZBufs) & 1) ^ 1);
+      if (t < 2) s_z[zb][kr] = z;
+      MbarArrive(&s_full[zb]);
     }
   }
   CpAsyncWait<0>();
@@ -397,19 +459,19 @@ __global__ void __launch_bounds__(kThreads, MinCtasPerSm<kFused>())
 #endif
 }
 
-template <int kStages, bool kFused, typename T>
+template <int kStages, bool kFused, typename T, int kEmaWarps, bool kWord>
 absl::Status Launch(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t stream) {
-  constexpr size_t kSmem = SmemBytes<kStages, kFused>();
+  constexpr size_t kSmem = SmemBytes<kStages>();
   struct Config {
     cudaError_t err;
     int resident;  // CTAs resident on the whole GPU
   };
   static const Config cfg = [] {
     Config c{cudaSuccess, 0};
-    c.err = cudaFuncSetAttribute(PagedIndexerWgmmaKernel<kStages, kFused, T>,
+    c.err = cudaFuncSetAttribute(PagedIndexerWgmmaKernel<kStages, kFused, T, kEmaWarps, kWord>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (c.err == cudaSuccess) {
-      c.err = cudaFuncSetAttribute(PagedIndexerWgmmaKernel<kStages, kFused, T>,
+      c.err = cudaFuncSetAttribute(PagedIndexerWgmmaKernel<kStages, kFused, T, kEmaWarps, kWord>,
                                    cudaFuncAttributePreferredSharedMemoryCarveout,
                                    cudaSharedmemCarveoutMaxShared);
     }
@@ -418,7 +480,7 @@ absl::Status Launch(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t s
       c.err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
     if (c.err == cudaSuccess) {
       c.err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &per_sm, PagedIndexerWgmmaKernel<kStages, kFused, T>, kThreads, kSmem);
+          &per_sm, PagedIndexerWgmmaKernel<kStages, kFused, T, kEmaWarps, kWord>, CtaThreads<kEmaWarps>(), kSmem);
     }
     c.resident = std::max(1, sms * per_sm);
     return c;
@@ -440,8 +502,8 @@ absl::Status Launch(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t s
   }
   chunk = std::clamp<int64_t>(chunk, 1, kMaxChunk);
   const dim3 grid(static_cast<unsigned>((P + chunk - 1) / chunk), static_cast<unsigned>(rows));
-  PagedIndexerWgmmaKernel<kStages, kFused, T>
-      <<<grid, kThreads, kSmem, stream>>>(a, static_cast<int>(chunk), f);
+  PagedIndexerWgmmaKernel<kStages, kFused, T, kEmaWarps, kWord>
+      <<<grid, CtaThreads<kEmaWarps>(), kSmem, stream>>>(a, static_cast<int>(chunk), f);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
     return absl::InternalError(
         absl::StrCat("paged indexer (wgmma) launch: ", cudaGetErrorString(e)));
@@ -465,35 +527,45 @@ absl::Status CheckSm90() {
   return absl::OkStatus();
 }
 
-template <bool kFused, typename T>
+template <bool kFused, typename T, int kEmaWarps, bool kWord>
 absl::Status LaunchStages(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t stream) {
   switch (std::clamp(a.stages, 4, 7)) {
     case 4:
-      return Launch<4, kFused, T>(a, f, stream);
+      return Launch<4, kFused, T, kEmaWarps, kWord>(a, f, stream);
     case 5:
-      return Launch<5, kFused, T>(a, f, stream);
+      return Launch<5, kFused, T, kEmaWarps, kWord>(a, f, stream);
     case 6:
-      return Launch<6, kFused, T>(a, f, stream);
+      return Launch<6, kFused, T, kEmaWarps, kWord>(a, f, stream);
     default:
-      return Launch<7, kFused, T>(a, f, stream);
+      return Launch<7, kFused, T, kEmaWarps, kWord>(a, f, stream);
   }
+}
+
+// EXPERIMENT (issue 20): variant 0 one EMA warp with word accesses, 1 one warp with entry
+// accesses, 2 two warps with word accesses.
+template <typename T>
+absl::Status LaunchFused(const PagedIndexerArgs& a, const FusedEma& f, int variant,
+                         cudaStream_t stream) {
+  if (variant == 1) return LaunchStages<true, T, 1, false>(a, f, stream);
+  if (variant == 2) return LaunchStages<true, T, 2, true>(a, f, stream);
+  return LaunchStages<true, T, 1, true>(a, f, stream);
 }
 
 }  // namespace
 
 absl::Status LaunchPagedIndexerWgmma(const PagedIndexerArgs& a, cudaStream_t stream) {
   if (absl::Status s = CheckSm90(); !s.ok()) return s;
-  return LaunchStages<false, float>(a, FusedEma{}, stream);
+  return LaunchStages<false, float, 0, false>(a, FusedEma{}, stream);
 }
 
 absl::Status LaunchIndexerEma(const cuda_kernels::Dev& d, int layer, const PagedIndexerArgs& a,
-                              cudaStream_t stream) {
+                              int variant, cudaStream_t stream) {
   if (absl::Status s = CheckSm90(); !s.ok()) return s;
   FusedEma f;
   f.d = d;
   f.layer = layer;
-  return d.dtype_bytes == 2 ? LaunchStages<true, uint16_t>(a, f, stream)
-                            : LaunchStages<true, float>(a, f, stream);
+  return d.dtype_bytes == 2 ? LaunchFused<uint16_t>(a, f, variant, stream)
+                            : LaunchFused<float>(a, f, variant, stream);
 }
 
 }  // namespace spin::internal
