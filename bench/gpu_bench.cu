@@ -213,7 +213,6 @@ struct Result {
   // plain_us - select_us is the indexer's own part, fused_us minus that is SPIN's.
   double fused_us = 0, plain_us = 0;
   double FusedSpin() const { return fused_us - (plain_us - select_us); }
-  double fused_v1_us = 0, fused_v2_us = 0;  // EXPERIMENT: FusedIndexerArgs::ema_variant 1, 2
 };
 
 // wgmma accumulates fp8 products with fewer bits than fp32; a wrong layout gives differences
@@ -458,13 +457,6 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
     r.plain_us = MedianGraphMs(g_plain, stream, reps) * 1e3 / Ls;
     cudaGraphExecDestroy(g_fused);
     cudaGraphExecDestroy(g_plain);
-    for (int v : {1, 2}) {  // EXPERIMENT
-      fa.ema_variant = v;
-      cudaGraphExec_t g = Capture(stream, fused_step);
-      (v == 1 ? r.fused_v1_us : r.fused_v2_us) = MedianGraphMs(g, stream, reps) * 1e3 / Ls;
-      cudaGraphExecDestroy(g);
-    }
-    fa.ema_variant = 0;
     // One eager layer of each over the same compacted table, in NVTX ranges for profilers
     // (ncu --nvtx --nvtx-include sparse-plain/ or fused/): the plain indexer, then the fused mode.
     CHECK_OK(dp.BeginStep(batch, stream));
@@ -538,8 +530,8 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
       "period 8 staggered.\n\n"
       "| batch | slots | sparsity | state | contexts | probe period | dense us | "
       "unfused SPIN us | unfused SPIN/dense | unfused sparse/dense | fused SPIN us | "
-      "fused SPIN/dense | fused sparse/dense | indexer over SPIN's table us | EXPERIMENT fused SPIN/dense, 1 warp entry accesses / 2 warps word accesses |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+      "fused SPIN/dense | fused sparse/dense | indexer over SPIN's table us |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   std::vector<Point> points = {
       {64, 128 << 10, 0.5, StateDtype::kBf16, 0, kFull},
       {64, 128 << 10, 0.5, StateDtype::kBf16, 0, kRagged},
@@ -560,15 +552,14 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
     const double idx = r.plain_us - r.select_us;
     std::snprintf(line, sizeof(line),
                   "| %d | %dK | %.1f | %s | %s | %u | %.1f | %.1f | %.3f | %.3f | %.1f | %.3f | "
-                  "%.3f | %.1f | %.3f / %.3f |\n",
+                  "%.3f | %.1f |\n",
                   pt.batch, pt.slots >> 10, pt.rho, pt.dtype == StateDtype::kFp32 ? "fp32" : "bf16",
                   pt.contexts == kRagged  ? "ragged"
                   : pt.contexts == kMixed ? "mixed"
                                           : "full",
                   pt.probe_period, r.dense_us, r.spin_us, r.spin_us / r.dense_us,
                   r.sparse_us / r.dense_us, r.FusedSpin(), r.FusedSpin() / r.dense_us,
-                  r.fused_us / r.dense_us, idx, (r.fused_v1_us - idx) / r.dense_us,
-                  (r.fused_v2_us - idx) / r.dense_us);
+                  r.fused_us / r.dense_us, idx);
     md += line;
     std::fprintf(stderr, "%s", line);
   }

@@ -38,7 +38,7 @@ namespace spin {
 namespace internal {
 // paged_indexer_wgmma.cu (sm_90a): the fused mode's indexer with the row-0 EMA in its epilogue.
 absl::Status LaunchIndexerEma(const cuda_kernels::Dev& d, int layer, const PagedIndexerArgs& a,
-                              int variant, cudaStream_t stream);
+                              cudaStream_t stream);
 }  // namespace internal
 namespace {
 
@@ -310,7 +310,7 @@ class CudaDataPlane final : public DataPlane {
     a.stages = f.stages;
     a.kernel = IndexerKernel::kWgmma;
     a.chunk_pages = f.chunk_pages;
-    SPIN_RETURN_IF_ERROR(internal::LaunchIndexerEma(d_, layer, a, f.ema_variant, stream));
+    SPIN_RETURN_IF_ERROR(internal::LaunchIndexerEma(d_, layer, a, stream));
     observed_[layer] = 1;
     // The rest of Observe from the logits just written: validation, fresh flags, probe curves
     // (row 0 only: no accepted counts).

@@ -12,11 +12,13 @@
 // Fused mode (kFused, LaunchIndexerEma; docs/cuda-backend.md, "Fused mode"): the same kernel
 // over a layer's compacted table, which also applies Observe's EMA of row 0 (the engine
 // contract) to the layer's state from the logits it holds, so the EMA never reads them back.
-// Each compacted page is one block of the union. The warpgroup leaves each page's 64 logits in
-// shared memory; a fifth warp (the EMA warp) applies page i - 1's EMA while the warpgroup
-// computes page i: lane l updates V[base + 2l + k] and, at or before the query, D[q - base - 2l -
-// k] (k = 0, 1), as EmaVecKernel does, writes the block's V summary, and adds the observed and
-// non-finite counts to the layer's statistics once per CTA. Rows r > 0 only compute logits.
+// Each compacted page is one block of the union. The warpgroup hands each page's 64 logits to a
+// fifth warp (the EMA warp) through a ring of four shared-memory buffers (mbarriers); the EMA
+// warp applies each page's EMA at its own pace, up to four pages behind: lane l updates
+// V[base + 2l + k] and, at or before the query, D[q - base - 2l - k] (k = 0, 1) from state it
+// loaded four pages ahead, writes the block's V summary, and adds the observed and non-finite
+// counts to the layer's statistics once per CTA. Rows r > 0 only compute logits, and their EMA
+// warp leaves at once.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -90,7 +92,6 @@ template <typename T>
 struct EmaTarget {
   bool on = false;
   int q = 0;
-  int dpar = 0;  // D's first entry's parity in words of two entries (max_slots odd)
   T* v = nullptr;
   T* dd = nullptr;
   float* vsum = nullptr;
@@ -107,36 +108,19 @@ struct PairState {
   typename cuda_kernels::StateBits<T>::E v[2]{}, dv[2]{};
   bool has_v[2] = {false, false}, has_d[2] = {false, false};
 };
-// With kWord, a pair of entries that lies in one aligned word is one word access: V's pair
-// always (i0 = base + 2 lane is even and V starts a word), D's pair (offsets q - i0 - 1 and
-// q - i0) when q - i0 - 1 starts a word of D (x.dpar: D's first entry's parity).
-template <typename T, bool kWord>
+template <typename T>
 __device__ __forceinline__ PairState<T> LoadPair(const EmaTarget<T>& x, const Dev& d, bool page,
                                                  int block, int lane) {
   using B = cuda_kernels::StateBits<T>;
   PairState<T> st;
   if (!page) return st;  // past the chunk's last page
-  const int i0 = block * kPageSlots + 2 * lane;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
-    st.has_v[k] = i0 + k < d.max_slots;
-    st.has_d[k] = st.has_v[k] && i0 + k <= x.q;
-  }
-  if (kWord) {
-    cuda_kernels::LoadEntries(x.v, i0, st.has_v[0], st.has_v[1], st.v[0], st.v[1]);
-    const int o1 = x.q - i0 - 1;  // slot i0 + 1's offset; slot i0's is o1 + 1
-    if (st.has_d[1] && ((x.dpar + o1) & 1) == 0) {
-      B::LoadWord(x.dd + o1, st.dv[1], st.dv[0]);
-    } else {
-      if (st.has_d[0]) st.dv[0] = B::Load(x.dd + (o1 + 1));
-      if (st.has_d[1]) st.dv[1] = B::Load(x.dd + o1);
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      if (st.has_v[k]) st.v[k] = B::Load(x.v + i0 + k);
-      if (st.has_d[k]) st.dv[k] = B::Load(x.dd + (x.q - i0 - k));
-    }
+    const int i = block * kPageSlots + 2 * lane + k;
+    st.has_v[k] = i < d.max_slots;
+    st.has_d[k] = st.has_v[k] && i <= x.q;
+    if (st.has_v[k]) st.v[k] = B::Load(x.v + i);
+    if (st.has_d[k]) st.dv[k] = B::Load(x.dd + (x.q - i));
   }
   return st;
 }
@@ -144,34 +128,30 @@ __device__ __forceinline__ PairState<T> LoadPair(const EmaTarget<T>& x, const De
 // The EMA warp's work for one page (compacted block sg, logical block `block`): its two slots'
 // updates from the page's logits z (its slots 2 lane and 2 lane + 1), then the block's V summary (NaN if any
 // entry is unset, else the largest; FloatKey maps -0 to +0, as VSummaryKernel writes it).
-template <typename T, bool kWord>
+template <typename T>
 __device__ __forceinline__ void PageEma(const EmaTarget<T>& x, int sg, int block, int len, int lane,
                                         float2 z, const PairState<T>& st, unsigned& obs,
                                         unsigned& bad) {
   using B = cuda_kernels::StateBits<T>;
-  using E = typename B::E;
   const int cnt = min(kPageSlots, len - sg * kPageSlots);
-  const int i0 = block * kPageSlots + 2 * lane;
   unsigned key = 0, unset = 0;
-  E nv[2] = {st.v[0], st.v[1]}, nd[2] = {st.dv[0], st.dv[1]};  // new entries, else the old
-  bool vch[2] = {false, false}, dch[2] = {false, false};      // changed
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     if (!st.has_v[k]) continue;
+    const int kr = 2 * lane + k, i = block * kPageSlots + kr;
     float cur = B::Get(st.v[k]);
-    if (2 * lane + k < cnt) {
+    if (kr < cnt) {
       const float zk = k == 0 ? z.x : z.y;
       if (!isfinite(zk)) {
         ++bad;
       } else {
         ++obs;
         const float bz = ScaledScore(zk, x.beta);
-        nv[k] = B::Put(EmaUpdateScaled(cur, zk, x.alpha, bz));
-        vch[k] = true;
-        cur = B::Get(nv[k]);
+        const auto nv = B::Put(EmaUpdateScaled(cur, zk, x.alpha, bz));
+        B::Store(x.v + i, nv);
+        cur = B::Get(nv);
         if (st.has_d[k]) {  // D[q - i]: the slot is at or before the query
-          nd[k] = B::Put(EmaUpdateScaled(B::Get(st.dv[k]), zk, x.alpha, bz));
-          dch[k] = true;
+          B::Store(x.dd + (x.q - i), B::Put(EmaUpdateScaled(B::Get(st.dv[k]), zk, x.alpha, bz)));
         }
       }
     }
@@ -181,21 +161,6 @@ __device__ __forceinline__ void PageEma(const EmaTarget<T>& x, int sg, int block
       const unsigned kk = cuda_kernels::FloatKey(cur);  // above 0 for every float
       key = kk > key ? kk : key;
     }
-  }
-  // The stores. A word holding a changed entry is written whole, its other entry with the bits
-  // read (each V and D entry of the row has one owner, this lane).
-  const int o1 = x.q - i0 - 1;  // slot i0 + 1's D offset; slot i0's is o1 + 1
-  if (kWord && st.has_v[1]) {
-    if (vch[0] || vch[1]) B::StoreWord(x.v + i0, nv[0], nv[1]);
-  } else {
-    if (vch[0]) B::Store(x.v + i0, nv[0]);
-    if (vch[1]) B::Store(x.v + i0 + 1, nv[1]);
-  }
-  if (kWord && st.has_d[1] && ((x.dpar + o1) & 1) == 0) {
-    if (dch[0] || dch[1]) B::StoreWord(x.dd + o1, nd[1], nd[0]);
-  } else {
-    if (dch[0]) B::Store(x.dd + (o1 + 1), nd[0]);
-    if (dch[1]) B::Store(x.dd + o1, nd[1]);
   }
   key = __reduce_max_sync(0xFFFFFFFFu, key);
   unset = __reduce_or_sync(0xFFFFFFFFu, unset);
@@ -207,17 +172,20 @@ __device__ __forceinline__ void PageEma(const EmaTarget<T>& x, int sg, int block
   }
 }
 
-// One warpgroup computes the logits; in the fused mode kEmaWarps more warps (the EMA warps;
-// warp 4 + e takes pages e, e + kEmaWarps, ...) apply the EMA from the logits the warpgroup
-// leaves in a ring of kZBufs shared-memory buffers, at their own pace: the two sides are
-// coupled only through that ring, a full and an empty mbarrier per buffer, so the warpgroup
-// waits for the EMA warps only when they are kZBufs pages behind, and they take no part in the
-// warpgroup's per-page barrier.
-template <int kEmaWarps>
+// One warpgroup computes the logits; in the fused mode a fifth warp (the EMA warp) applies the
+// EMA from the logits the warpgroup leaves in a ring of kZBufs shared-memory buffers, at its own
+// pace: the two sides are coupled only through that ring, a full and an empty mbarrier per
+// buffer, so the warpgroup waits for the EMA warp only when it is kZBufs pages behind, and the
+// EMA warp takes no part in the warpgroup's per-page barrier. (Measured on the H200, issue 20:
+// the epilogue of the warpgroup applying the EMA itself, its state copied with the keys, ran
+// 200 us against this design's 184 at 64 x 128K; two EMA warps taking alternate pages were no
+// faster at batch 64 and slower at 16; word accesses of the bf16 pairs were slower.)
+template <bool kFused>
 constexpr int CtaThreads() {
-  return kThreads + 32 * kEmaWarps;
+  return kFused ? kThreads + 32 : kThreads;
 }
 constexpr int kZBufs = 4;  // page i's logits are in buffer i % 4 (the use's parity: (i / 4) % 2)
+constexpr int kEmaAhead = 4;  // pages whose state the EMA warp has loaded before it applies them
 // The warpgroup's own per-page barrier in the fused mode (0 is __syncthreads).
 constexpr int kBarWarpgroup = 1;
 
@@ -248,15 +216,15 @@ __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
 }
 
 // The fused mode keeps four CTAs per SM, as many as the shared memory of 4 or 5 stages allows:
-// at most 102 registers a thread in a 160-thread CTA, 85 in a 192-thread one (the plain kernel,
-// 128 threads at 64 registers, needs no bound; giving it one changes its register allocation).
+// at most 102 registers a thread in its 160-thread CTA (the plain kernel, 128 threads at 64
+// registers, needs no bound; giving it one changes its register allocation).
 template <bool kFused>
 constexpr int MinCtasPerSm() {
   return kFused ? 4 : 1;
 }
 
-template <int kStages, bool kFused, typename T, int kEmaWarps, bool kWord>
-__global__ void __launch_bounds__(CtaThreads<kEmaWarps>(), MinCtasPerSm<kFused>())
+template <int kStages, bool kFused, typename T>
+__global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
     PagedIndexerWgmmaKernel(PagedIndexerArgs a, int chunk, FusedEma f) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
@@ -320,7 +288,6 @@ __global__ void __launch_bounds__(CtaThreads<kEmaWarps>(), MinCtasPerSm<kFused>(
         x.q = en.q_pos;
         x.v = reinterpret_cast<T*>(d.Record(en.seq, f.layer));
         x.dd = x.v + d.max_slots;
-        x.dpar = d.max_slots & 1;
         x.vsum = d.VSum(en.seq, f.layer);
         x.alpha = d.policy->alpha;
         x.beta = d.policy->beta;
@@ -356,17 +323,14 @@ __global__ void __launch_bounds__(CtaThreads<kEmaWarps>(), MinCtasPerSm<kFused>(
   // count (the CTAs per SM).
   if (kFused && !mma) {
     if (!x.on) return;  // a row whose Observe applies no EMA: the warpgroup alone
-    const int ew = warp - kThreads / 32;  // this EMA warp takes pages ew, ew + kEmaWarps, ...
-    // The state entries of its pages to come: ahead[j] is page i + j kEmaWarps's at the top of
-    // the iteration for page i (a register ring: every index is a constant).
-    constexpr int kEmaAhead = 4;
+    // The state entries of its pages to come: ahead[j] is page i + j's at the top of the
+    // iteration for page i (a register ring: every index is a constant).
     PairState<T> ahead[kEmaAhead];
 #pragma unroll
     for (int j = 0; j < kEmaAhead; ++j) {
-      const int pj = ew + j * kEmaWarps;
-      ahead[j] = LoadPair<T, kWord>(x, f.d, pj < n, s_block[min(pj, n - 1)], lane);
+      ahead[j] = LoadPair(x, f.d, j < n, s_block[min(j, n - 1)], lane);
     }
-    for (int i = ew; i < n; i += kEmaWarps) {
+    for (int i = 0; i < n; ++i) {
       const int zb = i % kZBufs;
       MbarWait(&s_full[zb], (i / kZBufs) & 1);  // page i's logits are in s_z[zb]
       const float2 z = *reinterpret_cast<const float2*>(&s_z[zb][2 * lane]);
@@ -374,9 +338,9 @@ __global__ void __launch_bounds__(CtaThreads<kEmaWarps>(), MinCtasPerSm<kFused>(
       const PairState<T> cur = ahead[0];
 #pragma unroll
       for (int j = 0; j + 1 < kEmaAhead; ++j) ahead[j] = ahead[j + 1];
-      const int nx = i + kEmaAhead * kEmaWarps;  // its loads are used kEmaAhead rounds from now
-      ahead[kEmaAhead - 1] = LoadPair<T, kWord>(x, f.d, nx < n, s_block[min(nx, n - 1)], lane);
-      PageEma<T, kWord>(x, p0 + i, s_block[i], len, lane, z, cur, obs, bad);
+      const int nx = i + kEmaAhead;  // its loads are used kEmaAhead pages from now
+      ahead[kEmaAhead - 1] = LoadPair(x, f.d, nx < n, s_block[min(nx, n - 1)], lane);
+      PageEma(x, p0 + i, s_block[i], len, lane, z, cur, obs, bad);
     }
     obs = __reduce_add_sync(0xFFFFFFFFu, obs);
     bad = __reduce_add_sync(0xFFFFFFFFu, bad);
@@ -459,7 +423,7 @@ __global__ void __launch_bounds__(CtaThreads<kEmaWarps>(), MinCtasPerSm<kFused>(
 #endif
 }
 
-template <int kStages, bool kFused, typename T, int kEmaWarps, bool kWord>
+template <int kStages, bool kFused, typename T>
 absl::Status Launch(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t stream) {
   constexpr size_t kSmem = SmemBytes<kStages>();
   struct Config {
@@ -468,10 +432,10 @@ absl::Status Launch(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t s
   };
   static const Config cfg = [] {
     Config c{cudaSuccess, 0};
-    c.err = cudaFuncSetAttribute(PagedIndexerWgmmaKernel<kStages, kFused, T, kEmaWarps, kWord>,
+    c.err = cudaFuncSetAttribute(PagedIndexerWgmmaKernel<kStages, kFused, T>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (c.err == cudaSuccess) {
-      c.err = cudaFuncSetAttribute(PagedIndexerWgmmaKernel<kStages, kFused, T, kEmaWarps, kWord>,
+      c.err = cudaFuncSetAttribute(PagedIndexerWgmmaKernel<kStages, kFused, T>,
                                    cudaFuncAttributePreferredSharedMemoryCarveout,
                                    cudaSharedmemCarveoutMaxShared);
     }
@@ -480,7 +444,7 @@ absl::Status Launch(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t s
       c.err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
     if (c.err == cudaSuccess) {
       c.err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &per_sm, PagedIndexerWgmmaKernel<kStages, kFused, T, kEmaWarps, kWord>, CtaThreads<kEmaWarps>(), kSmem);
+          &per_sm, PagedIndexerWgmmaKernel<kStages, kFused, T>, CtaThreads<kFused>(), kSmem);
     }
     c.resident = std::max(1, sms * per_sm);
     return c;
@@ -502,8 +466,8 @@ absl::Status Launch(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t s
   }
   chunk = std::clamp<int64_t>(chunk, 1, kMaxChunk);
   const dim3 grid(static_cast<unsigned>((P + chunk - 1) / chunk), static_cast<unsigned>(rows));
-  PagedIndexerWgmmaKernel<kStages, kFused, T, kEmaWarps, kWord>
-      <<<grid, CtaThreads<kEmaWarps>(), kSmem, stream>>>(a, static_cast<int>(chunk), f);
+  PagedIndexerWgmmaKernel<kStages, kFused, T>
+      <<<grid, CtaThreads<kFused>(), kSmem, stream>>>(a, static_cast<int>(chunk), f);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
     return absl::InternalError(
         absl::StrCat("paged indexer (wgmma) launch: ", cudaGetErrorString(e)));
@@ -527,45 +491,35 @@ absl::Status CheckSm90() {
   return absl::OkStatus();
 }
 
-template <bool kFused, typename T, int kEmaWarps, bool kWord>
+template <bool kFused, typename T>
 absl::Status LaunchStages(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t stream) {
   switch (std::clamp(a.stages, 4, 7)) {
     case 4:
-      return Launch<4, kFused, T, kEmaWarps, kWord>(a, f, stream);
+      return Launch<4, kFused, T>(a, f, stream);
     case 5:
-      return Launch<5, kFused, T, kEmaWarps, kWord>(a, f, stream);
+      return Launch<5, kFused, T>(a, f, stream);
     case 6:
-      return Launch<6, kFused, T, kEmaWarps, kWord>(a, f, stream);
+      return Launch<6, kFused, T>(a, f, stream);
     default:
-      return Launch<7, kFused, T, kEmaWarps, kWord>(a, f, stream);
+      return Launch<7, kFused, T>(a, f, stream);
   }
-}
-
-// EXPERIMENT (issue 20): variant 0 one EMA warp with word accesses, 1 one warp with entry
-// accesses, 2 two warps with word accesses.
-template <typename T>
-absl::Status LaunchFused(const PagedIndexerArgs& a, const FusedEma& f, int variant,
-                         cudaStream_t stream) {
-  if (variant == 1) return LaunchStages<true, T, 1, false>(a, f, stream);
-  if (variant == 2) return LaunchStages<true, T, 2, true>(a, f, stream);
-  return LaunchStages<true, T, 1, true>(a, f, stream);
 }
 
 }  // namespace
 
 absl::Status LaunchPagedIndexerWgmma(const PagedIndexerArgs& a, cudaStream_t stream) {
   if (absl::Status s = CheckSm90(); !s.ok()) return s;
-  return LaunchStages<false, float, 0, false>(a, FusedEma{}, stream);
+  return LaunchStages<false, float>(a, FusedEma{}, stream);
 }
 
 absl::Status LaunchIndexerEma(const cuda_kernels::Dev& d, int layer, const PagedIndexerArgs& a,
-                              int variant, cudaStream_t stream) {
+                              cudaStream_t stream) {
   if (absl::Status s = CheckSm90(); !s.ok()) return s;
   FusedEma f;
   f.d = d;
   f.layer = layer;
-  return d.dtype_bytes == 2 ? LaunchFused<uint16_t>(a, f, variant, stream)
-                            : LaunchFused<float>(a, f, variant, stream);
+  return d.dtype_bytes == 2 ? LaunchStages<true, uint16_t>(a, f, stream)
+                            : LaunchStages<true, float>(a, f, stream);
 }
 
 }  // namespace spin::internal

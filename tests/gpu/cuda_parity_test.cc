@@ -229,7 +229,6 @@ class Twin {
         f.logits_stride = stride_;
         f.stages = 4 + step % 4;
         f.chunk_pages = step % 3 == 2 ? 3 : 0;  // several CTAs per row, and the automatic chunk
-        f.ema_variant = (step + l) % 3;          // EXPERIMENT: every variant
         const absl::Status st = IndexAndObserve(*gpu_, l, f);
         ASSERT_TRUE(st.ok()) << st;
         logits = ToHost(d_logits_->as<float>(), logits.size());

@@ -58,9 +58,6 @@ struct FusedIndexerArgs {
   int64_t logits_stride = 0;
   int32_t stages = 5;       ///< pages in each CTA's ring, [4, 7]
   int32_t chunk_pages = 0;  ///< pages per CTA; 0 chooses
-  /// EXPERIMENT (issue 20): 0 one EMA warp, word accesses; 1 one warp, entry accesses; 2 two
-  /// warps, word accesses.
-  int32_t ema_variant = 0;
 };
 
 /// The fused mode (docs/cuda-backend.md, "Fused mode"; sm_90a): in place of the engine's indexer
