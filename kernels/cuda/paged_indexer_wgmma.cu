@@ -41,7 +41,6 @@ struct FusedEma {
   int layer = 0;
 };
 
-
 constexpr int kThreads = 128;                         // one warpgroup (the MMA's threads)
 constexpr int kTileBytes = kPageSlots * kIndexerDim;  // 8 KB: 64 rows of 128 bytes
 constexpr int kScaleBytes = kPageSlots * 4;           // 256 B
@@ -126,8 +125,9 @@ __device__ __forceinline__ PairState<T> LoadPair(const EmaTarget<T>& x, const De
 }
 
 // The EMA warp's work for one page (compacted block sg, logical block `block`): its two slots'
-// updates from the page's logits z (its slots 2 lane and 2 lane + 1), then the block's V summary (NaN if any
-// entry is unset, else the largest; FloatKey maps -0 to +0, as VSummaryKernel writes it).
+// updates from the page's logits z (its slots 2 lane and 2 lane + 1), then the block's V
+// summary (NaN if any entry is unset, else the largest; FloatKey maps -0 to +0, as
+// VSummaryKernel writes it).
 template <typename T>
 __device__ __forceinline__ void PageEma(const EmaTarget<T>& x, int sg, int block, int len, int lane,
                                         float2 z, const PairState<T>& st, unsigned& obs,
@@ -176,30 +176,27 @@ __device__ __forceinline__ void PageEma(const EmaTarget<T>& x, int sg, int block
 // EMA from the logits the warpgroup leaves in a ring of kZBufs shared-memory buffers, at its own
 // pace: the two sides are coupled only through that ring, a full and an empty mbarrier per
 // buffer, so the warpgroup waits for the EMA warp only when it is kZBufs pages behind, and the
-// EMA warp takes no part in the warpgroup's per-page barrier. (Measured on the H200, issue 20:
-// the epilogue of the warpgroup applying the EMA itself, its state copied with the keys, ran
-// 200 us against this design's 184 at 64 x 128K; two EMA warps taking alternate pages were no
-// faster at batch 64 and slower at 16; word accesses of the bf16 pairs were slower.)
+// EMA warp takes no part in the warpgroup's per-page barrier. (Measured on the H200 for issue 20,
+// bench/results/fused-h200-e1fbb70.md: the warpgroup applying the EMA in its own epilogue, its
+// state copied with the keys, was slower, 200 us against 178-184 at 64 x 128K; so were two EMA
+// warps taking alternate pages at batch 16, and word accesses to the bf16 pairs.)
 template <bool kFused>
 constexpr int CtaThreads() {
   return kFused ? kThreads + 32 : kThreads;
 }
-constexpr int kZBufs = 4;  // page i's logits are in buffer i % 4 (the use's parity: (i / 4) % 2)
+constexpr int kZBufs = 4;     // page i's logits are in buffer i % 4 (the use's parity: (i / 4) % 2)
 constexpr int kEmaAhead = 4;  // pages whose state the EMA warp has loaded before it applies them
 // The warpgroup's own per-page barrier in the fused mode (0 is __syncthreads).
 constexpr int kBarWarpgroup = 1;
 
 // mbarrier operations on shared memory (CTA scope): arrive releases this thread's earlier
 // accesses, and a completed wait acquires those of every thread that arrived in that phase.
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 __device__ __forceinline__ void MbarInit(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddr(bar)), "r"(count)
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SharedAddress(bar)), "r"(count)
                : "memory");
 }
 __device__ __forceinline__ void MbarArrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(SmemAddr(bar)) : "memory");
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(SharedAddress(bar)) : "memory");
 }
 // Waits until the phase of parity `parity` has completed.
 __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
@@ -210,7 +207,7 @@ __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
         "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
         "selp.u32 %0, 1, 0, p;\n}\n"
         : "=r"(done)
-        : "r"(SmemAddr(bar)), "r"(parity)
+        : "r"(SharedAddress(bar)), "r"(parity)
         : "memory");
   } while (!done);
 }
@@ -274,8 +271,8 @@ __global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
   // Fused mode: row 0 of an entry whose row 0 Observe applies (the rule of every Observe kernel).
   EmaTarget<T> x;
   __shared__ __align__(8) float s_z[kZBufs][kPageSlots];  // fused mode: page i's in i % kZBufs
-  __shared__ uint64_t s_full[kZBufs], s_empty[kZBufs];     // fused mode: the ring's mbarriers
-  __shared__ int32_t s_block[kMaxChunk];  // fused mode: the chunk's logical blocks
+  __shared__ uint64_t s_full[kZBufs], s_empty[kZBufs];    // fused mode: the ring's mbarriers
+  __shared__ int32_t s_block[kMaxChunk];                  // fused mode: the chunk's logical blocks
   unsigned obs = 0, bad = 0;
   if constexpr (kFused) {
     const Dev& d = f.d;
