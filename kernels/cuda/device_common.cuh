@@ -29,6 +29,19 @@ __device__ __forceinline__ uint32_t FloatKey(float f) {
 
 __device__ inline void RecordError(uint32_t* error, uint32_t code) { atomicCAS(error, 0u, code); }
 
+// Adds one thread's share of an EMA's counts (observed scores, non-finite scores skipped) to a
+// layer's statistics: at most one 64-bit atomic each.
+__device__ __forceinline__ void AddLayerCounts(LayerStats* st, unsigned obs, unsigned bad) {
+  if (obs) {
+    atomicAdd(reinterpret_cast<unsigned long long*>(&st->observed),
+              static_cast<unsigned long long>(obs));
+  }
+  if (bad) {
+    atomicAdd(reinterpret_cast<unsigned long long*>(&st->bad_scores),
+              static_cast<unsigned long long>(bad));
+  }
+}
+
 // Programmatic dependent launch (Hopper; Launch below). Every per-step kernel starts with
 // StepKernelEntry(): it lets the next kernel of the stream be launched now (its CTAs are placed
 // as this grid's CTAs make room, instead of after this grid has drained), then waits until the

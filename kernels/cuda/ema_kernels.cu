@@ -70,17 +70,7 @@ __device__ __forceinline__ void AddEmaCounts(const Dev& d, int layer, unsigned o
   if (warp == 0) {
     obs = __reduce_add_sync(kAll, lane < kWarps ? s_obs[lane] : 0u);
     bad = __reduce_add_sync(kAll, lane < kWarps ? s_bad[lane] : 0u);
-    if (lane == 0) {
-      LayerStats* st = d.stats + layer;
-      if (obs) {
-        atomicAdd(reinterpret_cast<unsigned long long*>(&st->observed),
-                  static_cast<unsigned long long>(obs));
-      }
-      if (bad) {
-        atomicAdd(reinterpret_cast<unsigned long long*>(&st->bad_scores),
-                  static_cast<unsigned long long>(bad));
-      }
-    }
+    if (lane == 0) AddLayerCounts(d.stats + layer, obs, bad);
   }
 }
 

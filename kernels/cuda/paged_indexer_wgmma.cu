@@ -341,17 +341,7 @@ __global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
     }
     obs = __reduce_add_sync(0xFFFFFFFFu, obs);
     bad = __reduce_add_sync(0xFFFFFFFFu, bad);
-    if (lane == 0 && (obs | bad)) {
-      LayerStats* st = f.d.stats + f.layer;
-      if (obs) {
-        atomicAdd(reinterpret_cast<unsigned long long*>(&st->observed),
-                  static_cast<unsigned long long>(obs));
-      }
-      if (bad) {
-        atomicAdd(reinterpret_cast<unsigned long long*>(&st->bad_scores),
-                  static_cast<unsigned long long>(bad));
-      }
-    }
+    if (lane == 0 && (obs | bad)) cuda_kernels::AddLayerCounts(f.d.stats + f.layer, obs, bad);
     return;
   }
 #pragma unroll
