@@ -394,9 +394,9 @@ __global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
       // stride is not written past it (Probe records the error, and the row is not applied).
       if (slot < len && (!kFused || slot < a.logits_stride)) out[slot] = z;
     }
-    if (kFused && x.on) {  // hand page i's logits to its EMA warp
+    if (kFused && x.on) {  // hand page i's logits to the EMA warp
       const int zb = i % kZBufs;
-      // Its EMA warp is done with page i - kZBufs (that use of the buffer had parity
+      // The EMA warp is done with page i - kZBufs (that use of the buffer had parity
       // (i / kZBufs - 1) & 1).
       if (i >= kZBufs) MbarWait(&s_empty[zb], ((i / kZBufs) & 1) ^ 1);
       if (t < 2) s_z[zb][kr] = z;
