@@ -213,6 +213,17 @@ struct Result {
   // plain_us - select_us is the indexer's own part, fused_us minus that is SPIN's.
   double fused_us = 0, plain_us = 0;
   double FusedSpin() const { return fused_us - (plain_us - select_us); }
+  // The one-call fused mode (SelectIndexAndObserve in place of Select + IndexAndObserve), rows
+  // as chunks for max_pages (one_us) and spread over their CTAs (one_spread_us), and the plain
+  // step with the spread indexer (plain_spread_us): each SPIN share against the indexer with
+  // the same chunking.
+  double one_us = 0, one_spread_us = 0, plain_spread_us = 0;
+  double OneSpin() const { return one_us - (plain_us - select_us); }
+  double OneSpreadSpin() const { return one_spread_us - (plain_spread_us - select_us); }
+  // The same with programmatic launches of the indexer (PagedIndexerArgs::programmatic): the
+  // one-call spread step, the plain spread step, and the dense indexer.
+  double one_pdl_us = 0, plain_pdl_us = 0, dense_pdl_us = 0;
+  double OnePdlSpin() const { return one_pdl_us - (plain_pdl_us - select_us); }
 };
 
 // wgmma accumulates fp8 products with fewer bits than fp32; a wrong layout gives differences
@@ -325,10 +336,11 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
   r.floor_us = kv_layer / read_bw * 1e6;
   // Dense, each kernel; the last layer's logits of each are compared.
   std::vector<float> mma_out, wg_out;
-  auto time_dense = [&](IndexerKernel k, int stages, std::vector<float>* out) {
+  auto time_dense = [&](IndexerKernel k, int stages, std::vector<float>* out, bool pdl = false) {
     PagedIndexerArgs base = dense;
     base.kernel = k;
     base.stages = stages;
+    base.programmatic = pdl;
     const absl::Status probe = LaunchPagedIndexer(base, stream);
     if (!probe.ok()) {
       std::fprintf(stderr, "%s indexer unavailable: %s\n", IndexerKernelName(k),
@@ -353,6 +365,14 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
   if (plan.mma_stages > 0)
     r.mma_us = time_dense(IndexerKernel::kMmaSync, plan.mma_stages, &mma_out);
   if (plan.wg_stages > 0) r.wg_us = time_dense(IndexerKernel::kWgmma, plan.wg_stages, &wg_out);
+  if (plan.wg_stages > 0 && plan.fused) {
+    std::vector<float> pdl_out;
+    r.dense_pdl_us = time_dense(IndexerKernel::kWgmma, plan.wg_stages, &pdl_out, true);
+    if (pdl_out != wg_out) {
+      std::fprintf(stderr, "the programmatic launch changed the dense logits\n");
+      std::exit(1);
+    }
+  }
   if (r.wg_us > 0 && r.mma_us > 0) {
     double dev = 0;
     for (int b = 0; b < B; ++b) {
@@ -453,10 +473,46 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
         CHECK_OK(LaunchPagedIndexer(sparse, stream));
       }
     });
+    // One call per layer (the kernel publishes the selection), chunked for max_pages or spread.
+    auto one_step = [&](bool spread, bool pdl = false) {
+      FusedIndexerArgs f1 = fa;
+      f1.spread = spread;
+      f1.programmatic = pdl;
+      CHECK_OK(dp.BeginStep(batch, stream));
+      for (int l = 0; l < Ls; ++l) {
+        CHECK_OK(SelectIndexAndObserve(dp, l, layer_table(l % L), P, f1, stream));
+      }
+    };
+    one_step(false);
+    one_step(true);
+    one_step(true, true);
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    cudaGraphExec_t g_one = Capture(stream, [&] { one_step(false); });
+    cudaGraphExec_t g_one_spread = Capture(stream, [&] { one_step(true); });
+    cudaGraphExec_t g_one_pdl = Capture(stream, [&] { one_step(true, true); });
+    auto plain_step = [&](bool pdl) {
+      PagedIndexerArgs spread = sparse;
+      spread.spread = true;
+      spread.programmatic = pdl;
+      CHECK_OK(dp.BeginStep(batch, stream));
+      for (int l = 0; l < Ls; ++l) {
+        CHECK_OK(dp.Select(l, layer_table(l % L), P, stream));
+        CHECK_OK(LaunchPagedIndexer(spread, stream));
+      }
+    };
+    cudaGraphExec_t g_plain_spread = Capture(stream, [&] { plain_step(false); });
+    cudaGraphExec_t g_plain_pdl = Capture(stream, [&] { plain_step(true); });
     r.fused_us = MedianGraphMs(g_fused, stream, reps) * 1e3 / Ls;
     r.plain_us = MedianGraphMs(g_plain, stream, reps) * 1e3 / Ls;
-    cudaGraphExecDestroy(g_fused);
-    cudaGraphExecDestroy(g_plain);
+    r.one_us = MedianGraphMs(g_one, stream, reps) * 1e3 / Ls;
+    r.one_spread_us = MedianGraphMs(g_one_spread, stream, reps) * 1e3 / Ls;
+    r.plain_spread_us = MedianGraphMs(g_plain_spread, stream, reps) * 1e3 / Ls;
+    r.one_pdl_us = MedianGraphMs(g_one_pdl, stream, reps) * 1e3 / Ls;
+    r.plain_pdl_us = MedianGraphMs(g_plain_pdl, stream, reps) * 1e3 / Ls;
+    for (cudaGraphExec_t e :
+         {g_fused, g_plain, g_one, g_one_spread, g_plain_spread, g_one_pdl, g_plain_pdl}) {
+      cudaGraphExecDestroy(e);
+    }
     // One eager layer of each over the same compacted table, in NVTX ranges for profilers
     // (ncu --nvtx --nvtx-include sparse-plain/ or fused/): the plain indexer, then the fused mode.
     CHECK_OK(dp.BeginStep(batch, stream));
@@ -522,16 +578,26 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
   plan.fused = true;
   md +=
       "Fused mode against unfused, side by side in each row (wgmma indexer, 5 pages in flight; "
-      "us per layer of a 61-layer step under CUDA graphs). Unfused: the indexer over SPIN's "
-      "compacted table, then Observe (Probe + EMA). Fused: IndexAndObserve (the indexer with the "
-      "row-0 EMA in its epilogue, then Probe). SPIN = the sparse stage less the plain sparse "
-      "indexer's own time (a step of BeginStep + Select + indexer, less BeginStep + Select). "
-      "Contexts: full (every entry SLOTS), ragged (entry e SLOTS - (7 e mod 64)); probe "
-      "period 8 staggered.\n\n"
+      "us per layer of a 61-layer step under CUDA graphs). Unfused: Select, the indexer over "
+      "SPIN's compacted table, then Observe (Probe + EMA). Fused: Select, then IndexAndObserve "
+      "(the indexer with the row-0 EMA beside it, then Probe). One call: SelectIndexAndObserve "
+      "(the same kernel also publishes the selection; Select launches nothing), its rows chunked "
+      "for max_pages or spread over their CTAs (PagedIndexerArgs::spread). SPIN = the sparse "
+      "stage less the plain sparse indexer's own time (a step of BeginStep + Select + indexer, "
+      "less BeginStep + Select), the indexer chunked the same way. Contexts: full (every entry "
+      "SLOTS), ragged (entry e SLOTS - (7 e mod 64)); probe period 8 staggered. PDL: the "
+      "same one-call spread step with programmatic launches of the indexer "
+      "(PagedIndexerArgs::programmatic), against the plain spread indexer launched so, and the "
+      "dense indexer launched so (dense PDL us; every ratio is against the ordinary dense "
+      "launch).\n\n"
       "| batch | slots | sparsity | state | contexts | probe period | dense us | "
       "unfused SPIN us | unfused SPIN/dense | unfused sparse/dense | fused SPIN us | "
-      "fused SPIN/dense | fused sparse/dense | indexer over SPIN's table us |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+      "fused SPIN/dense | fused sparse/dense | one call SPIN/dense | one call sparse/dense | "
+      "one call spread SPIN/dense | one call spread sparse/dense | PDL SPIN/dense | "
+      "PDL sparse/dense | dense PDL us | indexer over SPIN's table us | the same, spread us | "
+      "the same, spread, PDL us |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+      "---|\n";
   std::vector<Point> points = {
       {64, 128 << 10, 0.5, StateDtype::kBf16, 0, kFull},
       {64, 128 << 10, 0.5, StateDtype::kBf16, 0, kRagged},
@@ -552,14 +618,17 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
     const double idx = r.plain_us - r.select_us;
     std::snprintf(line, sizeof(line),
                   "| %d | %dK | %.1f | %s | %s | %u | %.1f | %.1f | %.3f | %.3f | %.1f | %.3f | "
-                  "%.3f | %.1f |\n",
+                  "%.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.1f | %.1f | %.1f | %.1f |\n",
                   pt.batch, pt.slots >> 10, pt.rho, pt.dtype == StateDtype::kFp32 ? "fp32" : "bf16",
                   pt.contexts == kRagged  ? "ragged"
                   : pt.contexts == kMixed ? "mixed"
                                           : "full",
                   pt.probe_period, r.dense_us, r.spin_us, r.spin_us / r.dense_us,
                   r.sparse_us / r.dense_us, r.FusedSpin(), r.FusedSpin() / r.dense_us,
-                  r.fused_us / r.dense_us, idx);
+                  r.fused_us / r.dense_us, r.OneSpin() / r.dense_us, r.one_us / r.dense_us,
+                  r.OneSpreadSpin() / r.dense_us, r.one_spread_us / r.dense_us,
+                  r.OnePdlSpin() / r.dense_us, r.one_pdl_us / r.dense_us, r.dense_pdl_us, idx,
+                  r.plain_spread_us - r.select_us, r.plain_pdl_us - r.select_us);
     md += line;
     std::fprintf(stderr, "%s", line);
   }

@@ -38,7 +38,7 @@ namespace spin {
 namespace internal {
 // paged_indexer_wgmma.cu (sm_90a): the fused mode's indexer with the row-0 EMA in its epilogue.
 absl::Status LaunchIndexerEma(const cuda_kernels::Dev& d, int layer, const PagedIndexerArgs& a,
-                              cudaStream_t stream);
+                              bool publish, cudaStream_t stream);
 }  // namespace internal
 namespace {
 
@@ -282,25 +282,60 @@ class CudaDataPlane final : public DataPlane {
           absl::StrCat("IndexAndObserve of layer ", layer,
                        " without its Select in this step (last: ", selected_layer_, ")"));
     }
+    return Fused(layer, nullptr, 0, f, stream);
+  }
+
+  absl::Status SelectIndexAndObserve(int32_t layer, const int32_t* block_table,
+                                     int64_t table_stride, const FusedIndexerArgs& f,
+                                     cudaStream_t stream) {
+    SPIN_RETURN_IF_ERROR(CheckLayer(layer));
+    if (block_table == nullptr || table_stride < a_.max_blocks) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "SelectIndexAndObserve needs the engine's block table with a stride of at least the "
+          "session's max blocks (",
+          a_.max_blocks, "); got ", block_table ? "" : "no table, ", "stride ", table_stride));
+    }
+    return Fused(layer, block_table, table_stride, f, stream);
+  }
+
+ private:
+  // The fused mode: the indexer with the row-0 EMA, then the rest of Observe (validation, fresh
+  // flags, probe curves; row 0 only: no accepted counts) as a Probe launch. With a block table
+  // the same kernel also publishes the layer's selection (Select's work), so Select launches
+  // nothing; without one it reads the compacted table Select published.
+  absl::Status Fused(int32_t layer, const int32_t* block_table, int64_t table_stride,
+                     const FusedIndexerArgs& f, cudaStream_t stream) {
     if (a_.geometry.block_size != static_cast<uint32_t>(kPageSlots)) {
       return absl::FailedPreconditionError(
           absl::StrCat("the fused mode needs blocks of ", kPageSlots,
                        " slots (one KV page each); this arena's blocks have ",
                        a_.geometry.block_size, ": use the engine's indexer and Observe"));
     }
-    if (n_ == 0) return absl::OkStatus();
-    if (f.q == nullptr || f.weights == nullptr || f.kv == nullptr || f.logits == nullptr ||
-        f.logits_stride < 0) {
+    if (n_ > 0 && (f.q == nullptr || f.weights == nullptr || f.kv == nullptr ||
+                   f.logits == nullptr || f.logits_stride < 0)) {
       return absl::InvalidArgumentError(
-          "IndexAndObserve: q, weights, kv and logits are required (logits_stride >= 0)");
+          "the fused mode: q, weights, kv and logits are required (logits_stride >= 0)");
     }
+    const bool publish = block_table != nullptr;
+    if (n_ == 0) {
+      if (publish) selected_layer_ = layer;  // Select of an empty step: nothing to publish
+      return absl::OkStatus();
+    }
+    cudaError_t e = cudaSuccess;
+    // Select's host side: a layer observed earlier in this step is selected again from the
+    // state as it is now, as the reference does.
+    if (publish && observed_[layer]) {
+      e = SelectAhead(layer, 1, stream);
+      observed_[layer] = 0;
+    }
+    SPIN_RETURN_IF_ERROR(CudaStatus(e, "Select launch"));
     PagedIndexerArgs a;
     a.q = f.q;
     a.weights = f.weights;
     a.kv = f.kv;
-    a.table = a_.phys;
-    a.table_stride = a_.max_blocks;
-    a.lens = a_.compact_len;
+    a.table = publish ? block_table : a_.phys;
+    a.table_stride = publish ? table_stride : a_.max_blocks;
+    a.lens = a_.compact_len;  // not read when publishing (the select-ahead record's are)
     a.lens_stride = a_.geometry.max_rows;
     a.logits = f.logits;
     a.logits_stride = f.logits_stride;
@@ -310,16 +345,16 @@ class CudaDataPlane final : public DataPlane {
     a.stages = f.stages;
     a.kernel = IndexerKernel::kWgmma;
     a.chunk_pages = f.chunk_pages;
-    SPIN_RETURN_IF_ERROR(internal::LaunchIndexerEma(d_, layer, a, stream));
+    a.spread = f.spread;
+    a.programmatic = f.programmatic;
+    SPIN_RETURN_IF_ERROR(internal::LaunchIndexerEma(d_, layer, a, publish, stream));
+    if (publish) selected_layer_ = layer;
     observed_[layer] = 1;
-    // The rest of Observe from the logits just written: validation, fresh flags, probe curves
-    // (row 0 only: no accepted counts).
     return CudaStatus(
         ck::LaunchProbe(d_, layer, n_, sms_, f.logits, f.logits_stride, nullptr, stream),
         "Probe launch");
   }
 
- private:
   // Scores and selections of layers [l0, l0 + count) into their select-ahead records, in
   // groups of group_ layers: per group one Scores grid (chunks x rows x (layer, entry)) and one
   // Select grid (rows x (layer, entry)).
@@ -484,6 +519,16 @@ absl::Status IndexAndObserve(DataPlane& dp, int32_t layer, const FusedIndexerArg
     return absl::InvalidArgumentError("the fused mode needs a CUDA data plane");
   }
   return cuda->IndexAndObserve(layer, args, stream);
+}
+
+absl::Status SelectIndexAndObserve(DataPlane& dp, int32_t layer, const int32_t* block_table,
+                                   int64_t table_stride, const FusedIndexerArgs& args,
+                                   cudaStream_t stream) {
+  auto* cuda = dynamic_cast<CudaDataPlane*>(&dp);
+  if (cuda == nullptr) {
+    return absl::InvalidArgumentError("the fused mode needs a CUDA data plane");
+  }
+  return cuda->SelectIndexAndObserve(layer, block_table, table_stride, args, stream);
 }
 
 absl::StatusOr<uint32_t> ReadDeviceError(const ArenaView& view) {

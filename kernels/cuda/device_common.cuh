@@ -42,6 +42,20 @@ __device__ __forceinline__ void AddLayerCounts(LayerStats* st, unsigned obs, uns
   }
 }
 
+// Adds one selection's counts to a layer's statistics, as Select publishes it: a step, and the
+// union of `count` blocks kept of `widest` (dense: a fresh or probing selection).
+__device__ __forceinline__ void AddSelectCounts(LayerStats* st, int count, int widest, bool dense) {
+  using U = unsigned long long;
+  atomicAdd(reinterpret_cast<U*>(&st->steps), 1ull);
+  atomicAdd(reinterpret_cast<U*>(&st->dense_steps), dense ? 1ull : 0ull);
+  atomicAdd(reinterpret_cast<U*>(&st->blocks_kept), static_cast<U>(count));
+  atomicAdd(reinterpret_cast<U*>(&st->blocks_total), static_cast<U>(widest));
+  if (!dense) {
+    atomicAdd(reinterpret_cast<U*>(&st->sparse_blocks_kept), static_cast<U>(count));
+    atomicAdd(reinterpret_cast<U*>(&st->sparse_blocks_total), static_cast<U>(widest));
+  }
+}
+
 // Programmatic dependent launch (Hopper; Launch below). Every per-step kernel starts with
 // StepKernelEntry(): it lets the next kernel of the stream be launched now (its CTAs are placed
 // as this grid's CTAs make room, instead of after this grid has drained), then waits until the
@@ -98,18 +112,24 @@ __device__ __forceinline__ bool RowsFitWarp(int lane_len, int rows, int64_t stri
   const int lane = static_cast<int>(threadIdx.x) % 32;
   return __all_sync(0xFFFFFFFFu, lane >= rows || lane_len <= stride);
 }
-// The same for one thread: it reads every row's length, and row r's into `len_r`.
-__device__ __forceinline__ bool RowsFitStride(const Dev& d, int e, int rows, int64_t stride, int r,
-                                              int& len_r) {
-  const int32_t* lens = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
+// The same for one thread over an entry's row lengths `lens` (max_rows of them): it reads every
+// row's length, and row r's into `len_r`.
+__device__ __forceinline__ bool RowLensFitStride(const int32_t* lens, int max_rows, int rows,
+                                                 int64_t stride, int r, int& len_r) {
   bool fit = true;
   len_r = 0;
-  for (int rr = 0; rr < d.max_rows; ++rr) {  // rows <= max_rows
+  for (int rr = 0; rr < max_rows; ++rr) {  // rows <= max_rows
     const int l = lens[rr];
     fit = fit && (rr >= rows || l <= stride);
     if (rr == r) len_r = l;
   }
   return fit;
+}
+// The same over the lengths Select published for entry e.
+__device__ __forceinline__ bool RowsFitStride(const Dev& d, int e, int rows, int64_t stride, int r,
+                                              int& len_r) {
+  return RowLensFitStride(d.compact_len + static_cast<int64_t>(e) * d.max_rows, d.max_rows, rows,
+                          stride, r, len_r);
 }
 // Row r of entry e is applied: the entry is in the batch and not padding, its accepted count
 // (`acc`; 1, row 0 only, without an accepted array) is in [0, rows] and above r, and its rows fit

@@ -67,9 +67,11 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int len = a.lens[seq * a.lens_stride + r];
   // Never past the row's table, whatever the length says.
   const int pages = min((len + kPageSlots - 1) / kPageSlots, a.max_pages);
-  const int p0 = blockIdx.x * chunk_pages;
+  // With `spread`, the row's own pages over all of its CTAs (never more than chunk_pages each).
+  const int chunk = a.spread ? min(chunk_pages, (pages + gridDim.x - 1) / gridDim.x) : chunk_pages;
+  const int p0 = blockIdx.x * chunk;
   if (len <= 0 || p0 >= pages) return;
-  const int p1 = min(p0 + chunk_pages, pages);
+  const int p1 = min(p0 + chunk, pages);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   Stage* stages = reinterpret_cast<Stage*>(smem_raw) + warp * kStages;
 

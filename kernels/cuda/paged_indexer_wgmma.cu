@@ -35,10 +35,15 @@ namespace {
 
 using cuda_kernels::Dev;
 
-// What the fused kernel needs beyond the indexer's arguments.
+// What the fused mode needs beyond the indexer's arguments.
 struct FusedEma {
   Dev d;
   int layer = 0;
+  // Select's publication in the same kernel (SelectIndexAndObserve): the table is the engine's
+  // block table, the union and the compacted lengths are read from the layer's select-ahead
+  // record, and the kernel writes Select's outputs (union, compacted table and lengths, count)
+  // and statistics as PublishKernel does.
+  bool publish = false;
 };
 
 constexpr int kThreads = 128;                         // one warpgroup (the MMA's threads)
@@ -91,75 +96,114 @@ template <typename T>
 struct EmaTarget {
   bool on = false;
   int q = 0;
+  int max_slots = 0;
   T* v = nullptr;
   T* dd = nullptr;
   float* vsum = nullptr;
   float alpha = 0, beta = 0;
 };
 
+// Whether slot i has a V entry (below the array's end) and a D entry (also at or before the
+// query: D[q - i]).
+template <typename T>
+__device__ __forceinline__ bool HasV(const EmaTarget<T>& x, int i) {
+  return i < x.max_slots;
+}
+template <typename T>
+__device__ __forceinline__ bool HasD(const EmaTarget<T>& x, int i) {
+  return i < x.max_slots && i <= x.q;
+}
+
 // The EMA warp's two slots of a page's block (slots 2 lane + k): V[i] and, at or before the
 // query, D[q - i] (i = base + 2 lane + k), loaded kEmaAhead pages before the warp applies that
 // page (under a saturated memory system a load's latency is longer than one page of the CTA's
 // loop). Blocks differ from page to page and the D offsets q - i of a row are distinct, so a
-// load for a later page never reads what an earlier page writes.
+// load for a later page never reads what an earlier page writes. Entries that do not exist are
+// not loaded (PageEma asks HasV and HasD again rather than keeping flags in the ring).
 template <typename T>
 struct PairState {
   typename cuda_kernels::StateBits<T>::E v[2]{}, dv[2]{};
-  bool has_v[2] = {false, false}, has_d[2] = {false, false};
 };
 template <typename T>
-__device__ __forceinline__ PairState<T> LoadPair(const EmaTarget<T>& x, const Dev& d, bool page,
-                                                 int block, int lane) {
+__device__ __forceinline__ PairState<T> LoadPair(const EmaTarget<T>& x, bool page, int block,
+                                                 int lane) {
   using B = cuda_kernels::StateBits<T>;
   PairState<T> st;
   if (!page) return st;  // past the chunk's last page
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const int i = block * kPageSlots + 2 * lane + k;
-    st.has_v[k] = i < d.max_slots;
-    st.has_d[k] = st.has_v[k] && i <= x.q;
-    if (st.has_v[k]) st.v[k] = B::Load(x.v + i);
-    if (st.has_d[k]) st.dv[k] = B::Load(x.dd + (x.q - i));
+    if (HasV(x, i)) st.v[k] = B::Load(x.v + i);
+    if (HasD(x, i)) st.dv[k] = B::Load(x.dd + (x.q - i));
   }
   return st;
+}
+
+// Folds a V entry into the block summary's running key (`unset` once any entry is NaN).
+__device__ __forceinline__ void SummaryKey(float v, unsigned& key, unsigned& unset) {
+  if (v != v) {
+    unset = 1;
+  } else {
+    const unsigned kk = cuda_kernels::FloatKey(v);  // above 0 for every float
+    key = kk > key ? kk : key;
+  }
 }
 
 // The EMA warp's work for one page (compacted block sg, logical block `block`): its two slots'
 // updates from the page's logits z (its slots 2 lane and 2 lane + 1), then the block's V
 // summary (NaN if any entry is unset, else the largest; FloatKey maps -0 to +0, as
-// VSummaryKernel writes it).
+// VSummaryKernel writes it). A whole page (64 slots of the row, every one before the array's end
+// and at or before the query: every page but a row's last and the query's) takes a path with
+// only the finiteness test per slot; the other path asks every condition per slot. Both apply
+// the same updates.
 template <typename T>
 __device__ __forceinline__ void PageEma(const EmaTarget<T>& x, int sg, int block, int len, int lane,
                                         float2 z, const PairState<T>& st, unsigned& obs,
                                         unsigned& bad) {
   using B = cuda_kernels::StateBits<T>;
   const int cnt = min(kPageSlots, len - sg * kPageSlots);
+  const int last = block * kPageSlots + kPageSlots - 1;
   unsigned key = 0, unset = 0;
+  if (cnt == kPageSlots && HasD(x, last)) {  // warp-uniform
 #pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    if (!st.has_v[k]) continue;
-    const int kr = 2 * lane + k, i = block * kPageSlots + kr;
-    float cur = B::Get(st.v[k]);
-    if (kr < cnt) {
+    for (int k = 0; k < 2; ++k) {
+      const int i = block * kPageSlots + 2 * lane + k;
       const float zk = k == 0 ? z.x : z.y;
-      if (!isfinite(zk)) {
-        ++bad;
-      } else {
+      float cur = B::Get(st.v[k]);
+      if (isfinite(zk)) {
         ++obs;
         const float bz = ScaledScore(zk, x.beta);
         const auto nv = B::Put(EmaUpdateScaled(cur, zk, x.alpha, bz));
         B::Store(x.v + i, nv);
         cur = B::Get(nv);
-        if (st.has_d[k]) {  // D[q - i]: the slot is at or before the query
-          B::Store(x.dd + (x.q - i), B::Put(EmaUpdateScaled(B::Get(st.dv[k]), zk, x.alpha, bz)));
+        B::Store(x.dd + (x.q - i), B::Put(EmaUpdateScaled(B::Get(st.dv[k]), zk, x.alpha, bz)));
+      } else {
+        ++bad;
+      }
+      SummaryKey(cur, key, unset);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int kr = 2 * lane + k, i = block * kPageSlots + kr;
+      if (!HasV(x, i)) continue;
+      float cur = B::Get(st.v[k]);
+      if (kr < cnt) {
+        const float zk = k == 0 ? z.x : z.y;
+        if (!isfinite(zk)) {
+          ++bad;
+        } else {
+          ++obs;
+          const float bz = ScaledScore(zk, x.beta);
+          const auto nv = B::Put(EmaUpdateScaled(cur, zk, x.alpha, bz));
+          B::Store(x.v + i, nv);
+          cur = B::Get(nv);
+          if (HasD(x, i)) {  // D[q - i]: the slot is at or before the query
+            B::Store(x.dd + (x.q - i), B::Put(EmaUpdateScaled(B::Get(st.dv[k]), zk, x.alpha, bz)));
+          }
         }
       }
-    }
-    if (cur != cur) {
-      unset = 1;
-    } else {
-      const unsigned kk = cuda_kernels::FloatKey(cur);  // above 0 for every float
-      key = kk > key ? kk : key;
+      SummaryKey(cur, key, unset);
     }
   }
   key = __reduce_max_sync(0xFFFFFFFFu, key);
@@ -186,6 +230,7 @@ constexpr int CtaThreads() {
 }
 constexpr int kZBufs = 4;     // page i's logits are in buffer i % 4 (the use's parity: (i / 4) % 2)
 constexpr int kEmaAhead = 4;  // pages whose state the EMA warp has loaded before it applies them
+static_assert(kEmaAhead == kZBufs, "the EMA warp's loop takes the ring and the buffers together");
 // The warpgroup's own per-page barrier in the fused mode (0 is __syncthreads).
 constexpr int kBarWarpgroup = 1;
 
@@ -225,15 +270,52 @@ __global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
     PagedIndexerWgmmaKernel(PagedIndexerArgs a, int chunk, FusedEma f) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
+  // A programmatic launch (PagedIndexerArgs::programmatic): the next kernel may be launched now;
+  // wait for the previous one before the first memory access.
+  if (a.programmatic) cuda_kernels::StepKernelEntry();
   const int row = blockIdx.y;
-  const int seq = row / a.next_n, r = row % a.next_n;
-  const int len = a.lens[seq * a.lens_stride + r];
+  const int seq = row / a.next_n, r = row % a.next_n;  // seq: the entry (batch place)
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  int len = 0;
+  int64_t at = 0;  // publish: the (layer, entry)'s select-ahead record
+  if constexpr (kFused) {
+    if (f.publish) {
+      // PublishKernel's rules: nothing for an entry past the device's batch (a refused batch),
+      // an empty union for padding (or a sequence reset since the step began).
+      const Dev& d = f.d;
+      if (seq >= d.batch->n) return;
+      const StepEntry en = d.entries[seq];
+      const bool live = en.seq >= 0;
+      at = d.Ahead(f.layer, seq);
+      len = live ? d.ahead_len[at * d.max_rows + r] : 0;
+      if (blockIdx.x == 0 && tid == 0) {
+        d.compact_len[static_cast<int64_t>(seq) * d.max_rows + r] = len;
+        if (r == 0) {
+          const int2 info = d.ahead_info[at];
+          d.union_count[seq] = live ? info.x : 0;
+          if (seq == 0) d.batch->selected_layer = f.layer;
+          if (live) {
+            cuda_kernels::AddSelectCounts(d.stats + f.layer, info.x,
+                                          cuda_kernels::BlocksOf(d, en.ctx_len + d.batch->rows - 1),
+                                          info.y != 0);
+          }
+        }
+      }
+    } else {
+      len = a.lens[seq * a.lens_stride + r];
+    }
+  } else {
+    len = a.lens[seq * a.lens_stride + r];
+  }
   // Never past the row's table, whatever the length says.
   const int pages = min((len + kPageSlots - 1) / kPageSlots, a.max_pages);
-  const int p0 = blockIdx.x * chunk;
+  // With `spread`, the row's own pages over all of its CTAs (never more than `chunk` each).
+  const int cr =
+      a.spread ? min(chunk, (pages + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x))
+               : chunk;
+  const int p0 = blockIdx.x * cr;
   if (len <= 0 || p0 >= pages) return;
-  const int n = min(p0 + chunk, pages) - p0;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int n = min(p0 + cr, pages) - p0;
   // The warpgroup (in the fused mode warp 4 is the EMA warp; the plain kernel has no other).
   const bool mma = !kFused || tid < kThreads;
 
@@ -246,8 +328,29 @@ __global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
   int32_t* const page_s = reinterpret_cast<int32_t*>(scale_s + kStages * kPageSlots);
   const uint32_t scale_a = q_s + kTileBytes * (1 + kStages);
 
-  const int32_t* table = a.table + seq * a.table_stride + p0;
-  if (tid < n) page_s[tid] = table[tid];
+  __shared__ int32_t s_block[kFused ? kMaxChunk : 1];  // fused: the chunk's logical blocks
+  if constexpr (kFused) {
+    if (f.publish) {
+      // The chunk's union blocks and their pages through the engine's block table; the CTAs of
+      // the widest row (the last: its pages are the whole union) publish them.
+      const Dev& d = f.d;
+      if (tid < n) {
+        const int k = p0 + tid;
+        const int32_t id = d.ahead_ids[at * d.max_blocks + k];
+        const int32_t ph = a.table[seq * a.table_stride + id];
+        page_s[tid] = ph;
+        s_block[tid] = id;
+        if (r == a.next_n - 1) {
+          d.union_ids[static_cast<int64_t>(seq) * d.max_blocks + k] = id;
+          d.phys[static_cast<int64_t>(seq) * d.max_blocks + k] = ph;
+        }
+      }
+    } else if (tid < n) {
+      page_s[tid] = a.table[seq * a.table_stride + p0 + tid];
+    }
+  } else if (tid < n) {
+    page_s[tid] = a.table[seq * a.table_stride + p0 + tid];
+  }
   // q: 512 chunks of 16 bytes, 4 per thread, into the swizzled layout (head h = chunk / 8).
   const uint8_t* q = a.q + static_cast<int64_t>(row) * kIndexerHeads * kIndexerDim;
   if (mma) {
@@ -272,24 +375,27 @@ __global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
   EmaTarget<T> x;
   __shared__ __align__(8) float s_z[kZBufs][kPageSlots];  // fused mode: page i's in i % kZBufs
   __shared__ uint64_t s_full[kZBufs], s_empty[kZBufs];    // fused mode: the ring's mbarriers
-  __shared__ int32_t s_block[kMaxChunk];                  // fused mode: the chunk's logical blocks
   unsigned obs = 0, bad = 0;
   if constexpr (kFused) {
     const Dev& d = f.d;
     if (r == 0) {
       const StepEntry en = d.entries[seq];
       int len0 = 0;
-      const bool fit = cuda_kernels::RowsFitStride(d, seq, d.batch->rows, a.logits_stride, 0, len0);
+      const int32_t* lens = f.publish ? d.ahead_len + at * d.max_rows
+                                      : d.compact_len + static_cast<int64_t>(seq) * d.max_rows;
+      const bool fit =
+          cuda_kernels::RowLensFitStride(lens, d.max_rows, d.batch->rows, a.logits_stride, 0, len0);
       x.on = cuda_kernels::RowApplied(seq, d.batch->n, en.seq, 0, d.batch->rows, 1, fit);
       if (x.on) {
         x.q = en.q_pos;
+        x.max_slots = d.max_slots;
         x.v = reinterpret_cast<T*>(d.Record(en.seq, f.layer));
         x.dd = x.v + d.max_slots;
         x.vsum = d.VSum(en.seq, f.layer);
         x.alpha = d.policy->alpha;
         x.beta = d.policy->beta;
         const int32_t* ids = d.union_ids + static_cast<int64_t>(seq) * d.max_blocks;
-        if (tid < n) s_block[tid] = ids[p0 + tid];
+        if (!f.publish && tid < n) s_block[tid] = ids[p0 + tid];
       }
     }
     if (tid < kZBufs) {
@@ -320,24 +426,28 @@ __global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
   // count (the CTAs per SM).
   if (kFused && !mma) {
     if (!x.on) return;  // a row whose Observe applies no EMA: the warpgroup alone
-    // The state entries of its pages to come: ahead[j] is page i + j's at the top of the
-    // iteration for page i (a register ring: every index is a constant).
+    // The state entries of its pages to come, a register ring: page i's are in
+    // ahead[i % kEmaAhead], loaded kEmaAhead pages before; the loop is unrolled by the ring's
+    // depth so that every index is a constant and nothing is shifted.
     PairState<T> ahead[kEmaAhead];
 #pragma unroll
     for (int j = 0; j < kEmaAhead; ++j) {
-      ahead[j] = LoadPair(x, f.d, j < n, s_block[min(j, n - 1)], lane);
+      ahead[j] = LoadPair(x, j < n, s_block[min(j, n - 1)], lane);
     }
-    for (int i = 0; i < n; ++i) {
-      const int zb = i % kZBufs;
-      MbarWait(&s_full[zb], (i / kZBufs) & 1);  // page i's logits are in s_z[zb]
-      const float2 z = *reinterpret_cast<const float2*>(&s_z[zb][2 * lane]);
-      MbarArrive(&s_empty[zb]);  // the warpgroup may write page i + kZBufs's there
-      const PairState<T> cur = ahead[0];
+    for (int i0 = 0; i0 < n; i0 += kEmaAhead) {
 #pragma unroll
-      for (int j = 0; j + 1 < kEmaAhead; ++j) ahead[j] = ahead[j + 1];
-      const int nx = i + kEmaAhead;  // its loads are used kEmaAhead pages from now
-      ahead[kEmaAhead - 1] = LoadPair(x, f.d, nx < n, s_block[min(nx, n - 1)], lane);
-      PageEma(x, p0 + i, s_block[i], len, lane, z, cur, obs, bad);
+      for (int u = 0; u < kEmaAhead; ++u) {
+        const int i = i0 + u;
+        if (i >= n) break;
+        const int zb = u;  // i % kZBufs: i0 is a multiple of kZBufs (= kEmaAhead)
+        MbarWait(&s_full[zb], (i0 / kZBufs) & 1);  // page i's logits are in s_z[zb]
+        const float2 z = *reinterpret_cast<const float2*>(&s_z[zb][2 * lane]);
+        MbarArrive(&s_empty[zb]);  // the warpgroup may write page i + kZBufs's there
+        const PairState<T> cur = ahead[u];
+        const int nx = i + kEmaAhead;  // its loads are used kEmaAhead pages from now
+        ahead[u] = LoadPair(x, nx < n, s_block[min(nx, n - 1)], lane);
+        PageEma(x, p0 + i, s_block[i], len, lane, z, cur, obs, bad);
+      }
     }
     obs = __reduce_add_sync(0xFFFFFFFFu, obs);
     bad = __reduce_add_sync(0xFFFFFFFFu, bad);
@@ -453,8 +563,18 @@ absl::Status Launch(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t s
   }
   chunk = std::clamp<int64_t>(chunk, 1, kMaxChunk);
   const dim3 grid(static_cast<unsigned>((P + chunk - 1) / chunk), static_cast<unsigned>(rows));
-  PagedIndexerWgmmaKernel<kStages, kFused, T>
-      <<<grid, CtaThreads<kFused>(), kSmem, stream>>>(a, static_cast<int>(chunk), f);
+  if (a.programmatic) {
+    const cudaError_t e = cuda_kernels::LaunchSmem(PagedIndexerWgmmaKernel<kStages, kFused, T>,
+                                                   grid, dim3(CtaThreads<kFused>()), kSmem, stream,
+                                                   a, static_cast<int>(chunk), f);
+    if (e != cudaSuccess) {
+      return absl::InternalError(
+          absl::StrCat("paged indexer (wgmma) launch: ", cudaGetErrorString(e)));
+    }
+  } else {
+    PagedIndexerWgmmaKernel<kStages, kFused, T>
+        <<<grid, CtaThreads<kFused>(), kSmem, stream>>>(a, static_cast<int>(chunk), f);
+  }
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
     return absl::InternalError(
         absl::StrCat("paged indexer (wgmma) launch: ", cudaGetErrorString(e)));
@@ -500,11 +620,12 @@ absl::Status LaunchPagedIndexerWgmma(const PagedIndexerArgs& a, cudaStream_t str
 }
 
 absl::Status LaunchIndexerEma(const cuda_kernels::Dev& d, int layer, const PagedIndexerArgs& a,
-                              cudaStream_t stream) {
+                              bool publish, cudaStream_t stream) {
   if (absl::Status s = CheckSm90(); !s.ok()) return s;
   FusedEma f;
   f.d = d;
   f.layer = layer;
+  f.publish = publish;
   return d.dtype_bytes == 2 ? LaunchStages<true, uint16_t>(a, f, stream)
                             : LaunchStages<true, float>(a, f, stream);
 }

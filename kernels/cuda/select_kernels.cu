@@ -484,19 +484,7 @@ __global__ void __launch_bounds__(kPublishThreads)
       d.union_count[e] = count;
       if (live) {
         const int widest = BlocksOf(d, en.ctx_len + rows - 1);
-        LayerStats* st = d.stats + layer;
-        atomicAdd(reinterpret_cast<unsigned long long*>(&st->steps), 1ull);
-        atomicAdd(reinterpret_cast<unsigned long long*>(&st->dense_steps), dense ? 1ull : 0ull);
-        atomicAdd(reinterpret_cast<unsigned long long*>(&st->blocks_kept),
-                  static_cast<unsigned long long>(count));
-        atomicAdd(reinterpret_cast<unsigned long long*>(&st->blocks_total),
-                  static_cast<unsigned long long>(widest));
-        if (!dense) {
-          atomicAdd(reinterpret_cast<unsigned long long*>(&st->sparse_blocks_kept),
-                    static_cast<unsigned long long>(count));
-          atomicAdd(reinterpret_cast<unsigned long long*>(&st->sparse_blocks_total),
-                    static_cast<unsigned long long>(widest));
-        }
+        AddSelectCounts(d.stats + layer, count, widest, dense);
       }
     }
   }

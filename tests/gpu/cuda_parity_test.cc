@@ -173,7 +173,18 @@ class Twin {
         if (seq[e] >= 0) fresh[e] = c.fresh[static_cast<size_t>(seq[e]) * g_.layers + l];
       }
       ASSERT_TRUE(cpu_.dp().Select(l, table_.data(), MB).ok());
-      ASSERT_TRUE(gpu_->Select(l, d_table_->as<int32_t>(), MB).ok());
+      // The fused mode's logits (the GPU's own indexer writes them).
+      std::vector<float> fused_logits;
+      if (one_call_) {
+        // Select and the fused indexer in one call: the outputs compared below are the ones
+        // the fused kernel published.
+        const absl::Status st =
+            SelectIndexAndObserve(*gpu_, l, d_table_->as<int32_t>(), MB, FusedArgs(step));
+        ASSERT_TRUE(st.ok()) << st;
+        fused_logits = ToHost(d_logits_->as<float>(), static_cast<size_t>(n) * rows * stride_);
+      } else {
+        ASSERT_TRUE(gpu_->Select(l, d_table_->as<int32_t>(), MB).ok());
+      }
       // Row 0's block scores (what the selection ranked) are equal, not just the selections.
       const auto scores_or = ReadDeviceBlockScores(*gpu_, l, n);
       ASSERT_TRUE(scores_or.ok()) << scores_or.status();
@@ -225,13 +236,13 @@ class Twin {
       ASSERT_EQ(ToHost(d_idx_->as<int32_t>(), idx.size()), idx) << "remap, step " << step;
       if (fused_) {
         // The GPU's own indexer writes the logits and applies the EMA; the CPU observes them.
-        FusedIndexerArgs f = in_->Args(d_logits_->as<float>());
-        f.logits_stride = stride_;
-        f.stages = 4 + step % 4;
-        f.chunk_pages = step % 3 == 2 ? 3 : 0;  // several CTAs per row, and the automatic chunk
-        const absl::Status st = IndexAndObserve(*gpu_, l, f);
-        ASSERT_TRUE(st.ok()) << st;
-        logits = ToHost(d_logits_->as<float>(), logits.size());
+        if (one_call_) {
+          logits = fused_logits;
+        } else {
+          const absl::Status st = IndexAndObserve(*gpu_, l, FusedArgs(step));
+          ASSERT_TRUE(st.ok()) << st;
+          logits = ToHost(d_logits_->as<float>(), logits.size());
+        }
         ASSERT_TRUE(cpu_.dp().Observe(l, logits.data(), stride_, nullptr).ok());
         if (after_observe_) after_observe_(step, l);
         continue;
@@ -250,13 +261,28 @@ class Twin {
   // The fused mode from now on: the engine's indexer inputs (FusedInputs) in a pool of KV
   // pages that the block table points into; each layer then runs IndexAndObserve on the GPU, and
   // the CPU observes the logits the fused kernel wrote (row 0 only, the engine contract).
-  void Fused() {
+  // one_call: SelectIndexAndObserve in place of Select and IndexAndObserve.
+  void Fused(bool one_call = false) {
     fused_ = true;
+    one_call_ = one_call;
     no_accepted_ = true;
     in_ = std::make_unique<FusedInputs>(g_.max_seqs, g_.max_rows, cpu_.view().max_blocks);
     table_ = in_->table;
     EXPECT_EQ(cudaMemcpy(d_table_->p, table_.data(), table_.size() * 4, cudaMemcpyHostToDevice),
               cudaSuccess);
+  }
+
+  // The fused mode's arguments in step `step`: ring depths 4-7, several CTAs per row (chunks of
+  // 3 pages) or the automatic chunk, each row's pages spread over its CTAs or not, a
+  // programmatic launch or not.
+  FusedIndexerArgs FusedArgs(int step) const {
+    FusedIndexerArgs f = in_->Args(d_logits_->as<float>());
+    f.logits_stride = stride_;
+    f.stages = 4 + step % 4;
+    f.chunk_pages = step % 3 == 2 ? 3 : 0;
+    f.spread = step % 2 == 1;
+    f.programmatic = step % 4 >= 2;
+    return f;
   }
 
   // The engine's scores for (seq, layer, step, row, slot, q) in later Steps (default: Score).
@@ -327,6 +353,7 @@ class Twin {
   std::function<void(int, int)> after_observe_;
   bool no_accepted_ = false;
   bool fused_ = false;
+  bool one_call_ = false;
   std::unique_ptr<FusedInputs> in_;
   ScoreFn score_ = Score;
 };
@@ -338,6 +365,7 @@ struct Scenario {
   uint32_t period;
   bool engine_contract = false;  ///< Observe without accepted counts (row 0 only)
   bool fused = false;            ///< IndexAndObserve on the GPU (row 0 only), from its logits
+  bool one_call = false;         ///< fused: SelectIndexAndObserve instead of Select + that
 };
 
 // max_slots 64 * 40 + 17 runs the word-access EMA kernel (EmaWordKernel) and slot-by-slot block
@@ -372,7 +400,7 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uin
   options.ahead_group_layers = ahead_group;
   Twin t(g, p, 99, stride_pad, options);
   if (sc.engine_contract) t.NoAccepted();
-  if (sc.fused) t.Fused();
+  if (sc.fused) t.Fused(sc.one_call);
   int step_n = 0;  // entries of the current step
   if (mid_step) {
     t.AfterObserve([&](int step, int l) {
@@ -451,6 +479,95 @@ TEST_F(CudaTest, ParityFusedIndexerEma) {
   }
 }
 
+// SelectIndexAndObserve (Select and the fused indexer in one kernel, which reads the layer's
+// selection and the engine's block table itself and publishes Select's outputs): the same
+// scenarios as ParityFusedIndexerEma, and after every call the published union, compacted
+// table and lengths and a Remap equal the CPU's Select, besides every selection and, at the end,
+// every byte of the arena. Rows spread over their CTAs every other step.
+TEST_F(CudaTest, ParityFusedSelectIndexAndObserve) {
+  SPIN_REQUIRE_OR_SKIP(
+      Sm90(), "the fused mode needs an sm_90 device (wgmma), this one is " << DeviceArch());
+  for (const Scenario& sc : {Scenario{StateDtype::kFp32, 1, 0.5, 0.1, 3, true, true, true},
+                             Scenario{StateDtype::kBf16, 1, 0.4, 0.05, 0, true, true, true},
+                             Scenario{StateDtype::kBf16, 3, 0.6, 0.2, 4, true, true, true},
+                             Scenario{StateDtype::kFp32, 2, 0.7, 0.25, 2, true, true, true}}) {
+    RunScenarioWith(sc, 64 * 40 + 8, 0);
+    RunScenarioWith(sc, 64 * 40 + 17, 3);
+    RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true);
+  }
+}
+
+// Bad arguments to SelectIndexAndObserve are refused before anything runs: no block table, a
+// stride below max blocks, a layer out of range, missing indexer inputs; the arena is unchanged
+// and the data plane still takes the step's calls.
+TEST_F(CudaTest, SelectIndexAndObserveRefusesBadArgumentsAndChangesNothing) {
+  SPIN_REQUIRE_OR_SKIP(
+      Sm90(), "the fused mode needs an sm_90 device (wgmma), this one is " << DeviceArch());
+  Geometry g;
+  g.layers = 2;
+  g.max_seqs = 2;
+  g.max_slots = 64 * 16;
+  g.topk = 64;
+  Policy p;
+  const uint64_t bytes = ArenaBytes(g);
+  DevBuf arena(bytes);
+  auto view = InitDeviceArena(arena.p, bytes, g, 5, p);
+  ASSERT_TRUE(view.ok());
+  auto dp = MakeCudaDataPlane(*view);
+  ASSERT_TRUE(dp.ok());
+  const int64_t MB = view->max_blocks;
+  FusedInputs in(g.max_seqs, 1, MB);
+  DevBuf d_table(in.table.size() * 4), logits(g.max_seqs * MB * 64 * 4);
+  CUDA_OK(cudaMemcpy(d_table.p, in.table.data(), in.table.size() * 4, cudaMemcpyHostToDevice));
+  std::vector<int32_t> seq = {0, 1}, ctx = {500, 700}, q = {499, 699};
+  DevBuf d_seq(8), d_ctx(8), d_q(8);
+  CUDA_OK(cudaMemcpy(d_seq.p, seq.data(), 8, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(d_ctx.p, ctx.data(), 8, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(d_q.p, q.data(), 8, cudaMemcpyHostToDevice));
+  for (int s = 0; s < 2; ++s) ASSERT_TRUE((*dp)->ResetSequence(s, 9 + s).ok());
+  ASSERT_TRUE(
+      (*dp)
+          ->BeginStep(StepBatch{d_seq.as<int32_t>(), d_ctx.as<int32_t>(), d_q.as<int32_t>(), 2, 1})
+          .ok());
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto before = ToHost(static_cast<const uint8_t*>(arena.p), bytes);
+  FusedIndexerArgs f = in.Args(logits.as<float>());
+  f.logits_stride = MB * 64;
+  const int32_t* table = d_table.as<int32_t>();
+  auto expect = [&](absl::Status st, absl::StatusCode code, const std::string& what) {
+    EXPECT_EQ(st.code(), code) << what << ": " << st;
+    EXPECT_FALSE(st.message().empty()) << what;
+  };
+  expect(SelectIndexAndObserve(**dp, 0, nullptr, MB, f), absl::StatusCode::kInvalidArgument,
+         "no block table");
+  expect(SelectIndexAndObserve(**dp, 0, table, MB - 1, f), absl::StatusCode::kInvalidArgument,
+         "stride below max blocks");
+  expect(SelectIndexAndObserve(**dp, 2, table, MB, f), absl::StatusCode::kOutOfRange,
+         "layer out of range");
+  FusedIndexerArgs no_q = f;
+  no_q.q = nullptr;
+  expect(SelectIndexAndObserve(**dp, 0, table, MB, no_q), absl::StatusCode::kInvalidArgument,
+         "no q");
+  FusedIndexerArgs bad_stride = f;
+  bad_stride.logits_stride = -1;
+  expect(SelectIndexAndObserve(**dp, 0, table, MB, bad_stride), absl::StatusCode::kInvalidArgument,
+         "negative logits stride");
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(ToHost(static_cast<const uint8_t*>(arena.p), bytes), before)
+      << "a refused call changed the arena";
+  // Refused calls select nothing: Remap and IndexAndObserve still need a Select.
+  DevBuf idx(4);
+  EXPECT_EQ((*dp)->Remap(idx.as<int32_t>(), 1).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(IndexAndObserve(**dp, 0, f).code(), absl::StatusCode::kFailedPrecondition);
+  // The step goes on.
+  for (int l = 0; l < 2; ++l) {
+    const absl::Status st = SelectIndexAndObserve(**dp, l, table, MB, f);
+    ASSERT_TRUE(st.ok()) << st;
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(*ReadDeviceError(*view), 0u);
+}
+
 // The fused mode captured in a CUDA graph: a step (BeginStep, then per layer Select and
 // IndexAndObserve) captured once and replayed on one arena, the same calls eagerly on a twin
 // arena with the same inputs; after every step the two arenas are equal byte for byte (and the
@@ -459,7 +576,12 @@ TEST_F(CudaTest, ParityFusedIndexerEma) {
 TEST_F(CudaTest, FusedStepInAGraphEqualsEager) {
   SPIN_REQUIRE_OR_SKIP(
       Sm90(), "the fused mode needs an sm_90 device (wgmma), this one is " << DeviceArch());
-  for (StateDtype dtype : {StateDtype::kBf16, StateDtype::kFp32}) {
+  for (const auto& [dtype, one_call] :
+       {std::pair{StateDtype::kBf16, false}, std::pair{StateDtype::kFp32, false},
+        std::pair{StateDtype::kBf16, true}, std::pair{StateDtype::kFp32, true}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << (one_call ? "graph: SelectIndexAndObserve (spread, programmatic)"
+                              : "graph: Select + IndexAndObserve"));
     Geometry g;
     g.layers = 3;
     g.max_seqs = 4;
@@ -491,21 +613,30 @@ TEST_F(CudaTest, FusedStepInAGraphEqualsEager) {
       ASSERT_TRUE((*gdp)->ResetSequence(s, 40 + s).ok());
     }
     const StepBatch batch{d_seq.as<int32_t>(), d_ctx.as<int32_t>(), d_q.as<int32_t>(), n, rows};
-    auto step = [&](DataPlane& dp, float* logits, cudaStream_t st) {
+    // one_call: the graph runs SelectIndexAndObserve (rows spread over their CTAs), the eager
+    // twin Select and IndexAndObserve, so the two are compared byte for byte too.
+    auto step = [&](DataPlane& dp, float* logits, cudaStream_t st, bool one) {
       ASSERT_TRUE(dp.BeginStep(batch, st).ok());
       for (int l = 0; l < L; ++l) {
-        ASSERT_TRUE(dp.Select(l, d_table.as<int32_t>(), MB, st).ok());
         FusedIndexerArgs f = in.Args(logits);
         f.logits_stride = stride;
-        const absl::Status s = IndexAndObserve(dp, l, f, st);
-        ASSERT_TRUE(s.ok()) << s;
+        if (one) {
+          f.spread = true;
+          f.programmatic = true;
+          const absl::Status s = SelectIndexAndObserve(dp, l, d_table.as<int32_t>(), MB, f, st);
+          ASSERT_TRUE(s.ok()) << s;
+        } else {
+          ASSERT_TRUE(dp.Select(l, d_table.as<int32_t>(), MB, st).ok());
+          const absl::Status s = IndexAndObserve(dp, l, f, st);
+          ASSERT_TRUE(s.ok()) << s;
+        }
       }
     };
     cudaStream_t stream;
     CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     cudaGraph_t graph;
     CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    step(**gdp, g_logits.as<float>(), stream);
+    step(**gdp, g_logits.as<float>(), stream, one_call);
     CUDA_OK(cudaStreamEndCapture(stream, &graph));
     cudaGraphExec_t exec;
     CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
@@ -524,7 +655,7 @@ TEST_F(CudaTest, FusedStepInAGraphEqualsEager) {
       CUDA_OK(cudaMemcpy(d_q.p, q.data(), n * 4, cudaMemcpyHostToDevice));
       CUDA_OK(cudaGraphLaunch(exec, stream));
       CUDA_OK(cudaStreamSynchronize(stream));
-      step(**edp, e_logits.as<float>(), stream);
+      step(**edp, e_logits.as<float>(), stream, false);
       CUDA_OK(cudaStreamSynchronize(stream));
       const auto eb = ToHost(static_cast<const uint8_t*>(ea.p), bytes);
       const auto gb = ToHost(static_cast<const uint8_t*>(ga.p), bytes);

@@ -163,8 +163,9 @@ class DenseRun {
     }
   }
   size_t Size() const { return static_cast<size_t>(batch_) * next_n_ * stride_; }
-  // Runs `kernel` (with `stages` and `chunk_pages`) on fresh sentinel-filled logits.
-  std::vector<float> Run(IndexerKernel kernel, int stages, int chunk_pages) {
+  // Runs `kernel` (with `stages`, `chunk_pages` and `spread`) on fresh sentinel-filled logits.
+  std::vector<float> Run(IndexerKernel kernel, int stages, int chunk_pages, bool spread = false,
+                         bool programmatic = false) {
     EXPECT_EQ(cudaMemcpy(d_out_, std::vector<float>(Size(), kSentinel).data(),
                          Size() * sizeof(float), cudaMemcpyHostToDevice),
               cudaSuccess);
@@ -172,6 +173,8 @@ class DenseRun {
     a.kernel = kernel;
     a.stages = stages;
     a.chunk_pages = chunk_pages;
+    a.spread = spread;
+    a.programmatic = programmatic;
     const absl::Status s = LaunchPagedIndexer(a, nullptr);
     EXPECT_TRUE(s.ok()) << s;
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -229,14 +232,18 @@ class DenseRun {
 TEST_P(IndexerTest, MatchesFloat64Reference) {
   DenseRun run(4, 2, 6, {320, 321, 100, 101, 64 * 6 - 1, 64 * 6, 0, 1}, 1);
   for (int chunk : {0, 1, 4}) {
-    SCOPED_TRACE(::testing::Message() << "chunk " << chunk);
-    run.Check(GetParam(), run.Run(GetParam(), 8, chunk));
+    for (bool spread : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "chunk " << chunk << (spread ? ", spread" : ""));
+      run.Check(GetParam(), run.Run(GetParam(), 8, chunk, spread));
+    }
   }
 }
 
 // Rows far longer than a CTA's chunk and than the ring (every stage reused many times), with
 // each ring depth: every result equals float64 within the tolerance and the results of every
-// depth and chunking are bitwise equal (a slot's logit never depends on where it was computed).
+// depth and chunking, rows spread over their CTAs or not (the second row is about half of
+// max_pages), are bitwise equal (a slot's logit never depends on where it was computed). Chunks
+// of 13 pages run as programmatic launches.
 TEST_P(IndexerTest, LongRowsEveryRingDepthAndChunk) {
   DenseRun run(2, 1, 150, {150 * 64 - 5, 77 * 64 + 13}, 7);
   const bool wg = GetParam() == IndexerKernel::kWgmma;
@@ -245,10 +252,13 @@ TEST_P(IndexerTest, LongRowsEveryRingDepthAndChunk) {
   run.Check(GetParam(), first);
   for (int stages : depths) {
     for (int chunk : {0, 13, 64}) {
-      SCOPED_TRACE(::testing::Message() << "stages " << stages << " chunk " << chunk);
-      const std::vector<float> out = run.Run(GetParam(), stages, chunk);
-      for (size_t i = 0; i < out.size(); ++i) {
-        ASSERT_EQ(out[i], first[i]) << "index " << i;
+      for (bool spread : {false, true}) {
+        SCOPED_TRACE(::testing::Message()
+                     << "stages " << stages << " chunk " << chunk << (spread ? ", spread" : ""));
+        const std::vector<float> out = run.Run(GetParam(), stages, chunk, spread, chunk == 13);
+        for (size_t i = 0; i < out.size(); ++i) {
+          ASSERT_EQ(out[i], first[i]) << "index " << i;
+        }
       }
     }
   }

@@ -56,8 +56,10 @@ struct FusedIndexerArgs {
   const uint8_t* kv = nullptr;     ///< the KV pages (the engine's block table points into them)
   float* logits = nullptr;         ///< [batch * rows][logits_stride], compacted positions
   int64_t logits_stride = 0;
-  int32_t stages = 5;       ///< pages in each CTA's ring, [4, 7]
-  int32_t chunk_pages = 0;  ///< pages per CTA; 0 chooses
+  int32_t stages = 5;         ///< pages in each CTA's ring, [4, 7]
+  int32_t chunk_pages = 0;    ///< pages per CTA; 0 chooses
+  bool spread = false;        ///< PagedIndexerArgs::spread: each row's pages over all its CTAs
+  bool programmatic = false;  ///< PagedIndexerArgs::programmatic: a programmatic launch
 };
 
 /// The fused mode (docs/cuda-backend.md, "Fused mode"; sm_90a): in place of the engine's indexer
@@ -71,6 +73,17 @@ struct FusedIndexerArgs {
 /// faster than the unfused path only at batch 1 (docs/cuda-backend.md, "Fused mode").
 absl::Status IndexAndObserve(DataPlane& dp, int32_t layer, const FusedIndexerArgs& args,
                              cudaStream_t stream = nullptr);
+
+/// Select(layer, block_table, table_stride) and IndexAndObserve(layer, args) in one: the fused
+/// kernel reads the layer's selection (made when the step began) and the engine's block table
+/// itself, and publishes Select's outputs (union, compacted table and lengths, statistics), so
+/// Remap works after it as after Select; one kernel and the Probe launch per layer instead of
+/// three launches. The block table is required (stride >= the session's max blocks). Same
+/// results, bit for bit, as the two calls; same call-order rules as Select (it is the layer's
+/// Select).
+absl::Status SelectIndexAndObserve(DataPlane& dp, int32_t layer, const int32_t* block_table,
+                                   int64_t table_stride, const FusedIndexerArgs& args,
+                                   cudaStream_t stream = nullptr);
 
 /// Device memory for tools and tests (synchronous; never on the engine's hot path).
 absl::StatusOr<void*> DeviceAlloc(uint64_t bytes);

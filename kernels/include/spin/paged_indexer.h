@@ -56,6 +56,16 @@ struct PagedIndexerArgs {
   /// Pages per CTA; 0 chooses from the problem size and the GPU (tests set it to exercise
   /// long rings). kWgmma takes at most 64.
   int32_t chunk_pages = 0;
+  /// Share each row's own pages out over all of the grid's CTAs of that row (chunks of
+  /// ceil(pages / CTAs per row)) instead of chunks sized for max_pages. The grid is the same
+  /// (sized for max_pages); a row shorter than max_pages, such as a sparse stage's compacted
+  /// row, then still uses every CTA, each with fewer pages. The logits are the same bit for bit.
+  bool spread = false;
+  /// kWgmma: launch as a programmatic dependent launch (Hopper): the kernel may be launched
+  /// while the previous kernel of the stream finishes and waits for it before its first memory
+  /// access, and lets the next kernel of the stream be launched early the same way (if that one
+  /// was launched so). The order of effects is the stream's either way.
+  bool programmatic = false;
 };
 
 /// Launches the indexer on `stream` (no synchronisation; graph-capturable).
