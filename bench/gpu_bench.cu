@@ -183,6 +183,27 @@ cudaGraphExec_t Capture(cudaStream_t stream, F&& body) {
   return exec;
 }
 
+// Graphs timed in interleaved rounds: each round times every graph once (MedianGraphMs), and
+// each result is the median over the rounds, in microseconds per `per` (layers). Slow drifts of
+// the GPU (clocks, power) then fall on every graph alike instead of on the one timed last.
+struct Timed {
+  cudaGraphExec_t exec;
+  double* out;
+  double per;
+};
+void TimeInterleaved(const std::vector<Timed>& timed, cudaStream_t stream, int reps, int rounds) {
+  std::vector<std::vector<double>> v(timed.size());
+  for (int k = 0; k < rounds; ++k) {
+    for (size_t i = 0; i < timed.size(); ++i) {
+      v[i].push_back(MedianGraphMs(timed[i].exec, stream, reps) * 1e3 / timed[i].per);
+    }
+  }
+  for (size_t i = 0; i < timed.size(); ++i) {
+    std::sort(v[i].begin(), v[i].end());
+    *timed[i].out = v[i][v[i].size() / 2];
+  }
+}
+
 enum Contexts { kFull = 0, kMixed = 1, kRagged = 2 };
 
 struct Point {
@@ -236,6 +257,7 @@ struct Plan {
   int wg_stages = 7;
   bool full = true;
   bool fused = false;  // also time the fused mode (when the sparse stage runs wgmma)
+  int rounds = 1;      // interleaved rounds of the step graphs (TimeInterleaved)
 };
 
 // DeepSeek-V3.2's layer count: SPIN's graphs cover one whole decode step of this many layers.
@@ -448,6 +470,8 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
   // warm-up like any step).
   cudaGraphExec_t g_begin = Capture(stream, [&] { CHECK_OK(dp.BeginStep(batch, stream)); });
 
+  std::vector<Timed> timed;  // the fused plan's graphs, timed with the step's below
+  std::vector<cudaGraphExec_t> fused_graphs;  // destroyed after
   if (plan.fused && r.used == IndexerKernel::kWgmma) {
     FusedIndexerArgs fa;
     fa.q = q;
@@ -456,6 +480,8 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
     fa.logits = logits;
     fa.logits_stride = N;
     fa.stages = sparse_stages;
+    fa.spread = false;  // the two-call and one-call columns: chunks for max_pages, ordinary launch
+    fa.programmatic = false;
     auto fused_step = [&] {
       CHECK_OK(dp.BeginStep(batch, stream));
       for (int l = 0; l < Ls; ++l) {
@@ -502,19 +528,34 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
     };
     cudaGraphExec_t g_plain_spread = Capture(stream, [&] { plain_step(false); });
     cudaGraphExec_t g_plain_pdl = Capture(stream, [&] { plain_step(true); });
-    r.fused_us = MedianGraphMs(g_fused, stream, reps) * 1e3 / Ls;
-    r.plain_us = MedianGraphMs(g_plain, stream, reps) * 1e3 / Ls;
-    r.one_us = MedianGraphMs(g_one, stream, reps) * 1e3 / Ls;
-    r.one_spread_us = MedianGraphMs(g_one_spread, stream, reps) * 1e3 / Ls;
-    r.plain_spread_us = MedianGraphMs(g_plain_spread, stream, reps) * 1e3 / Ls;
-    r.one_pdl_us = MedianGraphMs(g_one_pdl, stream, reps) * 1e3 / Ls;
-    r.plain_pdl_us = MedianGraphMs(g_plain_pdl, stream, reps) * 1e3 / Ls;
-    for (cudaGraphExec_t e :
-         {g_fused, g_plain, g_one, g_one_spread, g_plain_spread, g_one_pdl, g_plain_pdl}) {
-      cudaGraphExecDestroy(e);
-    }
+    // The dense indexer again, ordinary and programmatic launches, in the same rounds.
+    auto dense_graph = [&](bool pdl) {
+      return Capture(stream, [&] {
+        for (int l = 0; l < L; ++l) {
+          PagedIndexerArgs a = dense;
+          a.kernel = IndexerKernel::kWgmma;
+          a.stages = plan.wg_stages;
+          a.programmatic = pdl;
+          a.table = layer_table(l);
+          CHECK_OK(LaunchPagedIndexer(a, stream));
+        }
+      });
+    };
+    cudaGraphExec_t g_dense = dense_graph(false), g_dense_pdl = dense_graph(true);
+    fused_graphs = {g_fused,   g_plain,     g_one,   g_one_spread, g_plain_spread,
+                    g_one_pdl, g_plain_pdl, g_dense, g_dense_pdl};
+    timed = {{g_fused, &r.fused_us, double(Ls)},
+             {g_plain, &r.plain_us, double(Ls)},
+             {g_one, &r.one_us, double(Ls)},
+             {g_one_spread, &r.one_spread_us, double(Ls)},
+             {g_plain_spread, &r.plain_spread_us, double(Ls)},
+             {g_one_pdl, &r.one_pdl_us, double(Ls)},
+             {g_plain_pdl, &r.plain_pdl_us, double(Ls)},
+             {g_dense, &r.dense_us, double(L)},
+             {g_dense_pdl, &r.dense_pdl_us, double(L)}};
     // One eager layer of each over the same compacted table, in NVTX ranges for profilers
-    // (ncu --nvtx --nvtx-include sparse-plain/ or fused/): the plain indexer, then the fused mode.
+    // (ncu --nvtx --nvtx-include sparse-plain/ or fused/): the plain indexer, then the fused mode
+    // (two calls, chunks for max_pages).
     CHECK_OK(dp.BeginStep(batch, stream));
     CHECK_OK(dp.Select(0, layer_table(0), P, stream));
     nvtxRangePushA("sparse-plain");
@@ -523,12 +564,27 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
     nvtxRangePushA("fused");
     CHECK_OK(IndexAndObserve(dp, 0, fa, stream));
     nvtxRangePop();
+    // The same two over layer 1's table with each row's pages spread over its CTAs
+    // (sparse-plain-spread/, fused-spread/).
+    CHECK_OK(dp.Select(1, layer_table(1 % L), P, stream));
+    PagedIndexerArgs sparse_spread = sparse;
+    sparse_spread.spread = true;
+    nvtxRangePushA("sparse-plain-spread");
+    CHECK_OK(LaunchPagedIndexer(sparse_spread, stream));
+    nvtxRangePop();
+    FusedIndexerArgs fs = fa;
+    fs.spread = true;
+    nvtxRangePushA("fused-spread");
+    CHECK_OK(IndexAndObserve(dp, 1, fs, stream));
+    nvtxRangePop();
     CHECK_CUDA(cudaStreamSynchronize(stream));
   }
-  r.spin_us = MedianGraphMs(g_spin, stream, reps) * 1e3 / Ls;
-  r.sparse_us = MedianGraphMs(g_sparse, stream, reps) * 1e3 / Ls;
-  r.select_us = MedianGraphMs(g_select, stream, reps) * 1e3 / Ls;
-  r.begin_us = MedianGraphMs(g_begin, stream, reps) * 1e3;
+  timed.push_back({g_spin, &r.spin_us, double(Ls)});
+  timed.push_back({g_sparse, &r.sparse_us, double(Ls)});
+  timed.push_back({g_select, &r.select_us, double(Ls)});
+  timed.push_back({g_begin, &r.begin_us, 1.0});
+  TimeInterleaved(timed, stream, reps, plan.rounds);
+  for (cudaGraphExec_t e : fused_graphs) cudaGraphExecDestroy(e);
   // The EMA's bytes alone, per layer (each layer its own state), over the last Select's union.
   {
     uint32_t* sink = nullptr;
@@ -576,6 +632,7 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
   plan.mma_stages = 0;
   plan.wg_stages = 5;
   plan.fused = true;
+  plan.rounds = 5;
   md +=
       "Fused mode against unfused, side by side in each row (wgmma indexer, 5 pages in flight; "
       "us per layer of a 61-layer step under CUDA graphs). Unfused: Select, the indexer over "
@@ -589,15 +646,17 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
       "same one-call spread step with programmatic launches of the indexer "
       "(PagedIndexerArgs::programmatic), against the plain spread indexer launched so, and the "
       "dense indexer launched so (dense PDL us; every ratio is against the ordinary dense "
-      "launch).\n\n"
+      "launch). Every graph of a row is timed in 5 interleaved rounds (each the median of its "
+      "replays) and the median round is given; the first row is measured once before, and that "
+      "result dropped, while the GPU's clocks settle.\n\n"
       "| batch | slots | sparsity | state | contexts | probe period | dense us | "
       "unfused SPIN us | unfused SPIN/dense | unfused sparse/dense | fused SPIN us | "
       "fused SPIN/dense | fused sparse/dense | one call SPIN/dense | one call sparse/dense | "
       "one call spread SPIN/dense | one call spread sparse/dense | PDL SPIN/dense | "
       "PDL sparse/dense | dense PDL us | indexer over SPIN's table us | the same, spread us | "
-      "the same, spread, PDL us |\n"
+      "the same, spread, PDL us | BeginStep us per step | select part us |\n"
       "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-      "---|\n";
+      "---|---|---|\n";
   std::vector<Point> points = {
       {64, 128 << 10, 0.5, StateDtype::kBf16, 0, kFull},
       {64, 128 << 10, 0.5, StateDtype::kBf16, 0, kRagged},
@@ -613,12 +672,14 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
   };
   if (quick) points.resize(2);
   char line[512];
+  Measure(points[0], bw, plan, stream, reps);  // dropped: the clocks settle
   for (const Point& pt : points) {
     const Result r = Measure(pt, bw, plan, stream, reps);
     const double idx = r.plain_us - r.select_us;
     std::snprintf(line, sizeof(line),
                   "| %d | %dK | %.1f | %s | %s | %u | %.1f | %.1f | %.3f | %.3f | %.1f | %.3f | "
-                  "%.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.1f | %.1f | %.1f | %.1f |\n",
+                  "%.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.1f | %.1f | %.1f | %.1f | "
+                  "%.1f | %.1f |\n",
                   pt.batch, pt.slots >> 10, pt.rho, pt.dtype == StateDtype::kFp32 ? "fp32" : "bf16",
                   pt.contexts == kRagged  ? "ragged"
                   : pt.contexts == kMixed ? "mixed"
@@ -628,7 +689,8 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
                   r.fused_us / r.dense_us, r.OneSpin() / r.dense_us, r.one_us / r.dense_us,
                   r.OneSpreadSpin() / r.dense_us, r.one_spread_us / r.dense_us,
                   r.OnePdlSpin() / r.dense_us, r.one_pdl_us / r.dense_us, r.dense_pdl_us, idx,
-                  r.plain_spread_us - r.select_us, r.plain_pdl_us - r.select_us);
+                  r.plain_spread_us - r.select_us, r.plain_pdl_us - r.select_us, r.begin_us,
+                  r.select_us);
     md += line;
     std::fprintf(stderr, "%s", line);
   }
