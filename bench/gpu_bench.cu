@@ -244,6 +244,9 @@ struct Result {
   // The same with programmatic launches of the indexer (PagedIndexerArgs::programmatic): the
   // one-call spread step, the plain spread step, and the dense indexer.
   double one_pdl_us = 0, plain_pdl_us = 0, dense_pdl_us = 0;
+  // The unfused step with Observe's Probe launch before the EMA on the caller's stream
+  // (CudaDataPlaneOptions::probe_beside_ema = false) instead of beside it.
+  double spin_seq_us = 0;
   double OnePdlSpin() const { return one_pdl_us - (plain_pdl_us - select_us); }
 };
 
@@ -472,6 +475,7 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
 
   std::vector<Timed> timed;  // the fused plan's graphs, timed with the step's below
   std::vector<cudaGraphExec_t> fused_graphs;  // destroyed after
+  std::unique_ptr<DataPlane> seq_plane;       // the fused plan's second data plane
   if (plan.fused && r.used == IndexerKernel::kWgmma) {
     FusedIndexerArgs fa;
     fa.q = q;
@@ -542,8 +546,21 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
       });
     };
     cudaGraphExec_t g_dense = dense_graph(false), g_dense_pdl = dense_graph(true);
+    // A second data plane over the same arena whose Observe runs Probe before the EMA.
+    CudaDataPlaneOptions seq_options;
+    seq_options.probe_beside_ema = false;
+    auto seq_dp = MakeCudaDataPlane(*view, seq_options);
+    CHECK_OK(seq_dp.status());
+    cudaGraphExec_t g_spin_seq = Capture(stream, [&] {
+      CHECK_OK((*seq_dp)->BeginStep(batch, stream));
+      for (int l = 0; l < Ls; ++l) {
+        CHECK_OK((*seq_dp)->Select(l, layer_table(l % L), P, stream));
+        CHECK_OK((*seq_dp)->Observe(l, logits, N, nullptr, stream));
+      }
+    });
+    seq_plane = std::move(*seq_dp);
     fused_graphs = {g_fused,   g_plain,     g_one,   g_one_spread, g_plain_spread,
-                    g_one_pdl, g_plain_pdl, g_dense, g_dense_pdl};
+                    g_one_pdl, g_plain_pdl, g_dense, g_dense_pdl,  g_spin_seq};
     timed = {{g_fused, &r.fused_us, double(Ls)},
              {g_plain, &r.plain_us, double(Ls)},
              {g_one, &r.one_us, double(Ls)},
@@ -552,7 +569,8 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
              {g_one_pdl, &r.one_pdl_us, double(Ls)},
              {g_plain_pdl, &r.plain_pdl_us, double(Ls)},
              {g_dense, &r.dense_us, double(L)},
-             {g_dense_pdl, &r.dense_pdl_us, double(L)}};
+             {g_dense_pdl, &r.dense_pdl_us, double(L)},
+             {g_spin_seq, &r.spin_seq_us, double(Ls)}};
     // One eager layer of each over the same compacted table, in NVTX ranges for profilers
     // (ncu --nvtx --nvtx-include sparse-plain/ or fused/): the plain indexer, then the fused mode
     // (two calls, chunks for max_pages).
@@ -585,6 +603,7 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
   timed.push_back({g_begin, &r.begin_us, 1.0});
   TimeInterleaved(timed, stream, reps, plan.rounds);
   for (cudaGraphExec_t e : fused_graphs) cudaGraphExecDestroy(e);
+  seq_plane.reset();
   // The EMA's bytes alone, per layer (each layer its own state), over the last Select's union.
   {
     uint32_t* sink = nullptr;
@@ -636,7 +655,9 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
   md +=
       "Fused mode against unfused, side by side in each row (wgmma indexer, 5 pages in flight; "
       "us per layer of a 61-layer step under CUDA graphs). Unfused: Select, the indexer over "
-      "SPIN's compacted table, then Observe (Probe + EMA). Fused: Select, then IndexAndObserve "
+      "SPIN's compacted table, then Observe (Probe beside the EMA; in the column 'Probe before "
+      "the EMA', a data plane with CudaDataPlaneOptions::probe_beside_ema = false). Fused: Select, "
+      "then IndexAndObserve "
       "(the indexer with the row-0 EMA beside it, then Probe). One call: SelectIndexAndObserve "
       "(the same kernel also publishes the selection; Select launches nothing), its rows chunked "
       "for max_pages or spread over their CTAs (PagedIndexerArgs::spread). SPIN = the sparse "
@@ -650,13 +671,14 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
       "replays) and the median round is given; the first row is measured once before, and that "
       "result dropped, while the GPU's clocks settle.\n\n"
       "| batch | slots | sparsity | state | contexts | probe period | dense us | "
-      "unfused SPIN us | unfused SPIN/dense | unfused sparse/dense | fused SPIN us | "
+      "unfused SPIN us | unfused SPIN/dense | unfused sparse/dense | unfused SPIN/dense, Probe "
+      "before the EMA | fused SPIN us | "
       "fused SPIN/dense | fused sparse/dense | one call SPIN/dense | one call sparse/dense | "
       "one call spread SPIN/dense | one call spread sparse/dense | PDL SPIN/dense | "
       "PDL sparse/dense | dense PDL us | indexer over SPIN's table us | the same, spread us | "
       "the same, spread, PDL us | BeginStep us per step | select part us |\n"
       "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-      "---|---|---|\n";
+      "---|---|---|---|\n";
   std::vector<Point> points = {
       {64, 128 << 10, 0.5, StateDtype::kBf16, 0, kFull},
       {64, 128 << 10, 0.5, StateDtype::kBf16, 0, kRagged},
@@ -676,21 +698,21 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
   for (const Point& pt : points) {
     const Result r = Measure(pt, bw, plan, stream, reps);
     const double idx = r.plain_us - r.select_us;
-    std::snprintf(line, sizeof(line),
-                  "| %d | %dK | %.1f | %s | %s | %u | %.1f | %.1f | %.3f | %.3f | %.1f | %.3f | "
-                  "%.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.1f | %.1f | %.1f | %.1f | "
-                  "%.1f | %.1f |\n",
-                  pt.batch, pt.slots >> 10, pt.rho, pt.dtype == StateDtype::kFp32 ? "fp32" : "bf16",
-                  pt.contexts == kRagged  ? "ragged"
-                  : pt.contexts == kMixed ? "mixed"
-                                          : "full",
-                  pt.probe_period, r.dense_us, r.spin_us, r.spin_us / r.dense_us,
-                  r.sparse_us / r.dense_us, r.FusedSpin(), r.FusedSpin() / r.dense_us,
-                  r.fused_us / r.dense_us, r.OneSpin() / r.dense_us, r.one_us / r.dense_us,
-                  r.OneSpreadSpin() / r.dense_us, r.one_spread_us / r.dense_us,
-                  r.OnePdlSpin() / r.dense_us, r.one_pdl_us / r.dense_us, r.dense_pdl_us, idx,
-                  r.plain_spread_us - r.select_us, r.plain_pdl_us - r.select_us, r.begin_us,
-                  r.select_us);
+    std::snprintf(
+        line, sizeof(line),
+        "| %d | %dK | %.1f | %s | %s | %u | %.1f | %.1f | %.3f | %.3f | %.3f | %.1f | %.3f | "
+        "%.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.1f | %.1f | %.1f | %.1f | "
+        "%.1f | %.1f |\n",
+        pt.batch, pt.slots >> 10, pt.rho, pt.dtype == StateDtype::kFp32 ? "fp32" : "bf16",
+        pt.contexts == kRagged  ? "ragged"
+        : pt.contexts == kMixed ? "mixed"
+                                : "full",
+        pt.probe_period, r.dense_us, r.spin_us, r.spin_us / r.dense_us, r.sparse_us / r.dense_us,
+        r.spin_seq_us / r.dense_us, r.FusedSpin(), r.FusedSpin() / r.dense_us,
+        r.fused_us / r.dense_us, r.OneSpin() / r.dense_us, r.one_us / r.dense_us,
+        r.OneSpreadSpin() / r.dense_us, r.one_spread_us / r.dense_us, r.OnePdlSpin() / r.dense_us,
+        r.one_pdl_us / r.dense_us, r.dense_pdl_us, idx, r.plain_spread_us - r.select_us,
+        r.plain_pdl_us - r.select_us, r.begin_us, r.select_us);
     md += line;
     std::fprintf(stderr, "%s", line);
   }

@@ -61,6 +61,9 @@ class CudaDataPlane final : public DataPlane {
 
   ~CudaDataPlane() override {
     for (void* p : owned_) cudaFree(p);
+    if (fork_) cudaEventDestroy(fork_);
+    if (join_) cudaEventDestroy(join_);
+    if (side_) cudaStreamDestroy(side_);
   }
 
   absl::Status Init() {
@@ -171,6 +174,13 @@ class CudaDataPlane final : public DataPlane {
     e = ck::EmaVecBlocksPerSm(d_, &per_sm);
     SPIN_RETURN_IF_ERROR(CudaStatus(e, "EMA occupancy"));
     ema_vec_resident_ = std::max(1, sms * per_sm);
+    // Observe's second stream (the Probe launch beside the EMA), and its fork and join events.
+    if (options_.probe_beside_ema) {
+      e = cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking);
+      if (e == cudaSuccess) e = cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming);
+      if (e == cudaSuccess) e = cudaEventCreateWithFlags(&join_, cudaEventDisableTiming);
+      SPIN_RETURN_IF_ERROR(CudaStatus(e, "Observe's second stream"));
+    }
     return absl::OkStatus();
   }
 
@@ -370,14 +380,38 @@ class CudaDataPlane final : public DataPlane {
     return ck::LaunchProbeRank(d_, l0, count, n_, rank_threads_, stream);
   }
 
-  // Observe's launches: the entries' bookkeeping (validation, fresh flag, probe miss curve), then
+  // Observe's launches: the entries' bookkeeping (validation, fresh flag, probe miss curve) and
   // one EMA launch per row, in row order (the prefix-valid replay), of the kernel for the arena's
   // state type and the logits' layout (after EmaWord or Ema, the V summaries). Without an
-  // accepted array only row 0 is applied (the engine contract), so only its launch is made.
+  // accepted array only row 0 is applied (the engine contract), so only its launch is made. The
+  // bookkeeping runs beside the EMA launches (probe_beside_ema) or before them.
   cudaError_t LaunchObserve(int32_t layer, const float* logits, int64_t logits_stride,
                             const int32_t* accepted, cudaStream_t stream) {
-    SPIN_CUDA_RETURN_IF_ERROR(
-        ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride, accepted, stream));
+    if (side_ == nullptr) {
+      SPIN_CUDA_RETURN_IF_ERROR(
+          ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride, accepted, stream));
+      return LaunchEmas(layer, logits, logits_stride, accepted, stream);
+    }
+    // The Probe launch and the EMA launches touch disjoint memory (Probe: fresh flags, errors,
+    // probe candidates, curves and the probe counters; the EMA: state, V summaries and the
+    // observed counters; both only read the logits and the step's records), so they run side by
+    // side: Probe on the second stream, forked from and joined back to the caller's (in a
+    // captured graph, two parallel branches). The join is recorded whatever the EMA launches
+    // return, so a capture never ends with the second stream unjoined.
+    SPIN_CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_, stream));
+    SPIN_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, fork_, 0));
+    const cudaError_t probe =
+        ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride, accepted, side_);
+    const cudaError_t joined = cudaEventRecord(join_, side_);
+    const cudaError_t ema = LaunchEmas(layer, logits, logits_stride, accepted, stream);
+    const cudaError_t wait = joined == cudaSuccess ? cudaStreamWaitEvent(stream, join_, 0) : joined;
+    return probe != cudaSuccess ? probe : ema != cudaSuccess ? ema : wait;
+  }
+
+  // Observe's EMA launches: one per row, in row order (the prefix-valid replay), of the kernel for
+  // the arena's state type and the logits' layout (after EmaWord or Ema, the V summaries).
+  cudaError_t LaunchEmas(int32_t layer, const float* logits, int64_t logits_stride,
+                         const int32_t* accepted, cudaStream_t stream) {
     const int32_t rows = accepted ? rows_ : 1;
     if (ck::EmaVecFits(d_, logits, logits_stride)) {
       return ck::LaunchEmaVec(d_, layer, n_, rows, logits, logits_stride, accepted,
@@ -414,6 +448,9 @@ class CudaDataPlane final : public DataPlane {
   int sms_ = 1;                    // multiprocessors of the device (ProbeKernel's grid)
   int rank_threads_ = 1024;        // ProbeRankKernel's CTA size
   int ema_vec_resident_ = 1;       // EmaVecKernel CTAs resident on the device at once
+  // Observe's second stream and its fork/join events (CudaDataPlaneOptions::probe_beside_ema).
+  cudaStream_t side_ = nullptr;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
 };
 
 }  // namespace

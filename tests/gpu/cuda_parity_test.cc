@@ -379,10 +379,11 @@ struct Scenario {
 // from the next step), layer 0 is selected again (from its updated state) and, at step 7, a
 // sequence of the batch is reset (it is padding for the rest of the step).
 void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uint32_t block = 64,
-                     int ahead_group = 0, bool mid_step = false) {
+                     int ahead_group = 0, bool mid_step = false, bool probe_beside_ema = true) {
   SCOPED_TRACE(::testing::Message()
                << "max_slots " << max_slots << ", stride pad " << stride_pad << ", block " << block
-               << ", ahead group " << ahead_group << (mid_step ? ", mid-step events" : ""));
+               << ", ahead group " << ahead_group << (mid_step ? ", mid-step events" : "")
+               << (probe_beside_ema ? "" : ", Probe before the EMA"));
   Geometry g;
   g.layers = 3;
   g.max_seqs = 6;
@@ -398,6 +399,7 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uin
   p.probe_period = sc.period;
   CudaDataPlaneOptions options;
   options.ahead_group_layers = ahead_group;
+  options.probe_beside_ema = probe_beside_ema;
   Twin t(g, p, 99, stride_pad, options);
   if (sc.engine_contract) t.NoAccepted();
   if (sc.fused) t.Fused(sc.one_call);
@@ -442,6 +444,7 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uin
 void RunScenario(const Scenario& sc) {
   RunScenarioWith(sc, 64 * 40 + 17, 0);
   RunScenarioWith(sc, 64 * 40 + 8, 0);
+  RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, false, false);  // Probe, then the EMA
   RunScenarioWith(sc, 64 * 40 + 8, 1);
   RunScenarioWith(sc, 32 * 80 + 9, 0, 32);
   RunScenarioWith(sc, 128 * 20 + 40, 0, 128);

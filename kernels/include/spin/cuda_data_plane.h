@@ -37,6 +37,11 @@ struct CudaDataPlaneOptions {
   /// ahead, docs/cuda-backend.md). 0: as many as fit a 64 MB group scratch (all layers for the
   /// usual geometries). Tests set it to exercise several groups.
   int32_t ahead_group_layers = 0;
+  /// Observe runs its Probe launch on a second stream of the data plane, beside the EMA launches
+  /// on the caller's stream (forked from and joined back to it through events: in a captured
+  /// graph two parallel branches, so a small batch waits for one kernel's latency instead of
+  /// two). false: Probe then the EMA, on the caller's stream. The results are the same.
+  bool probe_beside_ema = true;
 };
 
 /// A CUDA data plane over a device arena. The view's pointers are device pointers; `view.header`
@@ -56,10 +61,13 @@ struct FusedIndexerArgs {
   const uint8_t* kv = nullptr;     ///< the KV pages (the engine's block table points into them)
   float* logits = nullptr;         ///< [batch * rows][logits_stride], compacted positions
   int64_t logits_stride = 0;
-  int32_t stages = 5;         ///< pages in each CTA's ring, [4, 7]
-  int32_t chunk_pages = 0;    ///< pages per CTA; 0 chooses
-  bool spread = false;        ///< PagedIndexerArgs::spread: each row's pages over all its CTAs
-  bool programmatic = false;  ///< PagedIndexerArgs::programmatic: a programmatic launch
+  int32_t stages = 5;       ///< pages in each CTA's ring, [4, 7]
+  int32_t chunk_pages = 0;  ///< pages per CTA; 0 chooses
+  /// PagedIndexerArgs::spread: each row's pages over all of its CTAs (a compacted row is shorter
+  /// than max_pages), and PagedIndexerArgs::programmatic: a programmatic launch. Both on by
+  /// default: the fastest fused configuration measured (docs/cuda-backend.md, "Fused mode").
+  bool spread = true;
+  bool programmatic = true;
 };
 
 /// The fused mode (docs/cuda-backend.md, "Fused mode"; sm_90a): in place of the engine's indexer
