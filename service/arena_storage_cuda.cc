@@ -68,7 +68,12 @@ class CudaArenaStorage final : public ArenaStorage {
     mem_ = std::move(*mem);
     SPIN_ASSIGN_OR_RETURN(ArenaView view, InitDeviceArena(mem_->ptr(), bytes_, g, seed, policy));
     view_ = view;
-    SPIN_ASSIGN_OR_RETURN(std::unique_ptr<DataPlane> dp, MakeCudaDataPlane(view_));
+    // The daemon's data plane runs remote-mode steps, one RPC at a time: Observe's Probe beside
+    // the EMA would save it nothing, and would cost every session a CUDA stream and two events
+    // in a process that outlives its sessions.
+    CudaDataPlaneOptions options;
+    options.probe_beside_ema = false;
+    SPIN_ASSIGN_OR_RETURN(std::unique_ptr<DataPlane> dp, MakeCudaDataPlane(view_, options));
     dp_ = std::move(dp);
     // The mirror has the arena's layout but only the pages a pull touches are ever backed.
     void* m = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE,
