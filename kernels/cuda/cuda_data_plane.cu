@@ -39,6 +39,8 @@ namespace internal {
 // paged_indexer_wgmma.cu (sm_90a): the fused mode's indexer with the row-0 EMA in its epilogue.
 absl::Status LaunchIndexerEma(const cuda_kernels::Dev& d, int layer, const PagedIndexerArgs& a,
                               bool publish, cudaStream_t stream);
+// Whether the fused kernel can run here (sm_90a) over `rows` rows, or why not.
+absl::Status CheckIndexerEma(int64_t rows);
 }  // namespace internal
 namespace {
 
@@ -331,6 +333,8 @@ class CudaDataPlane final : public DataPlane {
       if (publish) selected_layer_ = layer;  // Select of an empty step: nothing to publish
       return absl::OkStatus();
     }
+    // Everything the launch can refuse, before anything is launched.
+    SPIN_RETURN_IF_ERROR(internal::CheckIndexerEma(static_cast<int64_t>(n_) * rows_));
     cudaError_t e = cudaSuccess;
     // Select's host side: a layer observed earlier in this step is selected again from the
     // state as it is now, as the reference does.
@@ -396,8 +400,9 @@ class CudaDataPlane final : public DataPlane {
     // probe candidates, curves and the probe counters; the EMA: state, V summaries and the
     // observed counters; both only read the logits and the step's records), so they run side by
     // side: Probe on the second stream, forked from and joined back to the caller's (in a
-    // captured graph, two parallel branches). The join is recorded whatever the EMA launches
-    // return, so a capture never ends with the second stream unjoined.
+    // captured graph, two parallel branches). The join is recorded and waited for whatever the
+    // launches return; only if recording the join event itself fails is the second stream left
+    // unjoined (a capture then fails when it ends).
     SPIN_CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_, stream));
     SPIN_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, fork_, 0));
     const cudaError_t probe =

@@ -51,6 +51,7 @@ constexpr int kTileBytes = kPageSlots * kIndexerDim;  // 8 KB: 64 rows of 128 by
 constexpr int kScaleBytes = kPageSlots * 4;           // 256 B
 constexpr int kMaxChunk = 64;                         // pages per CTA (the table copy in smem)
 constexpr int kChunkTarget = 48;                      // automatic chunks stay at or below this
+constexpr int64_t kMaxGridRows = 65535;               // rows are the grid's y dimension
 
 template <int kStages>
 constexpr size_t SmemBytes() {
@@ -564,17 +565,20 @@ absl::Status Launch(const PagedIndexerArgs& a, const FusedEma& f, cudaStream_t s
   chunk = std::clamp<int64_t>(chunk, 1, kMaxChunk);
   const dim3 grid(static_cast<unsigned>((P + chunk - 1) / chunk), static_cast<unsigned>(rows));
   if (a.programmatic) {
+    // cudaLaunchKernelEx returns this launch's own error; a failure is also the runtime's last
+    // error, taken here so that it is not reported again by a later launch.
     const cudaError_t e = cuda_kernels::LaunchSmem(PagedIndexerWgmmaKernel<kStages, kFused, T>,
                                                    grid, dim3(CtaThreads<kFused>()), kSmem, stream,
                                                    a, static_cast<int>(chunk), f);
     if (e != cudaSuccess) {
+      cudaGetLastError();
       return absl::InternalError(
           absl::StrCat("paged indexer (wgmma) launch: ", cudaGetErrorString(e)));
     }
-  } else {
-    PagedIndexerWgmmaKernel<kStages, kFused, T>
-        <<<grid, CtaThreads<kFused>(), kSmem, stream>>>(a, static_cast<int>(chunk), f);
+    return absl::OkStatus();
   }
+  PagedIndexerWgmmaKernel<kStages, kFused, T>
+      <<<grid, CtaThreads<kFused>(), kSmem, stream>>>(a, static_cast<int>(chunk), f);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
     return absl::InternalError(
         absl::StrCat("paged indexer (wgmma) launch: ", cudaGetErrorString(e)));
@@ -617,6 +621,16 @@ absl::Status LaunchStages(const PagedIndexerArgs& a, const FusedEma& f, cudaStre
 absl::Status LaunchPagedIndexerWgmma(const PagedIndexerArgs& a, cudaStream_t stream) {
   if (absl::Status s = CheckSm90(); !s.ok()) return s;
   return LaunchStages<false, float>(a, FusedEma{}, stream);
+}
+
+absl::Status CheckIndexerEma(int64_t rows) {
+  if (absl::Status s = CheckSm90(); !s.ok()) return s;
+  if (rows > kMaxGridRows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the fused mode takes at most ", kMaxGridRows,
+                     " rows (entries x rows) a launch; this step has ", rows));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status LaunchIndexerEma(const cuda_kernels::Dev& d, int layer, const PagedIndexerArgs& a,

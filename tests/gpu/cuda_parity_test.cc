@@ -244,6 +244,9 @@ class Twin {
           logits = ToHost(d_logits_->as<float>(), logits.size());
         }
         ASSERT_TRUE(cpu_.dp().Observe(l, logits.data(), stride_, nullptr).ok());
+        // Every fourth step, layer 0 once more in the same step: the call selects it again from
+        // the state its first call left (the reference's Select after Observe).
+        if (one_call_ && l == 0 && step % 4 == 1) OneCallAgain(l, n, rows, step);
         if (after_observe_) after_observe_(step, l);
         continue;
       }
@@ -312,6 +315,31 @@ class Twin {
       }
       for (int r = 0; r < rows; ++r) ASSERT_EQ(clen[e * R + r], c.compact_len[e * R + r]) << what;
     }
+  }
+
+  // SelectIndexAndObserve of layer l again in the current step on the GPU, Select and Observe of
+  // its logits on the CPU; the published outputs compared.
+  void OneCallAgain(int l, int n, int rows, int step) {
+    const int MB = static_cast<int>(cpu_.view().max_blocks), R = static_cast<int>(g_.max_rows);
+    ASSERT_TRUE(cpu_.dp().Select(l, table_.data(), MB).ok());
+    const absl::Status st =
+        SelectIndexAndObserve(*gpu_, l, d_table_->as<int32_t>(), MB, FusedArgs(step + 1));
+    ASSERT_TRUE(st.ok()) << st;
+    const ArenaView& c = cpu_.view();
+    const auto count = ToHost(dview_.union_count, n);
+    const auto ids = ToHost(dview_.union_ids, static_cast<size_t>(n) * MB);
+    const auto phys = ToHost(dview_.phys, static_cast<size_t>(n) * MB);
+    const auto clen = ToHost(dview_.compact_len, static_cast<size_t>(n) * R);
+    for (int e = 0; e < n; ++e) {
+      ASSERT_EQ(count[e], c.union_count[e]) << "again, step " << step << " entry " << e;
+      for (int k = 0; k < count[e]; ++k) {
+        ASSERT_EQ(ids[e * MB + k], c.union_ids[e * MB + k]) << "again, entry " << e;
+        ASSERT_EQ(phys[e * MB + k], c.phys[e * MB + k]) << "again, entry " << e;
+      }
+      for (int r = 0; r < rows; ++r) ASSERT_EQ(clen[e * R + r], c.compact_len[e * R + r]);
+    }
+    const auto logits = ToHost(d_logits_->as<float>(), static_cast<size_t>(n) * rows * stride_);
+    ASSERT_TRUE(cpu_.dp().Observe(l, logits.data(), stride_, nullptr).ok());
   }
 
   // Every byte except the scratch and mask sections (whose unused tails may differ) agrees.
@@ -532,11 +560,16 @@ TEST_F(CudaTest, SelectIndexAndObserveRefusesBadArgumentsAndChangesNothing) {
       (*dp)
           ->BeginStep(StepBatch{d_seq.as<int32_t>(), d_ctx.as<int32_t>(), d_q.as<int32_t>(), 2, 1})
           .ok());
-  CUDA_OK(cudaDeviceSynchronize());
-  const auto before = ToHost(static_cast<const uint8_t*>(arena.p), bytes);
   FusedIndexerArgs f = in.Args(logits.as<float>());
   f.logits_stride = MB * 64;
   const int32_t* table = d_table.as<int32_t>();
+  // Layer 0 observed once: a refused call of layer 0 must not select it again either (its
+  // selection would be remade from the updated state; the row-0 block scores would show it).
+  ASSERT_TRUE(SelectIndexAndObserve(**dp, 0, table, MB, f).ok());
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto before = ToHost(static_cast<const uint8_t*>(arena.p), bytes);
+  const auto scores_before = ReadDeviceBlockScores(**dp, 0, 2);
+  ASSERT_TRUE(scores_before.ok());
   auto expect = [&](absl::Status st, absl::StatusCode code, const std::string& what) {
     EXPECT_EQ(st.code(), code) << what << ": " << st;
     EXPECT_FALSE(st.message().empty()) << what;
@@ -558,10 +591,10 @@ TEST_F(CudaTest, SelectIndexAndObserveRefusesBadArgumentsAndChangesNothing) {
   CUDA_OK(cudaDeviceSynchronize());
   EXPECT_EQ(ToHost(static_cast<const uint8_t*>(arena.p), bytes), before)
       << "a refused call changed the arena";
-  // Refused calls select nothing: Remap and IndexAndObserve still need a Select.
-  DevBuf idx(4);
-  EXPECT_EQ((*dp)->Remap(idx.as<int32_t>(), 1).code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(IndexAndObserve(**dp, 0, f).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(*ReadDeviceBlockScores(**dp, 0, 2), *scores_before)
+      << "a refused call selected layer 0 again";
+  // Refused calls select nothing: layer 1 has no Select yet, so IndexAndObserve of it is refused.
+  EXPECT_EQ(IndexAndObserve(**dp, 1, f).code(), absl::StatusCode::kFailedPrecondition);
   // The step goes on.
   for (int l = 0; l < 2; ++l) {
     const absl::Status st = SelectIndexAndObserve(**dp, l, table, MB, f);
@@ -569,6 +602,22 @@ TEST_F(CudaTest, SelectIndexAndObserveRefusesBadArgumentsAndChangesNothing) {
   }
   CUDA_OK(cudaDeviceSynchronize());
   EXPECT_EQ(*ReadDeviceError(*view), 0u);
+  // A step of no entries: the call selects the layer (Remap then runs) and launches nothing.
+  ASSERT_TRUE((*dp)->BeginStep(StepBatch{nullptr, nullptr, nullptr, 0, 1}).ok());
+  ASSERT_TRUE(SelectIndexAndObserve(**dp, 1, table, MB, f).ok());
+  DevBuf idx(4);
+  EXPECT_TRUE((*dp)->Remap(idx.as<int32_t>(), 1).ok());
+  // Blocks that are not one KV page each.
+  Geometry g32 = g;
+  g32.block_size = 32;
+  const uint64_t bytes32 = ArenaBytes(g32);
+  DevBuf arena32(bytes32);
+  auto view32 = InitDeviceArena(arena32.p, bytes32, g32, 5, p);
+  ASSERT_TRUE(view32.ok());
+  auto dp32 = MakeCudaDataPlane(*view32);
+  ASSERT_TRUE(dp32.ok());
+  expect(SelectIndexAndObserve(**dp32, 0, table, view32->max_blocks, f),
+         absl::StatusCode::kFailedPrecondition, "32-slot blocks");
 }
 
 // The fused mode captured in a CUDA graph: a step (BeginStep, then per layer Select and
@@ -616,8 +665,9 @@ TEST_F(CudaTest, FusedStepInAGraphEqualsEager) {
       ASSERT_TRUE((*gdp)->ResetSequence(s, 40 + s).ok());
     }
     const StepBatch batch{d_seq.as<int32_t>(), d_ctx.as<int32_t>(), d_q.as<int32_t>(), n, rows};
-    // one_call: the graph runs SelectIndexAndObserve (rows spread over their CTAs), the eager
-    // twin Select and IndexAndObserve, so the two are compared byte for byte too.
+    // one_call: the graph runs SelectIndexAndObserve (rows spread over their CTAs, programmatic
+    // launches), the eager twin Select and IndexAndObserve (chunks for max_pages, ordinary
+    // launches), so the two forms are compared byte for byte too.
     auto step = [&](DataPlane& dp, float* logits, cudaStream_t st, bool one) {
       ASSERT_TRUE(dp.BeginStep(batch, st).ok());
       for (int l = 0; l < L; ++l) {
@@ -629,6 +679,8 @@ TEST_F(CudaTest, FusedStepInAGraphEqualsEager) {
           const absl::Status s = SelectIndexAndObserve(dp, l, d_table.as<int32_t>(), MB, f, st);
           ASSERT_TRUE(s.ok()) << s;
         } else {
+          f.spread = false;
+          f.programmatic = false;
           ASSERT_TRUE(dp.Select(l, d_table.as<int32_t>(), MB, st).ok());
           const absl::Status s = IndexAndObserve(dp, l, f, st);
           ASSERT_TRUE(s.ok()) << s;
@@ -874,6 +926,25 @@ TEST_F(CudaTest, BadBatchRecordsAnErrorAndRunsNoEntry) {
   EXPECT_EQ(t.gpu().Select(1).code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(t.gpu().Observe(0, nullptr, 0).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(t.gpu().ResetSequence(2, 0).code(), absl::StatusCode::kOutOfRange);
+  if (!Sm90()) return;
+  // The fused mode over the refused step: the call is accepted (the batch is checked on the
+  // device) and writes nothing, neither the arena nor the logits.
+  CUDA_OK(cudaDeviceSynchronize());
+  const uint64_t bytes = ArenaBytes(g);
+  const auto before = ToHost(reinterpret_cast<const uint8_t*>(t.dview().header), bytes);
+  const int64_t MB = t.cpu().view().max_blocks;
+  FusedInputs in(g.max_seqs, 1, MB);
+  DevBuf d_table(in.table.size() * 4);
+  CUDA_OK(cudaMemcpy(d_table.p, in.table.data(), in.table.size() * 4, cudaMemcpyHostToDevice));
+  const std::vector<float> sentinel(2 * MB * 64, -7.0f);
+  DevBuf logits(sentinel.size() * 4);
+  CUDA_OK(cudaMemcpy(logits.p, sentinel.data(), sentinel.size() * 4, cudaMemcpyHostToDevice));
+  FusedIndexerArgs f = in.Args(logits.as<float>());
+  f.logits_stride = MB * 64;
+  ASSERT_TRUE(SelectIndexAndObserve(t.gpu(), 0, d_table.as<int32_t>(), MB, f).ok());
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(ToHost(reinterpret_cast<const uint8_t*>(t.dview().header), bytes), before);
+  EXPECT_EQ(ToHost(logits.as<float>(), sentinel.size()), sentinel);
 }
 
 // A whole decode step (BeginStep, then Select / engine indexer / Observe per layer) captured
