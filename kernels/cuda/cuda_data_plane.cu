@@ -365,7 +365,7 @@ class CudaDataPlane final : public DataPlane {
     if (publish) selected_layer_ = layer;
     observed_[layer] = 1;
     return CudaStatus(
-        ck::LaunchProbe(d_, layer, n_, sms_, f.logits, f.logits_stride, nullptr, stream),
+        ck::LaunchProbe(d_, layer, n_, sms_, f.logits, f.logits_stride, nullptr, false, stream),
         "Probe launch");
   }
 
@@ -393,7 +393,7 @@ class CudaDataPlane final : public DataPlane {
                             const int32_t* accepted, cudaStream_t stream) {
     if (side_ == nullptr) {
       SPIN_CUDA_RETURN_IF_ERROR(
-          ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride, accepted, stream));
+          ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride, accepted, true, stream));
       return LaunchEmas(layer, logits, logits_stride, accepted, stream);
     }
     // The Probe launch and the EMA launches touch disjoint memory (Probe: fresh flags, errors,
@@ -406,7 +406,7 @@ class CudaDataPlane final : public DataPlane {
     SPIN_CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_, stream));
     SPIN_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, fork_, 0));
     const cudaError_t probe =
-        ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride, accepted, side_);
+        ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride, accepted, true, side_);
     const cudaError_t joined = cudaEventRecord(join_, side_);
     const cudaError_t ema = LaunchEmas(layer, logits, logits_stride, accepted, stream);
     const cudaError_t wait = joined == cudaSuccess ? cudaStreamWaitEvent(stream, join_, 0) : joined;

@@ -75,9 +75,11 @@ int ProbeRankThreads(int64_t max_blocks);
 cudaError_t LaunchProbeRank(const Dev& d, int l0, int layers, int n, int threads,
                             cudaStream_t stream);
 
-// Observe's validation and probe miss curve of `layer` (ProbeKernel), on at most `sms` CTAs.
+// Observe's validation (unless the fused kernel did it: validate = false) and probe miss curve
+// of `layer` (ProbeKernel), on at most `sms` CTAs.
 cudaError_t LaunchProbe(const Dev& d, int layer, int n, int sms, const float* logits,
-                        int64_t stride, const int32_t* accepted, cudaStream_t stream);
+                        int64_t stride, const int32_t* accepted, bool validate,
+                        cudaStream_t stream);
 
 // ---- ema_kernels.cu
 

@@ -284,11 +284,15 @@ __global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
       // PublishKernel's rules: nothing for an entry past the device's batch (a refused batch),
       // an empty union for padding (or a sequence reset since the step began).
       const Dev& d = f.d;
-      if (seq >= d.batch->n) return;
-      const StepEntry en = d.entries[seq];
-      const bool live = en.seq >= 0;
+      // The batch size, the entry and the record's length load together (seq < the host's batch
+      // <= max_seqs: in bounds whatever the device's batch says).
       at = d.Ahead(f.layer, seq);
-      len = live ? d.ahead_len[at * d.max_rows + r] : 0;
+      const int batch_n = d.batch->n;
+      const StepEntry en = d.entries[seq];
+      const int rec_len = d.ahead_len[at * d.max_rows + r];
+      if (seq >= batch_n) return;
+      const bool live = en.seq >= 0;
+      len = live ? rec_len : 0;
       if (blockIdx.x == 0 && tid == 0) {
         d.compact_len[static_cast<int64_t>(seq) * d.max_rows + r] = len;
         if (r == 0) {
@@ -307,6 +311,29 @@ __global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
     }
   } else {
     len = a.lens[seq * a.lens_stride + r];
+  }
+  if constexpr (kFused) {
+    // Observe's validation of the entry, which the Probe launch after this kernel then skips
+    // (ProbeKernel's rule, row 0 only): a live entry with a compacted row longer than the logits
+    // stride records the error and is not applied; an applied one is no longer fresh. Before any
+    // early return, so it is done whatever the chunk's pages.
+    if (blockIdx.x == 0 && r == 0 && tid == 0) {
+      const Dev& d = f.d;
+      const int batch_n = d.batch->n;
+      const StepEntry en = d.entries[seq];
+      if (seq < batch_n && en.seq >= 0) {
+        const int32_t* lens = f.publish ? d.ahead_len + at * d.max_rows
+                                        : d.compact_len + static_cast<int64_t>(seq) * d.max_rows;
+        int len0 = 0;
+        if (!cuda_kernels::RowLensFitStride(lens, d.max_rows, d.batch->rows, a.logits_stride, 0,
+                                            len0)) {
+          cuda_kernels::RecordError(d.error, kArenaBadStride);
+        } else {
+          uint8_t* fresh = d.fresh + static_cast<int64_t>(en.seq) * d.layers + f.layer;
+          if (*fresh != 0) *fresh = 0;
+        }
+      }
+    }
   }
   // Never past the row's table, whatever the length says.
   const int pages = min((len + kPageSlots - 1) / kPageSlots, a.max_pages);

@@ -345,14 +345,18 @@ __device__ void ProbeTask(Dev d, int layer, const float* logits, int64_t stride,
 // histogram contended on the few bins the logits' top bits fall in;
 // docs/lab/cuda-kernel-tuning.md.)
 __global__ void __launch_bounds__(kProbeThreads)
-    ProbeKernel(Dev d, int layer, const float* logits, int64_t stride, const int32_t* accepted) {
+    ProbeKernel(Dev d, int layer, const float* logits, int64_t stride, const int32_t* accepted,
+                int validate) {
   StepKernelEntry();
   const int g = static_cast<int>(blockIdx.x), G = static_cast<int>(gridDim.x);
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int batch_n = d.batch->n, rows = d.batch->rows;
+  // Loaded with the batch (the fresh flags written below may alias it for the compiler).
+  const int count = d.probe_count[layer];
   // Validation of entries g, g + G, ... (warp 0): every load of an entry's at once (e < batch n
-  // <= max_seqs, and the lengths and accepted count are the entry's own).
-  if (threadIdx.x < 32) {
+  // <= max_seqs, and the lengths and accepted count are the entry's own). The fused mode's
+  // kernel has done it (validate = 0).
+  if (validate && threadIdx.x < 32) {
     for (int e = g; e < batch_n; e += G) {
       const StepEntry en = d.entries[e];
       const int acc = accepted ? accepted[e] : 1;
@@ -368,7 +372,6 @@ __global__ void __launch_bounds__(kProbeThreads)
   }
   // The probing entries' work (ProbeRankKernel's list): K CTAs per entry, task t being the
   // share t % K of entry t / K.
-  const int count = d.probe_count[layer];
   if (count == 0) return;
   const int K = min(kMaxProbeShares, max(1, G / count));
   for (int t = g; t < count * K; t += G) {
@@ -409,11 +412,13 @@ cudaError_t LaunchProbeRank(const Dev& d, int l0, int layers, int n, int threads
 }
 
 cudaError_t LaunchProbe(const Dev& d, int layer, int n, int sms, const float* logits,
-                        int64_t stride, const int32_t* accepted, cudaStream_t stream) {
+                        int64_t stride, const int32_t* accepted, bool validate,
+                        cudaStream_t stream) {
   // One CTA per multiprocessor, and no more than kMaxProbeShares per entry, shared out over the
   // probing entries.
   const dim3 probe_grid(static_cast<unsigned>(std::min(sms, kMaxProbeShares * n)));
-  return Launch(ProbeKernel, probe_grid, kProbeThreads, stream, d, layer, logits, stride, accepted);
+  return Launch(ProbeKernel, probe_grid, kProbeThreads, stream, d, layer, logits, stride, accepted,
+                validate ? 1 : 0);
 }
 
 }  // namespace spin::cuda_kernels

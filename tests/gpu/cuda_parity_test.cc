@@ -620,6 +620,85 @@ TEST_F(CudaTest, SelectIndexAndObserveRefusesBadArgumentsAndChangesNothing) {
          absl::StatusCode::kFailedPrecondition, "32-slot blocks");
 }
 
+// A logits stride below one entry's compacted row: the device records kArenaBadStride, that entry
+// is not applied (its state and fresh flag unchanged) and the others are; the fused kernel never
+// writes past the stride. The same in the unfused Observe (Probe validates), in IndexAndObserve
+// and in SelectIndexAndObserve (the fused kernel validates, its Probe launch does not).
+TEST_F(CudaTest, ALogitsStrideBelowARowIsAnErrorAndOnlyThatEntryIsNotApplied) {
+  enum Mode { kUnfused, kTwoCalls, kOneCall };
+  for (const Mode mode : {kUnfused, kTwoCalls, kOneCall}) {
+    if (mode != kUnfused && !Sm90()) continue;
+    SCOPED_TRACE(::testing::Message() << "mode " << mode);
+    Geometry g;
+    g.layers = 1;
+    g.max_seqs = 2;
+    g.max_slots = 64 * 24;
+    g.topk = 64;
+    g.dtype = StateDtype::kBf16;
+    Policy p;
+    const uint64_t bytes = ArenaBytes(g);
+    DevBuf arena(bytes);
+    auto view = InitDeviceArena(arena.p, bytes, g, 3, p);
+    ASSERT_TRUE(view.ok());
+    auto dp = MakeCudaDataPlane(*view);
+    ASSERT_TRUE(dp.ok());
+    const int64_t MB = view->max_blocks, stride = 1000;
+    for (int s = 0; s < 2; ++s) ASSERT_TRUE((*dp)->ResetSequence(s, 20 + s).ok());
+    // Fresh pairs select densely: the compacted rows are the contexts, 1280 (above the stride)
+    // and 200.
+    const std::vector<int32_t> seq = {0, 1}, ctx = {1280, 200}, q = {1279, 199};
+    DevBuf d_seq(8), d_ctx(8), d_q(8);
+    CUDA_OK(cudaMemcpy(d_seq.p, seq.data(), 8, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_ctx.p, ctx.data(), 8, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_q.p, q.data(), 8, cudaMemcpyHostToDevice));
+    FusedInputs in(g.max_seqs, 1, MB);
+    DevBuf d_table(in.table.size() * 4);
+    CUDA_OK(cudaMemcpy(d_table.p, in.table.data(), in.table.size() * 4, cudaMemcpyHostToDevice));
+    // Two rows of `stride` logits and a guard row after them.
+    const std::vector<float> sentinel(3 * stride, -7.0f);
+    std::vector<float> ones(3 * stride, 1.0f);
+    DevBuf logits(sentinel.size() * 4);
+    CUDA_OK(cudaMemcpy(logits.p, mode == kUnfused ? ones.data() : sentinel.data(),
+                       sentinel.size() * 4, cudaMemcpyHostToDevice));
+    const uint64_t rec = view->StateRecordBytes();
+    const auto state0 = ToHost(view->StateRecord(0, 0), rec);
+    const auto state1 = ToHost(view->StateRecord(1, 0), rec);
+    ASSERT_TRUE((*dp)
+                    ->BeginStep(StepBatch{d_seq.as<int32_t>(), d_ctx.as<int32_t>(),
+                                          d_q.as<int32_t>(), 2, 1})
+                    .ok());
+    const int32_t* table = d_table.as<int32_t>();
+    FusedIndexerArgs f = in.Args(logits.as<float>());
+    f.logits_stride = stride;
+    if (mode == kOneCall) {
+      ASSERT_TRUE(SelectIndexAndObserve(**dp, 0, table, MB, f).ok());
+    } else {
+      ASSERT_TRUE((*dp)->Select(0, table, MB).ok());
+      if (mode == kUnfused) {
+        ASSERT_TRUE((*dp)->Observe(0, logits.as<float>(), stride, nullptr).ok());
+      } else {
+        ASSERT_TRUE(IndexAndObserve(**dp, 0, f).ok());
+      }
+    }
+    CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(*ReadDeviceError(*view), static_cast<uint32_t>(kArenaBadStride));
+    const auto fresh = ToHost(view->fresh, 2);
+    EXPECT_EQ(fresh[0], 1) << "the entry whose row passes the stride was applied";
+    EXPECT_EQ(fresh[1], 0) << "the entry that fits was not applied";
+    EXPECT_EQ(ToHost(view->StateRecord(0, 0), rec), state0) << "state of the entry not applied";
+    EXPECT_NE(ToHost(view->StateRecord(1, 0), rec), state1) << "state of the entry applied";
+    if (mode != kUnfused) {
+      // Row 0 (1280 slots) is written up to the stride only: row 1 holds entry 1's 200 logits
+      // and then the sentinel, and the guard row is untouched.
+      const auto out = ToHost(logits.as<float>(), sentinel.size());
+      for (int64_t i = 0; i < stride; ++i) ASSERT_NE(out[i], -7.0f) << "row 0 slot " << i;
+      for (int64_t i = 200; i < 2 * stride; ++i) {
+        ASSERT_EQ(out[stride + i], -7.0f) << "written past row 1's length or by row 0 at " << i;
+      }
+    }
+  }
+}
+
 // The fused mode captured in a CUDA graph: a step (BeginStep, then per layer Select and
 // IndexAndObserve) captured once and replayed on one arena, the same calls eagerly on a twin
 // arena with the same inputs; after every step the two arenas are equal byte for byte (and the
