@@ -491,6 +491,20 @@ TEST_F(CudaTest, ParityBf16MtpEngineContract) {
 }
 TEST_F(CudaTest, ParityNoExplorationNoProbes) { RunScenario({StateDtype::kFp32, 1, 0.3, 0.0, 0}); }
 
+// The fused scenarios: fp32 and bf16, one row and MTP rows, probe steps, a partial last block
+// with an odd stride pad, and the mid-step events; one_call: SelectIndexAndObserve.
+void RunFusedScenarios(bool one_call) {
+  for (Scenario sc : {Scenario{StateDtype::kFp32, 1, 0.5, 0.1, 3, true, true},
+                      Scenario{StateDtype::kBf16, 1, 0.4, 0.05, 0, true, true},
+                      Scenario{StateDtype::kBf16, 3, 0.6, 0.2, 4, true, true},
+                      Scenario{StateDtype::kFp32, 2, 0.7, 0.25, 2, true, true}}) {
+    sc.one_call = one_call;
+    RunScenarioWith(sc, 64 * 40 + 8, 0);
+    RunScenarioWith(sc, 64 * 40 + 17, 3);
+    RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true);
+  }
+}
+
 // The fused mode (IndexAndObserve: spind's indexer with the row-0 EMA in its epilogue) against
 // the CPU observing the logits it wrote: every selection, and at the end every byte of state,
 // V summaries, statistics and curves. fp32 and bf16, one row and MTP rows (row 0 applied),
@@ -500,14 +514,7 @@ TEST_F(CudaTest, ParityNoExplorationNoProbes) { RunScenario({StateDtype::kFp32, 
 TEST_F(CudaTest, ParityFusedIndexerEma) {
   SPIN_REQUIRE_OR_SKIP(
       Sm90(), "the fused mode needs an sm_90 device (wgmma), this one is " << DeviceArch());
-  for (const Scenario& sc : {Scenario{StateDtype::kFp32, 1, 0.5, 0.1, 3, true, true},
-                             Scenario{StateDtype::kBf16, 1, 0.4, 0.05, 0, true, true},
-                             Scenario{StateDtype::kBf16, 3, 0.6, 0.2, 4, true, true},
-                             Scenario{StateDtype::kFp32, 2, 0.7, 0.25, 2, true, true}}) {
-    RunScenarioWith(sc, 64 * 40 + 8, 0);
-    RunScenarioWith(sc, 64 * 40 + 17, 3);
-    RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true);
-  }
+  RunFusedScenarios(false);
 }
 
 // SelectIndexAndObserve (Select and the fused indexer in one kernel, which reads the layer's
@@ -518,14 +525,7 @@ TEST_F(CudaTest, ParityFusedIndexerEma) {
 TEST_F(CudaTest, ParityFusedSelectIndexAndObserve) {
   SPIN_REQUIRE_OR_SKIP(
       Sm90(), "the fused mode needs an sm_90 device (wgmma), this one is " << DeviceArch());
-  for (const Scenario& sc : {Scenario{StateDtype::kFp32, 1, 0.5, 0.1, 3, true, true, true},
-                             Scenario{StateDtype::kBf16, 1, 0.4, 0.05, 0, true, true, true},
-                             Scenario{StateDtype::kBf16, 3, 0.6, 0.2, 4, true, true, true},
-                             Scenario{StateDtype::kFp32, 2, 0.7, 0.25, 2, true, true, true}}) {
-    RunScenarioWith(sc, 64 * 40 + 8, 0);
-    RunScenarioWith(sc, 64 * 40 + 17, 3);
-    RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true);
-  }
+  RunFusedScenarios(true);
 }
 
 // Bad arguments to SelectIndexAndObserve are refused before anything runs: no block table, a
