@@ -190,6 +190,17 @@ absl::Status ResilientDataPlane::Refresh() {
                                            next->id(), ": ", s.message()));
       }
     }
+#if SPIN_HAVE_CUDA
+    // The resets ran on the legacy default stream, which an engine stream created non-blocking
+    // does not wait for: finish them before the next step can begin on it. (A switch is rare and
+    // has synchronised the device already to remap the arena.)
+    if (on_device_) {
+      if (const cudaError_t e = cudaStreamSynchronize(nullptr); e != cudaSuccess) {
+        Log(LogLevel::kError, absl::StrCat("reopening sequences in session ", next->id(), ": ",
+                                           cudaGetErrorString(e)));
+      }
+    }
+#endif
     session_ = std::move(next);
     has_session_ = true;
     lost_ = false;

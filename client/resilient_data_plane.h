@@ -12,7 +12,8 @@
 // the arena: the dense fallback lives there first, and each session spind hands out is mapped at
 // the same addresses (DeviceWindow), so outputs never move and captured CUDA graphs stay valid
 // across daemon restarts. A graph-replaying engine calls Refresh() between replays (BeginStep
-// does it for eager engines); a switch synchronises the device once.
+// does it for eager engines); a switch synchronises the device (to remap the arena) and then
+// waits for the sequences it reopens.
 #pragma once
 
 #include <atomic>
