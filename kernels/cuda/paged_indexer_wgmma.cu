@@ -529,7 +529,7 @@ __global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
     if (t < 2) {
       const int slot = (p0 + i) * kPageSlots + kr;
       // Fused mode: the lengths are SPIN's, the stride the caller's; a row longer than the
-      // stride is not written past it (Probe records the error, and the row is not applied).
+      // stride is not written past it (the entry is not applied and its error is recorded above).
       if (slot < len && (!kFused || slot < a.logits_stride)) out[slot] = z;
     }
     if (kFused && x.on) {  // hand page i's logits to the EMA warp

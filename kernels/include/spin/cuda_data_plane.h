@@ -74,11 +74,13 @@ struct FusedIndexerArgs {
 /// over layer's compacted table followed by Observe(layer) without accepted counts. Runs spind's
 /// sparse paged indexer (the wgmma reference kernel) over the compacted table the layer's Select
 /// published, writing the logits as LaunchPagedIndexer does, and applies row 0's EMA to the
-/// layer's state in its epilogue from the logits it holds; then the rest of Observe (validation,
-/// fresh flags, probe curves) from those logits. The state, statistics and curves it leaves are
-/// Observe's, bit for bit. Same call-order errors as Observe; needs 64-slot blocks (one KV page
-/// per block) and a CUDA data plane. Asynchronous on `stream`, graph-capturable. Today it is
-/// faster than the unfused path only at batch 1 (docs/cuda-backend.md, "Fused mode").
+/// layer's state beside the indexer from the logits it holds, with Observe's validation (the
+/// stride rule, fresh flags); then the probing entries' curves from those logits. The state,
+/// statistics and curves it leaves are Observe's, bit for bit. Same call-order errors as
+/// Observe; needs 64-slot blocks (one KV page per block), sm_90a and a CUDA data plane; refused
+/// calls launch nothing. Asynchronous on `stream`, graph-capturable. Faster than the unfused path
+/// at batch 1-16 and with probe steps, slower at batch 64 and above (docs/cuda-backend.md,
+/// "Fused mode").
 absl::Status IndexAndObserve(DataPlane& dp, int32_t layer, const FusedIndexerArgs& args,
                              cudaStream_t stream = nullptr);
 
