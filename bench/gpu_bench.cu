@@ -244,10 +244,10 @@ struct Result {
   // The same with programmatic launches of the indexer (PagedIndexerArgs::programmatic): the
   // one-call spread step, the plain spread step, and the dense indexer.
   double one_pdl_us = 0, plain_pdl_us = 0, dense_pdl_us = 0;
+  double OnePdlSpin() const { return one_pdl_us - (plain_pdl_us - select_us); }
   // The unfused step with Observe's Probe launch before the EMA on the caller's stream
   // (CudaDataPlaneOptions::probe_beside_ema = false) instead of beside it.
   double spin_seq_us = 0;
-  double OnePdlSpin() const { return one_pdl_us - (plain_pdl_us - select_us); }
 };
 
 // wgmma accumulates fp8 products with fewer bits than fp32; a wrong layout gives differences
@@ -359,13 +359,27 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
   r.p = pt;
   r.layers = L;
   r.floor_us = kv_layer / read_bw * 1e6;
-  // Dense, each kernel; the last layer's logits of each are compared.
-  std::vector<float> mma_out, wg_out;
-  auto time_dense = [&](IndexerKernel k, int stages, std::vector<float>* out, bool pdl = false) {
+  // The dense indexer over every KV layer of the point, one graph.
+  auto dense_args = [&](IndexerKernel k, int stages, bool pdl) {
     PagedIndexerArgs base = dense;
     base.kernel = k;
     base.stages = stages;
     base.programmatic = pdl;
+    return base;
+  };
+  auto dense_graph = [&](const PagedIndexerArgs& base) {
+    return Capture(stream, [&] {
+      for (int l = 0; l < L; ++l) {
+        PagedIndexerArgs a = base;
+        a.table = layer_table(l);
+        CHECK_OK(LaunchPagedIndexer(a, stream));
+      }
+    });
+  };
+  // Dense, each kernel; the last layer's logits of each are compared.
+  std::vector<float> mma_out, wg_out;
+  auto time_dense = [&](IndexerKernel k, int stages, std::vector<float>* out, bool pdl = false) {
+    const PagedIndexerArgs base = dense_args(k, stages, pdl);
     const absl::Status probe = LaunchPagedIndexer(base, stream);
     if (!probe.ok()) {
       std::fprintf(stderr, "%s indexer unavailable: %s\n", IndexerKernelName(k),
@@ -373,13 +387,7 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
       return 0.0;
     }
     CHECK_CUDA(cudaStreamSynchronize(stream));
-    cudaGraphExec_t exec = Capture(stream, [&] {
-      for (int l = 0; l < L; ++l) {
-        PagedIndexerArgs a = base;
-        a.table = layer_table(l);
-        CHECK_OK(LaunchPagedIndexer(a, stream));
-      }
-    });
+    cudaGraphExec_t exec = dense_graph(base);
     const double us = MedianGraphMs(exec, stream, reps) * 1e3 / L;
     CHECK_CUDA(cudaStreamSynchronize(stream));
     out->resize(static_cast<size_t>(B) * N);
@@ -533,19 +541,9 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
     cudaGraphExec_t g_plain_spread = Capture(stream, [&] { plain_step(false); });
     cudaGraphExec_t g_plain_pdl = Capture(stream, [&] { plain_step(true); });
     // The dense indexer again, ordinary and programmatic launches, in the same rounds.
-    auto dense_graph = [&](bool pdl) {
-      return Capture(stream, [&] {
-        for (int l = 0; l < L; ++l) {
-          PagedIndexerArgs a = dense;
-          a.kernel = IndexerKernel::kWgmma;
-          a.stages = plan.wg_stages;
-          a.programmatic = pdl;
-          a.table = layer_table(l);
-          CHECK_OK(LaunchPagedIndexer(a, stream));
-        }
-      });
-    };
-    cudaGraphExec_t g_dense = dense_graph(false), g_dense_pdl = dense_graph(true);
+    cudaGraphExec_t g_dense = dense_graph(dense_args(IndexerKernel::kWgmma, plan.wg_stages, false));
+    cudaGraphExec_t g_dense_pdl =
+        dense_graph(dense_args(IndexerKernel::kWgmma, plan.wg_stages, true));
     // A second data plane over the same arena whose Observe runs Probe before the EMA.
     CudaDataPlaneOptions seq_options;
     seq_options.probe_beside_ema = false;

@@ -36,7 +36,8 @@
 
 namespace spin {
 namespace internal {
-// paged_indexer_wgmma.cu (sm_90a): the fused mode's indexer with the row-0 EMA in its epilogue.
+// paged_indexer_wgmma.cu (sm_90a): the fused mode's indexer with the row-0 EMA beside it, once
+// CheckIndexerEma has passed.
 absl::Status LaunchIndexerEma(const cuda_kernels::Dev& d, int layer, const PagedIndexerArgs& a,
                               bool publish, cudaStream_t stream);
 // Whether the fused kernel can run here (sm_90a) over `rows` rows, or why not.

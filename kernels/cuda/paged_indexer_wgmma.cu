@@ -660,9 +660,9 @@ absl::Status CheckIndexerEma(int64_t rows) {
   return absl::OkStatus();
 }
 
+// The caller has checked CheckIndexerEma (the data plane does, before any launch of the call).
 absl::Status LaunchIndexerEma(const cuda_kernels::Dev& d, int layer, const PagedIndexerArgs& a,
                               bool publish, cudaStream_t stream) {
-  if (absl::Status s = CheckSm90(); !s.ok()) return s;
   FusedEma f;
   f.d = d;
   f.layer = layer;
