@@ -248,6 +248,15 @@ struct Result {
   // The unfused step with Observe's Probe launch before the EMA on the caller's stream
   // (CudaDataPlaneOptions::probe_beside_ema = false) instead of beside it.
   double spin_seq_us = 0;
+  // The step as an engine runs it with the top-K remapped: each layer copies a fixed top-K into
+  // the engine's buffer (copy_us: the copies alone), then Remap (the probe's top-K computed from
+  // the logits) or RemapTopK (the engine's top-K counted at the remap), unfused and one call
+  // (spread, PDL; with RemapTopK, FusedIndexerArgs::probe_at_remap: no Probe launch).
+  double copy_us = 0, remap_us = 0, remap_topk_us = 0, one_remap_us = 0, one_topk_us = 0;
+  double RemapSpin(double step_us) const { return step_us - copy_us - (plain_us - select_us); }
+  double OneRemapSpin(double step_us) const {
+    return step_us - copy_us - (plain_pdl_us - select_us);
+  }
 };
 
 // wgmma accumulates fp8 products with fewer bits than fp32; a wrong layout gives differences
@@ -481,6 +490,7 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
   // warm-up like any step).
   cudaGraphExec_t g_begin = Capture(stream, [&] { CHECK_OK(dp.BeginStep(batch, stream)); });
 
+  int32_t *topk_fixed = nullptr, *topk_buf = nullptr;  // the fused plan's top-K buffers
   std::vector<Timed> timed;  // the fused plan's graphs, timed with the step's below
   std::vector<cudaGraphExec_t> fused_graphs;  // destroyed after
   std::unique_ptr<DataPlane> seq_plane;       // the fused plan's second data plane
@@ -557,8 +567,56 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
       }
     });
     seq_plane = std::move(*seq_dp);
+    // The engine's top-K per layer: a fixed one (row 0 of each entry: K distinct compacted
+    // indices below a quarter of the context, inside every compacted row here) copied into the
+    // buffer that Remap maps in place, then Remap or RemapTopK.
+    const size_t topk_n = static_cast<size_t>(B) * g.topk;
+    std::vector<int32_t> fixed(topk_n);
+    for (size_t x = 0; x < topk_n; ++x) {
+      fixed[x] = static_cast<int32_t>(((x % g.topk) * 97) % static_cast<size_t>(N / 4));
+    }
+    CHECK_CUDA(cudaMalloc(&topk_fixed, topk_n * 4));
+    CHECK_CUDA(cudaMalloc(&topk_buf, topk_n * 4));
+    CHECK_CUDA(cudaMemcpy(topk_fixed, fixed.data(), topk_n * 4, cudaMemcpyHostToDevice));
+    const int32_t K = static_cast<int32_t>(g.topk);
+    auto copy_topk = [&] {
+      CHECK_CUDA(
+          cudaMemcpyAsync(topk_buf, topk_fixed, topk_n * 4, cudaMemcpyDeviceToDevice, stream));
+    };
+    auto remap_step = [&](bool given) {
+      CHECK_OK(dp.BeginStep(batch, stream));
+      for (int l = 0; l < Ls; ++l) {
+        CHECK_OK(dp.Select(l, layer_table(l % L), P, stream));
+        CHECK_OK(LaunchPagedIndexer(sparse, stream));
+        copy_topk();
+        CHECK_OK(given ? dp.RemapTopK(topk_buf, K, stream) : dp.Remap(topk_buf, K, stream));
+        CHECK_OK(dp.Observe(l, logits, N, nullptr, stream));
+      }
+    };
+    auto one_remap_step = [&](bool given) {
+      FusedIndexerArgs f1 = fa;
+      f1.spread = true;
+      f1.programmatic = true;
+      f1.probe_at_remap = given;
+      CHECK_OK(dp.BeginStep(batch, stream));
+      for (int l = 0; l < Ls; ++l) {
+        CHECK_OK(SelectIndexAndObserve(dp, l, layer_table(l % L), P, f1, stream));
+        copy_topk();
+        CHECK_OK(given ? dp.RemapTopK(topk_buf, K, stream) : dp.Remap(topk_buf, K, stream));
+      }
+    };
+    for (bool given : {false, true}) remap_step(given), one_remap_step(given);
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    cudaGraphExec_t g_copy = Capture(stream, [&] {
+      for (int l = 0; l < Ls; ++l) copy_topk();
+    });
+    cudaGraphExec_t g_remap = Capture(stream, [&] { remap_step(false); });
+    cudaGraphExec_t g_remap_topk = Capture(stream, [&] { remap_step(true); });
+    cudaGraphExec_t g_one_remap = Capture(stream, [&] { one_remap_step(false); });
+    cudaGraphExec_t g_one_topk = Capture(stream, [&] { one_remap_step(true); });
     fused_graphs = {g_fused,   g_plain,     g_one,   g_one_spread, g_plain_spread,
-                    g_one_pdl, g_plain_pdl, g_dense, g_dense_pdl,  g_spin_seq};
+                    g_one_pdl, g_plain_pdl, g_dense, g_dense_pdl,  g_spin_seq,
+                    g_copy,    g_remap,     g_remap_topk, g_one_remap, g_one_topk};
     timed = {{g_fused, &r.fused_us, double(Ls)},
              {g_plain, &r.plain_us, double(Ls)},
              {g_one, &r.one_us, double(Ls)},
@@ -568,7 +626,12 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
              {g_plain_pdl, &r.plain_pdl_us, double(Ls)},
              {g_dense, &r.dense_us, double(L)},
              {g_dense_pdl, &r.dense_pdl_us, double(L)},
-             {g_spin_seq, &r.spin_seq_us, double(Ls)}};
+             {g_spin_seq, &r.spin_seq_us, double(Ls)},
+             {g_copy, &r.copy_us, double(Ls)},
+             {g_remap, &r.remap_us, double(Ls)},
+             {g_remap_topk, &r.remap_topk_us, double(Ls)},
+             {g_one_remap, &r.one_remap_us, double(Ls)},
+             {g_one_topk, &r.one_topk_us, double(Ls)}};
     // One eager layer of each over the same compacted table, in NVTX ranges for profilers
     // (ncu --nvtx --nvtx-include sparse-plain/ or fused/): the plain indexer, then the fused mode
     // (two calls, chunks for max_pages).
@@ -602,6 +665,8 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
   TimeInterleaved(timed, stream, reps, plan.rounds);
   for (cudaGraphExec_t e : fused_graphs) cudaGraphExecDestroy(e);
   seq_plane.reset();
+  CHECK_CUDA(cudaFree(topk_fixed));
+  CHECK_CUDA(cudaFree(topk_buf));
   // The EMA's bytes alone, per layer (each layer its own state), over the last Select's union.
   {
     uint32_t* sink = nullptr;
@@ -691,6 +756,21 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
       {16, 256 << 10, 0.5, StateDtype::kBf16, 8, kRagged},
   };
   if (quick) points.resize(2);
+  // The second table: the probe's top-K computed from the logits (Remap) or the engine's given
+  // to RemapTopK, with the top-K remapped as an engine does.
+  std::string md2 =
+      "\nThe probe's top-K from the engine (RemapTopK), same run: each layer of these steps also "
+      "copies a fixed top-K (K per entry) into the engine's buffer and remaps it, with Remap (the "
+      "probe's dense top-K computed from the logits by Observe's Probe launch, or the fused "
+      "call's) or with RemapTopK (the engine's top-K counted at the remap; Observe computes none, "
+      "and the one call, FusedIndexerArgs::probe_at_remap, launches no Probe). SPIN = the step "
+      "less the copies alone (copy us, per layer) less the plain sparse indexer's own time; one "
+      "call: spread, programmatic launches, against the plain indexer launched so.\n\n"
+      "| batch | slots | sparsity | state | contexts | probe period | dense us | copy us | "
+      "unfused + Remap SPIN/dense | unfused + RemapTopK SPIN/dense | unfused + RemapTopK "
+      "sparse/dense | one call + Remap SPIN/dense | one call + RemapTopK SPIN/dense | one call + "
+      "RemapTopK sparse/dense |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   char line[512];
   Measure(points[0], bw, plan, stream, reps);  // dropped: the clocks settle
   for (const Point& pt : points) {
@@ -713,7 +793,24 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
         r.plain_pdl_us - r.select_us, r.begin_us, r.select_us);
     md += line;
     std::fprintf(stderr, "%s", line);
+    std::snprintf(line, sizeof(line),
+                  "| %d | %dK | %.1f | %s | %s | %u | %.1f | %.1f | %.3f | %.3f | %.3f | %.3f | "
+                  "%.3f | %.3f |\n",
+                  pt.batch, pt.slots >> 10, pt.rho,
+                  pt.dtype == StateDtype::kFp32 ? "fp32" : "bf16",
+                  pt.contexts == kRagged  ? "ragged"
+                  : pt.contexts == kMixed ? "mixed"
+                                          : "full",
+                  pt.probe_period, r.dense_us, r.copy_us, r.RemapSpin(r.remap_us) / r.dense_us,
+                  r.RemapSpin(r.remap_topk_us) / r.dense_us,
+                  (r.remap_topk_us - r.copy_us) / r.dense_us,
+                  r.OneRemapSpin(r.one_remap_us) / r.dense_us,
+                  r.OneRemapSpin(r.one_topk_us) / r.dense_us,
+                  (r.one_topk_us - r.copy_us) / r.dense_us);
+    md2 += line;
+    std::fprintf(stderr, "%s", line);
   }
+  md += md2;
   std::printf("%s", md.c_str());
   if (!out_path.empty()) std::ofstream(out_path) << md;
   return 0;

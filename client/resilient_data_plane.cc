@@ -267,6 +267,10 @@ absl::Status ResilientDataPlane::Remap(int32_t* idx, int32_t count, cudaStream_t
   return current().Remap(idx, count, stream);
 }
 
+absl::Status ResilientDataPlane::RemapTopK(int32_t* idx, int32_t count, cudaStream_t stream) {
+  return current().RemapTopK(idx, count, stream);
+}
+
 absl::Status ResilientDataPlane::Observe(int32_t layer, const float* logits, int64_t stride,
                                          const int32_t* accepted, cudaStream_t stream) {
   return current().Observe(layer, logits, stride, accepted, stream);

@@ -78,6 +78,7 @@ class ResilientDataPlane final : public DataPlane {
   absl::Status Select(int32_t layer, const int32_t* block_table = nullptr, int64_t table_stride = 0,
                       cudaStream_t stream = nullptr) override;
   absl::Status Remap(int32_t* idx, int32_t count, cudaStream_t stream = nullptr) override;
+  absl::Status RemapTopK(int32_t* idx, int32_t count, cudaStream_t stream = nullptr) override;
   absl::Status Observe(int32_t layer, const float* logits, int64_t logits_stride,
                        const int32_t* accepted = nullptr, cudaStream_t stream = nullptr) override;
 

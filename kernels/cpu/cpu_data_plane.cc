@@ -147,6 +147,7 @@ class CpuDataPlane final : public DataPlane {
       SelectAll<uint16_t>(layer, block_table, table_stride);
     }
     a_.batch->selected_layer = layer;
+    topk_given_ = false;
     return absl::OkStatus();
   }
 
@@ -168,6 +169,24 @@ class CpuDataPlane final : public DataPlane {
           row[k] = (c < 0 || c >= len) ? -1 : ids[c / b] * b + c % b;
         }
       }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status RemapTopK(int32_t* idx, int32_t count, cudaStream_t stream) override {
+    SPIN_RETURN_IF_ERROR(Remap(idx, count, stream));
+    if (topk_given_ || count == 0) return absl::OkStatus();
+    topk_given_ = true;
+    // Each probing entry's row 0, mapped: the engine's dense top-K, counted as given.
+    const int32_t layer = a_.batch->selected_layer, rows = a_.batch->rows;
+    for (int32_t e = 0; e < a_.batch->n; ++e) {
+      if (a_.entries[e].seq < 0 || !probing_[e]) continue;
+      const int32_t* row = idx + static_cast<int64_t>(e) * rows * count;
+      topk_.clear();
+      for (int32_t k = 0; k < count; ++k) {
+        if (row[k] >= 0) topk_.push_back(row[k]);
+      }
+      CountCurve(layer, e);
     }
     return absl::OkStatus();
   }
@@ -319,8 +338,9 @@ class CpuDataPlane final : public DataPlane {
       const StepEntry& en = a_.entries[e];
       if (en.seq < 0) continue;
       uint8_t& fresh = a_.fresh[static_cast<uint64_t>(en.seq) * g.layers + layer];
-      if (probing_[e]) {
-        ProbeCurve(layer, e, logits + static_cast<int64_t>(e) * rows * stride);
+      if (probing_[e] && !topk_given_) {
+        DenseTopK(e, logits + static_cast<int64_t>(e) * rows * stride);
+        if (!topk_.empty()) CountCurve(layer, e);
       }
       T* v = reinterpret_cast<T*>(a_.StateRecord(en.seq, layer));
       T* d = v + g.max_slots;
@@ -370,25 +390,32 @@ class CpuDataPlane final : public DataPlane {
     }
   }
 
-  // Probe step of entry e (all blocks were scored): how much of row 0's dense top-K falls
-  // outside the best ceil(f * B) blocks by the prediction, for each keep fraction f of the
-  // curve, ranking the query block first as the selector does, without exploration.
-  void ProbeCurve(int32_t layer, int32_t e, const float* z) {
+  // Row 0's dense top-K of entry e into topk_ (ties: lower slot), non-finite scores excluded.
+  void DenseTopK(int32_t e, const float* z) {
+    const int32_t n = a_.entries[e].ctx_len;
+    topk_.clear();
+    for (int32_t i = 0; i < n; ++i) {
+      if (std::isfinite(z[i])) topk_.push_back(i);
+    }
+    const int32_t k = std::min<int32_t>(static_cast<int32_t>(a_.geometry.topk),
+                                        static_cast<int32_t>(topk_.size()));
+    if (k == 0) return;
+    std::nth_element(topk_.begin(), topk_.begin() + (k - 1), topk_.end(),
+                     [z](int32_t x, int32_t y) { return z[x] > z[y] || (z[x] == z[y] && x < y); });
+    topk_.resize(k);
+  }
+
+  // Probe step of entry e (all blocks were scored), row 0's dense top-K in topk_ (computed, or
+  // the engine's given to RemapTopK; slots below the context): how much of it falls outside the
+  // best ceil(f * B) blocks by the prediction, for each keep fraction f of the curve, ranking the
+  // query block first as the selector does, without exploration.
+  void CountCurve(int32_t layer, int32_t e) {
     const Geometry& g = a_.geometry;
     const int32_t b = static_cast<int32_t>(g.block_size);
     const StepEntry& en = a_.entries[e];
     const int32_t n = en.ctx_len;
     const int32_t nb = static_cast<int32_t>(CeilDiv(n, b));
-    // Row 0's dense top-K by score (ties: lower slot), non-finite scores excluded.
-    topk_.clear();
-    for (int32_t i = 0; i < n; ++i) {
-      if (std::isfinite(z[i])) topk_.push_back(i);
-    }
-    const int32_t k =
-        std::min<int32_t>(static_cast<int32_t>(g.topk), static_cast<int32_t>(topk_.size()));
-    if (k == 0) return;
-    std::nth_element(topk_.begin(), topk_.begin() + (k - 1), topk_.end(),
-                     [z](int32_t x, int32_t y) { return z[x] > z[y] || (z[x] == z[y] && x < y); });
+    const int32_t k = static_cast<int32_t>(topk_.size());
     block_hits_.assign(nb, 0);
     for (int32_t t = 0; t < k; ++t) block_hits_[topk_[t] / b] += 1;
     // Block ranking: query block, then by predicted score.
@@ -425,6 +452,9 @@ class CpuDataPlane final : public DataPlane {
   // its Observe then samples the miss curve. Decided at Select, so a second Observe of the same
   // selection does not probe with a ranking made for a fresh pair.
   std::vector<uint8_t> probing_;
+  // RemapTopK gave the engine's top-K for the current selection (reset by Select): its probing
+  // entries are counted, and Observe computes no top-K.
+  bool topk_given_ = false;
   std::vector<uint64_t> draws_;
   std::vector<int32_t> topk_;
   std::vector<int32_t> block_hits_;

@@ -145,6 +145,9 @@ class CudaDataPlane final : public DataPlane {
     SPIN_RETURN_IF_ERROR(CudaStatus(cudaMemset(p, 0, L * sizeof(int32_t)), "clear probe lists"));
     SPIN_RETURN_IF_ERROR(alloc(L * S * MB, &p));
     d_.probe_lvl = static_cast<uint8_t*>(p);
+    SPIN_RETURN_IF_ERROR(alloc(L * S, &p));
+    d_.probe_on = static_cast<uint8_t*>(p);
+    SPIN_RETURN_IF_ERROR(CudaStatus(cudaMemset(p, 0, L * S), "clear probe flags"));
     SPIN_RETURN_IF_ERROR(alloc(S * ck::kProbeCap * sizeof(unsigned long long), &p));
     d_.probe_cand = static_cast<unsigned long long*>(p);
     SPIN_RETURN_IF_ERROR(alloc(S * 2 * sizeof(int32_t), &p));
@@ -258,6 +261,7 @@ class CudaDataPlane final : public DataPlane {
       if (e == cudaSuccess) e = ck::LaunchPublish(d_, layer, n_, block_table, table_stride, stream);
     }
     selected_layer_ = layer;
+    topk_given_ = false;
     return CudaStatus(e, "Select launch");
   }
 
@@ -268,7 +272,21 @@ class CudaDataPlane final : public DataPlane {
     if (count < 0 || (count > 0 && idx == nullptr)) {
       return absl::InvalidArgumentError(absl::StrCat("bad top-K buffer (count ", count, ")"));
     }
-    return CudaStatus(ck::LaunchRemap(d_, idx, count, n_, rows_, stream), "Remap launch");
+    return CudaStatus(ck::LaunchRemap(d_, idx, count, n_, rows_, false, stream), "Remap launch");
+  }
+
+  absl::Status RemapTopK(int32_t* idx, int32_t count, cudaStream_t stream) override {
+    if (selected_layer_ < 0) {
+      return absl::FailedPreconditionError("RemapTopK needs a Select of the current step first");
+    }
+    if (count < 0 || (count > 0 && idx == nullptr)) {
+      return absl::InvalidArgumentError(absl::StrCat("bad top-K buffer (count ", count, ")"));
+    }
+    // The engine's top-K is counted once per selection, and the layer's Observe then computes
+    // none (the reference's rule).
+    const bool probe = count > 0 && !topk_given_;
+    if (probe) topk_given_ = true;
+    return CudaStatus(ck::LaunchRemap(d_, idx, count, n_, rows_, probe, stream), "Remap launch");
   }
 
   absl::Status Observe(int32_t layer, const float* logits, int64_t logits_stride,
@@ -331,7 +349,7 @@ class CudaDataPlane final : public DataPlane {
     }
     const bool publish = block_table != nullptr;
     if (n_ == 0) {
-      if (publish) selected_layer_ = layer;  // Select of an empty step: nothing to publish
+      if (publish) selected_layer_ = layer, topk_given_ = false;  // nothing to publish
       return absl::OkStatus();
     }
     // Everything the launch can refuse, before anything is launched.
@@ -363,11 +381,17 @@ class CudaDataPlane final : public DataPlane {
     a.spread = f.spread;
     a.programmatic = f.programmatic;
     SPIN_RETURN_IF_ERROR(internal::LaunchIndexerEma(d_, layer, a, publish, stream));
-    if (publish) selected_layer_ = layer;
+    if (publish) {
+      selected_layer_ = layer;
+      topk_given_ = false;
+    }
     observed_[layer] = 1;
-    return CudaStatus(
-        ck::LaunchProbe(d_, layer, n_, sms_, f.logits, f.logits_stride, nullptr, false, stream),
-        "Probe launch");
+    // The kernel validated its entries; what is left is the probing entries' top-K, unless the
+    // engine gives its own to RemapTopK (probe_at_remap) or already has.
+    if (f.probe_at_remap || topk_given_) return absl::OkStatus();
+    return CudaStatus(ck::LaunchProbe(d_, layer, n_, sms_, f.logits, f.logits_stride, nullptr,
+                                      false, true, stream),
+                      "Probe launch");
   }
 
   // Scores and selections of layers [l0, l0 + count) into their select-ahead records, in
@@ -393,8 +417,8 @@ class CudaDataPlane final : public DataPlane {
   cudaError_t LaunchObserve(int32_t layer, const float* logits, int64_t logits_stride,
                             const int32_t* accepted, cudaStream_t stream) {
     if (side_ == nullptr) {
-      SPIN_CUDA_RETURN_IF_ERROR(
-          ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride, accepted, true, stream));
+      SPIN_CUDA_RETURN_IF_ERROR(ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride,
+                                                accepted, true, !topk_given_, stream));
       return LaunchEmas(layer, logits, logits_stride, accepted, stream);
     }
     // The Probe launch and the EMA launches touch disjoint memory (Probe: fresh flags, errors,
@@ -406,8 +430,8 @@ class CudaDataPlane final : public DataPlane {
     // unjoined (a capture then fails when it ends).
     SPIN_CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_, stream));
     SPIN_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, fork_, 0));
-    const cudaError_t probe =
-        ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride, accepted, true, side_);
+    const cudaError_t probe = ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride,
+                                              accepted, true, !topk_given_, side_);
     const cudaError_t joined = cudaEventRecord(join_, side_);
     const cudaError_t ema = LaunchEmas(layer, logits, logits_stride, accepted, stream);
     const cudaError_t wait = joined == cudaSuccess ? cudaStreamWaitEvent(stream, join_, 0) : joined;
@@ -448,6 +472,9 @@ class CudaDataPlane final : public DataPlane {
   std::vector<void*> owned_;
   // Host mirror of the call sequence (BeginStep/Select), so call-order errors need no sync.
   int32_t n_ = 0, rows_ = 1, selected_layer_ = -1;
+  // RemapTopK counted the engine's top-K for the current selection (reset by every Select):
+  // Observe's Probe launch then counts none.
+  bool topk_given_ = false;
   std::vector<uint8_t> observed_;  // per layer: Observe ran in this step (since its selection)
   int32_t group_ = 1;              // layers per select-ahead group
   int ema_resident_ = 1;           // EmaWordKernel CTAs resident on the device at once

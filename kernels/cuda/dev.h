@@ -30,6 +30,9 @@ inline constexpr int kProbeItems = 8;
 inline constexpr int kProbeIdBits = 13;
 inline constexpr int kProbeCap = 1 << kProbeIdBits;
 static_assert(kProbeCap == kProbeThreads * kProbeItems, "a candidate or block per item");
+// A probing block's level byte (probe_lvl): the first curve point whose kept blocks include it,
+// and this bit when the step's own budget keeps it.
+inline constexpr uint8_t kLevelNow = 0x80;
 
 // Everything a kernel needs about the arena, passed by value (fixed for the data plane's life).
 struct Dev {
@@ -63,6 +66,7 @@ struct Dev {
   int32_t* probe_list;       // [L][S]: the entries that probe at the layer's Observe
   int32_t* probe_count;      // [L]: how many (ProbeRankKernel; zeroed before it runs)
   uint8_t* probe_lvl;        // [L][S][MB]: curve level of each block (ProbeRankKernel)
+  uint8_t* probe_on;         // [L][S]: 1 = the pair probes at this selection (ProbeRankKernel)
   unsigned long long* probe_cand;  // [S][kProbeCap]: top-K candidates (ProbeKernel)
   int32_t* probe_cnt;              // [S][2]: candidates and finite logits (0 between launches)
   unsigned* probe_arrive;          // [S]: ProbeKernel CTAs of the entry done (0 between launches)

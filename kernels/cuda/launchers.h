@@ -57,8 +57,9 @@ cudaError_t LaunchPublish(const Dev& d, int layer, int n, const int32_t* table,
                           int64_t table_stride, cudaStream_t stream);
 
 // Remap of the n x rows x count top-K buffer `idx` through the selected union (RemapKernel);
-// nothing to launch when it is empty.
-cudaError_t LaunchRemap(const Dev& d, int32_t* idx, int count, int n, int rows,
+// nothing to launch when it is empty. With `probe` (RemapTopK) the probing entries' row 0, mapped,
+// is counted against the selected layer's miss curve.
+cudaError_t LaunchRemap(const Dev& d, int32_t* idx, int count, int n, int rows, bool probe,
                         cudaStream_t stream);
 
 // ---- probe_kernels.cu
@@ -76,9 +77,10 @@ cudaError_t LaunchProbeRank(const Dev& d, int l0, int layers, int n, int threads
                             cudaStream_t stream);
 
 // Observe's validation (unless the fused kernel did it: validate = false) and probe miss curve
-// of `layer` (ProbeKernel), on at most `sms` CTAs.
+// of `layer` (ProbeKernel: row 0's dense top-K from the logits, unless RemapTopK counted the
+// engine's: topk = false), on at most `sms` CTAs.
 cudaError_t LaunchProbe(const Dev& d, int layer, int n, int sms, const float* logits,
-                        int64_t stride, const int32_t* accepted, bool validate,
+                        int64_t stride, const int32_t* accepted, bool validate, bool topk,
                         cudaStream_t stream);
 
 // ---- ema_kernels.cu

@@ -25,7 +25,6 @@ namespace {
 // CtaTopT radix selects over global memory (the same result, slower).
 static_assert(kProbeItems <= kSelectRegRounds, "TopTShared's tie counts per round");
 static_assert(kCurvePoints < 0x80, "a level and the budget bit in a byte");
-constexpr uint8_t kLevelNow = 0x80;  // the block is kept at the step's own budget
 // Logits sampled for the candidates' threshold (2 per thread), and logits each thread has in flight
 // in the candidate pass.
 constexpr int kProbeSampleBits = 11;
@@ -64,6 +63,7 @@ __global__ void __launch_bounds__(NT) ProbeRankKernel(Dev d, int l0) {
   const StepEntry en = d.entries[e];
   const bool live = e < d.batch->n && en.seq >= 0;
   const bool on = live && en.probe && d.fresh[static_cast<int64_t>(en.seq) * d.layers + layer] == 0;
+  if (tid == 0) d.probe_on[d.Ahead(layer, e)] = on ? 1 : 0;  // RemapTopK reads it
   if (!on) return;
   if (tid == 0) d.probe_list[d.Ahead(layer, atomicAdd(&d.probe_count[layer], 1))] = e;
   extern __shared__ __align__(16) unsigned char rank_smem[];
@@ -346,7 +346,7 @@ __device__ void ProbeTask(Dev d, int layer, const float* logits, int64_t stride,
 // docs/lab/cuda-kernel-tuning.md.)
 __global__ void __launch_bounds__(kProbeThreads)
     ProbeKernel(Dev d, int layer, const float* logits, int64_t stride, const int32_t* accepted,
-                int validate) {
+                int validate, int topk) {
   StepKernelEntry();
   const int g = static_cast<int>(blockIdx.x), G = static_cast<int>(gridDim.x);
   const int lane = static_cast<int>(threadIdx.x) % 32;
@@ -371,8 +371,8 @@ __global__ void __launch_bounds__(kProbeThreads)
     }
   }
   // The probing entries' work (ProbeRankKernel's list): K CTAs per entry, task t being the
-  // share t % K of entry t / K.
-  if (count == 0) return;
+  // share t % K of entry t / K. None when RemapTopK counted the engine's top-K (topk = 0).
+  if (count == 0 || !topk) return;
   const int K = min(kMaxProbeShares, max(1, G / count));
   for (int t = g; t < count * K; t += G) {
     ProbeTask(d, layer, logits, stride, d.probe_list[d.Ahead(layer, t / K)], t % K, K);
@@ -412,13 +412,13 @@ cudaError_t LaunchProbeRank(const Dev& d, int l0, int layers, int n, int threads
 }
 
 cudaError_t LaunchProbe(const Dev& d, int layer, int n, int sms, const float* logits,
-                        int64_t stride, const int32_t* accepted, bool validate,
+                        int64_t stride, const int32_t* accepted, bool validate, bool topk,
                         cudaStream_t stream) {
   // One CTA per multiprocessor, and no more than kMaxProbeShares per entry, shared out over the
   // probing entries.
   const dim3 probe_grid(static_cast<unsigned>(std::min(sms, kMaxProbeShares * n)));
   return Launch(ProbeKernel, probe_grid, kProbeThreads, stream, d, layer, logits, stride, accepted,
-                validate ? 1 : 0);
+                validate ? 1 : 0, topk ? 1 : 0);
 }
 
 }  // namespace spin::cuda_kernels

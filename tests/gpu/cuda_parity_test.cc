@@ -230,10 +230,7 @@ class Twin {
       for (size_t x = 0; x < idx.size(); ++x) {
         idx[x] = static_cast<int32_t>(rng_() % (stride_ + 10)) - 5;
       }
-      CUDA_OK(cudaMemcpy(d_idx_->p, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
-      ASSERT_TRUE(cpu_.dp().Remap(idx.data(), kTopK).ok());
-      ASSERT_TRUE(gpu_->Remap(d_idx_->as<int32_t>(), kTopK).ok());
-      ASSERT_EQ(ToHost(d_idx_->as<int32_t>(), idx.size()), idx) << "remap, step " << step;
+      ASSERT_NO_FATAL_FAILURE(RemapBoth(n, rows, step));
       if (fused_) {
         // The GPU's own indexer writes the logits and applies the EMA; the CPU observes them.
         if (one_call_) {
@@ -261,6 +258,29 @@ class Twin {
     CUDA_OK(cudaDeviceSynchronize());
   }
 
+  // Remap (RemapTopK with GivenTopK: on probe steps the indices are the engine's top-K that the
+  // curves count) of random compacted indices, some out of range, on both backends; the mapped
+  // indices compared.
+  void RemapBoth(int n, int rows, int step) {
+    std::vector<int32_t> idx(static_cast<size_t>(n) * rows * kTopK);
+    for (size_t x = 0; x < idx.size(); ++x) {
+      idx[x] = static_cast<int32_t>(rng_() % (stride_ + 10)) - 5;
+    }
+    CUDA_OK(cudaMemcpy(d_idx_->p, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
+    if (given_topk_) {
+      ASSERT_TRUE(cpu_.dp().RemapTopK(idx.data(), kTopK).ok());
+      ASSERT_TRUE(gpu_->RemapTopK(d_idx_->as<int32_t>(), kTopK).ok());
+    } else {
+      ASSERT_TRUE(cpu_.dp().Remap(idx.data(), kTopK).ok());
+      ASSERT_TRUE(gpu_->Remap(d_idx_->as<int32_t>(), kTopK).ok());
+    }
+    ASSERT_EQ(ToHost(d_idx_->as<int32_t>(), idx.size()), idx) << "remap, step " << step;
+  }
+
+  // The engine gives its top-K from now on: RemapTopK instead of Remap, and the fused calls
+  // leave the probe to it (FusedIndexerArgs::probe_at_remap).
+  void GivenTopK() { given_topk_ = true; }
+
   // The fused mode from now on: the engine's indexer inputs (FusedInputs) in a pool of KV
   // pages that the block table points into; each layer then runs IndexAndObserve on the GPU, and
   // the CPU observes the logits the fused kernel wrote (row 0 only, the engine contract).
@@ -285,6 +305,7 @@ class Twin {
     f.chunk_pages = step % 3 == 2 ? 3 : 0;
     f.spread = step % 2 == 1;
     f.programmatic = step % 4 >= 2;
+    f.probe_at_remap = given_topk_;
     return f;
   }
 
@@ -339,6 +360,9 @@ class Twin {
       for (int r = 0; r < rows; ++r) ASSERT_EQ(clen[e * R + r], c.compact_len[e * R + r]);
     }
     const auto logits = ToHost(d_logits_->as<float>(), static_cast<size_t>(n) * rows * stride_);
+    if (given_topk_) {
+      ASSERT_NO_FATAL_FAILURE(RemapBoth(n, rows, step));
+    }
     ASSERT_TRUE(cpu_.dp().Observe(l, logits.data(), stride_, nullptr).ok());
   }
 
@@ -382,6 +406,7 @@ class Twin {
   bool no_accepted_ = false;
   bool fused_ = false;
   bool one_call_ = false;
+  bool given_topk_ = false;
   std::unique_ptr<FusedInputs> in_;
   ScoreFn score_ = Score;
 };
@@ -394,6 +419,7 @@ struct Scenario {
   bool engine_contract = false;  ///< Observe without accepted counts (row 0 only)
   bool fused = false;            ///< IndexAndObserve on the GPU (row 0 only), from its logits
   bool one_call = false;         ///< fused: SelectIndexAndObserve instead of Select + that
+  bool given_topk = false;       ///< RemapTopK: the probes count the engine's top-K
 };
 
 // max_slots 64 * 40 + 17 runs the word-access EMA kernel (EmaWordKernel) and slot-by-slot block
@@ -431,6 +457,7 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uin
   Twin t(g, p, 99, stride_pad, options);
   if (sc.engine_contract) t.NoAccepted();
   if (sc.fused) t.Fused(sc.one_call);
+  if (sc.given_topk) t.GivenTopK();
   int step_n = 0;  // entries of the current step
   if (mid_step) {
     t.AfterObserve([&](int step, int l) {
@@ -526,6 +553,33 @@ TEST_F(CudaTest, ParityFusedSelectIndexAndObserve) {
   SPIN_REQUIRE_OR_SKIP(
       Sm90(), "the fused mode needs an sm_90 device (wgmma), this one is " << DeviceArch());
   RunFusedScenarios(true);
+}
+
+// The engine's top-K given to RemapTopK is what the probe steps count (DESIGN §5, "given by the
+// engine"), on both backends: random compacted indices (some padding, some out of range) on
+// every layer, counted per curve level for the probing entries; Observe (and the fused calls,
+// with probe_at_remap) then compute no top-K. Unfused: one row and MTP rows, Probe beside the
+// EMA and before it, 32-slot blocks; fused: both calls, one row and MTP rows, and the one call
+// made twice in a step (each selection counted once). At the end every byte of the arena,
+// curves and probe statistics included, equals the CPU's.
+TEST_F(CudaTest, ParityProbeCountsTheEngineTopK) {
+  for (Scenario sc : {Scenario{StateDtype::kFp32, 1, 0.5, 0.1, 3},
+                      Scenario{StateDtype::kBf16, 3, 0.6, 0.2, 2, true}}) {
+    sc.given_topk = true;
+    RunScenarioWith(sc, 64 * 40 + 8, 0);
+    RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true, false);  // mid-step events, Probe first
+    RunScenarioWith(sc, 32 * 80 + 9, 0, 32);
+  }
+  if (!Sm90()) return;
+  for (bool one_call : {false, true}) {
+    for (Scenario sc : {Scenario{StateDtype::kBf16, 1, 0.4, 0.05, 2, true, true},
+                        Scenario{StateDtype::kFp32, 2, 0.6, 0.2, 3, true, true}}) {
+      sc.one_call = one_call;
+      sc.given_topk = true;
+      RunScenarioWith(sc, 64 * 40 + 8, 0);
+      RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true);
+    }
+  }
 }
 
 // Bad arguments to SelectIndexAndObserve are refused before anything runs: no block table, a

@@ -213,6 +213,83 @@ TEST(Observe, FreshProbeStepTakesNoCurveSample) {
   EXPECT_EQ(t.view().curves[0], 0u);
 }
 
+// RemapTopK: the engine's top-K given for the probe (DESIGN §5, "given by the engine") is what
+// the curve counts, once per selection, and the layer's Observe then computes none. Here the
+// engine's top-K (blocks 0 and 8, some padding and an index past the row) differs from the
+// logits' dense top-K (blocks 0 and 5), so the counts show which one was used.
+TEST(Observe, ProbeCountsTheEngineTopKGivenToRemapTopK) {
+  TestArena t(Geo(640, 128), Pol(0.5, 0.5f, 2));
+  OneSeqStep s{0, 640, 639};
+  ASSERT_NO_FATAL_FAILURE(BeginProbeStep(t, s));
+  const uint64_t* curve = t.view().curves;
+  const LayerStats& st = t.view().stats[0];
+  std::vector<int32_t> topk(140, -1);  // compacted = logical: the probing row is dense
+  for (int i = 0; i < 64; ++i) topk[i] = i, topk[64 + i] = 512 + i;
+  topk[130] = 640;  // past the row: -1, not counted
+  // Plain Remap maps and counts nothing.
+  std::vector<int32_t> plain = topk;
+  ASSERT_TRUE(t.dp().Remap(plain.data(), 140).ok());
+  EXPECT_EQ(st.probe_steps, 0u);
+  EXPECT_EQ(plain[130], -1);
+  std::vector<int32_t> given = topk;
+  ASSERT_TRUE(t.dp().RemapTopK(given.data(), 140).ok());
+  EXPECT_EQ(given, plain);  // the same mapping
+  // Ranking: 9 (query), 0, 1, ..., 8: block 8 is kept from m = 10 on, block 0 from m = 2.
+  for (int p = 0; p < kCurvePoints; ++p) {
+    const int m = KeptBlocks(10, 128, 64, 1.0 - CurveKeepFraction(p));
+    EXPECT_EQ(curve[p], m >= 10 ? 0u : 64u) << "keep " << CurveKeepFraction(p);
+  }
+  EXPECT_EQ(st.probe_steps, 1u);
+  EXPECT_EQ(st.probe_topk, 128u);   // the valid indices given
+  EXPECT_EQ(st.probe_missed, 64u);  // rho 0.5 -> m = 5: block 8 is not kept
+  // A second RemapTopK of the same selection only maps; Observe applies the EMA and counts no
+  // top-K of its own (its logits' would miss 64 at m <= 6, not 64 up to m = 9).
+  const std::vector<uint64_t> before(curve, curve + kCurvePoints);
+  given = topk;
+  ASSERT_TRUE(t.dp().RemapTopK(given.data(), 140).ok());
+  const std::vector<float> z = ProbeLogits();
+  ASSERT_TRUE(t.dp().Observe(0, z.data(), 640).ok());
+  EXPECT_EQ(std::vector<uint64_t>(curve, curve + kCurvePoints), before);
+  EXPECT_EQ(st.probe_steps, 1u);
+  EXPECT_EQ(t.Get(0, 0, 0, 0), 55.0f);  // the EMA as without the given top-K
+  // Selected again, the layer counts a given top-K again: an empty one is a probe step of no
+  // slots.
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  std::vector<int32_t> none(8, -1);
+  ASSERT_TRUE(t.dp().RemapTopK(none.data(), 8).ok());
+  EXPECT_EQ(st.probe_steps, 2u);
+  EXPECT_EQ(st.probe_topk, 128u);
+  // Without a Select in the step, RemapTopK is refused like Remap.
+  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());
+  EXPECT_EQ(t.dp().RemapTopK(none.data(), 8).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(t.dp().RemapTopK(nullptr, 8).code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  EXPECT_EQ(t.dp().RemapTopK(nullptr, 8).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.dp().RemapTopK(none.data(), -1).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Without RemapTopK, or when the pair does not probe, nothing is counted at the remap; a fresh
+// pair's given top-K is not a probe either.
+TEST(Observe, RemapTopKOfAPairThatDoesNotProbeCountsNothing) {
+  TestArena t(Geo(640, 128), Pol(0.5, 0.5f, 2));
+  ASSERT_TRUE(t.dp().ResetSequence(0, 1).ok());
+  OneSeqStep s{0, 640, 639};
+  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());  // step 0: probe, the pair fresh
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  std::vector<int32_t> topk(128);
+  for (int i = 0; i < 128; ++i) topk[i] = i;
+  ASSERT_TRUE(t.dp().RemapTopK(topk.data(), 128).ok());
+  EXPECT_EQ(t.view().stats[0].probe_steps, 0u);
+  std::vector<float> z(640, 1.0f);
+  ASSERT_TRUE(t.dp().Observe(0, z.data(), 640).ok());
+  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());  // step 1: no probe
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  for (int i = 0; i < 128; ++i) topk[i] = i;
+  ASSERT_TRUE(t.dp().RemapTopK(topk.data(), 128).ok());
+  EXPECT_EQ(t.view().stats[0].probe_steps, 0u);
+  EXPECT_EQ(t.view().curves[0], 0u);
+}
+
 // The probe's count at the current budget uses the budget the step's selection used: a policy
 // written between Select and Observe applies from the next step, to the probe as to the
 // selection.

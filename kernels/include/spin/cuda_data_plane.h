@@ -68,6 +68,10 @@ struct FusedIndexerArgs {
   /// default: the fastest fused configuration measured (docs/cuda-backend.md, "Fused mode").
   bool spread = true;
   bool programmatic = true;
+  /// The engine gives its top-K to RemapTopK after the call (DESIGN §5, "given by the engine"):
+  /// the call then launches no Probe, and on a probe step the miss curves are counted there. Off:
+  /// the Probe launch after the kernel computes each probing entry's dense top-K from the logits.
+  bool probe_at_remap = false;
 };
 
 /// The fused mode (docs/cuda-backend.md, "Fused mode"; sm_90a): in place of the engine's indexer

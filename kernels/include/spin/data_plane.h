@@ -9,6 +9,8 @@
 //                                        compacted physical block table, compacted lengths
 //     <engine runs its paged indexer over the compacted table and its top-K>
 //     Remap(topk)                     -> compacted top-K indices back to logical slots
+//                                        (RemapTopK: the same, and on a probe step the engine's
+//                                        top-K is the one the miss curve counts)
 //     Observe(l, logits, accepted)    -> EMA update from accepted rows, probe miss curves
 //
 // Per-step inputs are read through pointers (fixed addresses, so CUDA graphs replay them);
@@ -85,14 +87,26 @@ class DataPlane {
   /// beyond the row's compacted length becomes -1.
   virtual absl::Status Remap(int32_t* idx, int32_t count, cudaStream_t stream = nullptr) = 0;
 
+  /// Remap of the engine's own top-K of the selected layer (its top-K over the compacted rows,
+  /// `count` per row): the same mapping, and on a probe step each probing entry's row 0, once
+  /// mapped, is the dense top-K its miss curve counts (DESIGN §5: "given by the engine"): every
+  /// valid slot is counted against the curve levels of the selection's ranking, and the probe
+  /// counts one step per probing entry. The layer's Observe (or a fused call with
+  /// `probe_at_remap`) then computes no top-K from the logits. Counted once per selection: a
+  /// second RemapTopK only maps. This default only maps, and the layer's Observe computes the
+  /// top-K (the remote data plane: spind gets the logits, not the top-K).
+  virtual absl::Status RemapTopK(int32_t* idx, int32_t count, cudaStream_t stream = nullptr) {
+    return Remap(idx, count, stream);
+  }
+
   /// Feeds back the indexer logits of layer `layer` for the current step. Entry e, row r,
   /// compacted slot c is logits[(e * rows + r) * logits_stride + c], for c below the row's
   /// compacted length. Rows 0..accepted[e]-1 are applied in order; accepted == nullptr applies
   /// row 0 only, the engine contract for MTP (an engine learns acceptance after every layer's
   /// Observe of the step; docs/lab/mtp-contract.md has the measurements behind it). An offline
   /// replay that knows acceptance passes it. Non-finite scores are skipped and counted. On a probe
-  /// step, row 0's dense top-K (computed from the logits) is scored against the layer's miss curve
-  /// first.
+  /// step, row 0's dense top-K (computed from the logits, unless RemapTopK gave the engine's) is
+  /// scored against the layer's miss curve first.
   virtual absl::Status Observe(int32_t layer, const float* logits, int64_t logits_stride,
                                const int32_t* accepted = nullptr,
                                cudaStream_t stream = nullptr) = 0;
