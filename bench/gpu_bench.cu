@@ -940,7 +940,7 @@ int main(int argc, char** argv) {
     Plan point_plan;
     if (!wgmma_runs) point_plan.wg_stages = 0;
     point_plan.fused = fused_table;
-    if (fused_table) point_plan.wg_stages = 5;  // as the fused table runs it
+    if (fused_table) point_plan.wg_stages = 5, point_plan.rounds = 5;  // as the fused table
     const Result r = Measure({pb, pn, prho, dt, pprobe, pmixed}, 4.5e12, point_plan, stream, 3);
     std::printf(
         "point: dense mma.sync %.1f us, wgmma %.1f us (%s, worst deviation %.2g of the row "
@@ -953,6 +953,13 @@ int main(int argc, char** argv) {
     if (fused_table) {
       std::printf("point, fused mode: fused sparse stage %.1f us, SPIN %.1f us per layer\n",
                   r.fused_us, r.FusedSpin());
+      std::printf(
+          "point, top-K remapped (us per layer): copies %.1f; unfused + Remap %.1f, + RemapTopK "
+          "%.1f (SPIN %.1f, %.1f); one call + Remap %.1f, + RemapTopK %.1f (SPIN %.1f, %.1f); "
+          "dense %.1f\n",
+          r.copy_us, r.remap_us, r.remap_topk_us, r.RemapSpin(r.remap_us),
+          r.RemapSpin(r.remap_topk_us), r.one_remap_us, r.one_topk_us,
+          r.OneRemapSpin(r.one_remap_us), r.OneRemapSpin(r.one_topk_us), r.dense_us);
     }
     return r.wg_ok ? 0 : 3;
   }
