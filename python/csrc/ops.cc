@@ -390,6 +390,17 @@ void Remap(int64_t h, at::Tensor& topk, at::Tensor& token) {
         "remap");
 }
 
+// Remap of the engine's own top-K (DataPlane::RemapTopK): on a probe step the probing entries'
+// row 0 is the dense top-K their miss curves count, and observe computes none.
+void RemapTopK(int64_t h, at::Tensor& topk, at::Tensor& token) {
+  auto s = Get(h);
+  CheckPlace(*s, topk, "topk");
+  TORCH_CHECK(topk.dim() == 2, "spind.remap_topk: topk must be [entries * rows, count]");
+  Check(s->dp().RemapTopK(const_cast<int32_t*>(Int32Data(topk, "topk", 0)),
+                          static_cast<int32_t>(topk.size(1)), Stream(*s)),
+        "remap_topk");
+}
+
 void Observe(int64_t h, int64_t layer, const at::Tensor& logits,
              const c10::optional<at::Tensor>& accepted, at::Tensor& token) {
   auto s = Get(h);
@@ -640,6 +651,7 @@ TORCH_LIBRARY(spind, m) {
       "select(int handle, int layer, Tensor? block_table, Tensor(a!) union_count, "
       "Tensor(b!) union_ids, Tensor(c!) phys, Tensor(d!) compact_len, Tensor(t!) token) -> ()");
   m.def("remap(int handle, Tensor(a!) topk, Tensor(t!) token) -> ()");
+  m.def("remap_topk(int handle, Tensor(a!) topk, Tensor(t!) token) -> ()");
   m.def("observe(int handle, int layer, Tensor logits, Tensor? accepted, Tensor(t!) token) -> ()");
 }
 
@@ -648,6 +660,7 @@ void ImplPerStep(torch::Library& m) {
   m.impl("begin_step", &BeginStep);
   m.impl("select", &Select);
   m.impl("remap", &Remap);
+  m.impl("remap_topk", &RemapTopK);
   m.impl("observe", &Observe);
 }
 

@@ -7,7 +7,7 @@
     for layer in range(layers):
         s.select(layer, block_table)                    # -> s.union_count, s.union_ids, ...
         ...the engine's indexer over the compacted table, its top-k...
-        s.remap(topk)                                   # in place: compacted -> logical slots
+        s.remap(topk, engine_topk=True)                 # in place: compacted -> logical slots
         s.observe(layer, logits, accepted)
     s.refresh()                                         # between steps
 
@@ -29,7 +29,8 @@ if hasattr(torch.library, "register_fake"):
     def _none(*args, **kwargs):
         return None
 
-    for _name in ("begin_step", "select", "remap", "observe", "paged_indexer", "row_topk"):
+    for _name in ("begin_step", "select", "remap", "remap_topk", "observe", "paged_indexer",
+                  "row_topk"):
         torch.library.register_fake(f"spind::{_name}")(_none)
 
 
@@ -96,8 +97,14 @@ class Session:
         ops.select(self.handle, layer, block_table, self.union_count, self.union_ids, self.phys,
                    self.compact_len, self.token)
 
-    def remap(self, topk):
-        ops.remap(self.handle, topk, self.token)
+    def remap(self, topk, engine_topk=False):
+        """Compacted top-K indices -> logical slots, in place. engine_topk: topk is the engine's
+        own top-K of the layer just selected; on a probe step its row 0 is then the dense top-K
+        that the miss curves count, and observe computes none (DataPlane::RemapTopK)."""
+        if engine_topk:
+            ops.remap_topk(self.handle, topk, self.token)
+        else:
+            ops.remap(self.handle, topk, self.token)
 
     def observe(self, layer, logits, accepted=None):
         ops.observe(self.handle, layer, logits, accepted, self.token)

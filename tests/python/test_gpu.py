@@ -197,6 +197,9 @@ class Gpu(unittest.TestCase):
             torch.library.opcheck(spind.ops.remap.default,
                                   (s.handle, torch.zeros(1, 8, dtype=torch.int32, device=dev),
                                    s.token), test_utils=(test,))
+            torch.library.opcheck(spind.ops.remap_topk.default,
+                                  (s.handle, torch.zeros(1, 8, dtype=torch.int32, device=dev),
+                                   s.token), test_utils=(test,))
             torch.library.opcheck(spind.ops.observe.default,
                                   (s.handle, 0, torch.randn(1, 16 * B, device=dev), None,
                                    s.token), test_utils=(test,))

@@ -62,6 +62,32 @@ class LocalSession(unittest.TestCase):
             s.remap(topk)
             self.assertEqual(topk.tolist(), [[ids[0] * B, ids[1] * B + 3, -1, -1]])
 
+    def test_remap_with_the_engine_topk_gives_the_probe_its_top_k(self):
+        # Probe period 2: step 2 probes (step 0 was fresh). With engine_topk the curve counts
+        # the remapped row (40 valid slots), and observe computes no top-K of its own.
+        for engine_topk, want_topk in ((True, 40), (False, 64)):
+            with self.subTest(engine_topk=engine_topk):
+                with spind.Session(1, 32 * B, topk=64, target_sparsity=0.5, exploration=0.0,
+                                   probe_period=2) as s:
+                    s.reset_sequence(0, 1)
+                    run_step(s, 32 * B, 1)
+                    run_step(s, 32 * B, 1)
+                    s.begin_step(i32(0), i32(32 * B), i32(32 * B - 1), 1)
+                    s.select(0)
+                    self.assertEqual(int(s.union_count[0]), 32, "a probe step is dense")
+                    topk = torch.full((1, 64), -1, dtype=torch.int32)
+                    topk[0, :40] = torch.arange(40, dtype=torch.int32) * 37
+                    s.remap(topk, engine_topk=engine_topk)
+                    self.assertEqual(topk[0, :40].tolist(), [i * 37 for i in range(40)])
+                    s.refresh()
+                    self.assertEqual(int(s.stats()[0, 2]), 1 if engine_topk else 0)
+                    logits = torch.full((1, 32 * B), 1.0)
+                    s.observe(0, logits, i32(1))
+                    s.refresh()
+                    stats = s.stats()
+                    self.assertEqual(int(stats[0, 2]), 1)  # probe steps
+                    self.assertEqual(int(stats[0, 9]), want_topk)  # top-K slots counted
+
     def test_select_maps_the_engine_block_table_to_the_compacted_one(self):
         with spind.Session(1, 32 * B, topk=64, target_sparsity=0.5, exploration=0.0) as s:
             s.reset_sequence(0, 1)

@@ -106,9 +106,9 @@ class RecordingSession:
         self.selections.append((layer, self._s.union_count.clone(), self._s.union_ids.clone()))
         return out
 
-    def remap(self, topk):
-        self.calls.append(("remap",))
-        return self._s.remap(topk)
+    def remap(self, topk, engine_topk=False):
+        self.calls.append(("remap", engine_topk))
+        return self._s.remap(topk, engine_topk=engine_topk)
 
     def observe(self, layer, *args, **kwargs):
         self.calls.append(("observe", layer, len(args), tuple(kwargs)))
@@ -375,7 +375,8 @@ class StubDecode(unittest.TestCase):
             per_layer = rec.calls[2:]
             expect = []
             for layer in range(e.layers):
-                expect += [("select", layer), ("remap",), ("observe", layer, 1, ())]
+                # remap with the engine's top-K: on probe steps the curves count it
+                expect += [("select", layer), ("remap", True), ("observe", layer, 1, ())]
             self.assertEqual(per_layer, expect)  # observe(layer, logits): no accepted
             md, table, seq_lens = e.metadata[-1]
             for layer, (count, union) in enumerate((c, u) for _, c, u in rec.selections):
