@@ -97,6 +97,16 @@ __device__ __forceinline__ void Store16(void* p, uint4 x) {
                : "memory");
 }
 
+// The engine's top-K kernel as far as the step's graph sees it: a kernel writing the top-K
+// buffer (here a copy of a fixed top-K), so the remap after it follows a kernel as in an engine,
+// not a memcpy node.
+__global__ void WriteTopKKernel(const int32_t* from, int32_t* to, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    to[i] = from[i];
+  }
+}
+
 // The EMA's memory traffic and nothing else, for layer `layer` after a step: for every
 // compacted block of every entry's row 0 (entry e is sequence e here), its logits read and its
 // V entries and the aligned 16-byte words covering its D range read and written back unchanged,
@@ -248,8 +258,8 @@ struct Result {
   // The unfused step with Observe's Probe launch before the EMA on the caller's stream
   // (CudaDataPlaneOptions::probe_beside_ema = false) instead of beside it.
   double spin_seq_us = 0;
-  // The step as an engine runs it with the top-K remapped: each layer copies a fixed top-K into
-  // the engine's buffer (copy_us: the copies alone), then Remap (the probe's top-K computed from
+  // The step as an engine runs it with the top-K remapped: each layer writes a fixed top-K into
+  // the engine's buffer (WriteTopKKernel; copy_us: those kernels alone), then Remap (the probe's top-K computed from
   // the logits) or RemapTopK (the engine's top-K counted at the remap), unfused and one call
   // (spread, PDL; with RemapTopK, FusedIndexerArgs::probe_at_remap: no Probe launch).
   double copy_us = 0, remap_us = 0, remap_topk_us = 0, one_remap_us = 0, one_topk_us = 0;
@@ -580,8 +590,10 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
     CHECK_CUDA(cudaMemcpy(topk_fixed, fixed.data(), topk_n * 4, cudaMemcpyHostToDevice));
     const int32_t K = static_cast<int32_t>(g.topk);
     auto copy_topk = [&] {
-      CHECK_CUDA(
-          cudaMemcpyAsync(topk_buf, topk_fixed, topk_n * 4, cudaMemcpyDeviceToDevice, stream));
+      const unsigned blocks = static_cast<unsigned>(std::min<size_t>((topk_n + 255) / 256, 1024));
+      WriteTopKKernel<<<blocks, 256, 0, stream>>>(topk_fixed, topk_buf,
+                                                   static_cast<int64_t>(topk_n));
+      CHECK_CUDA(cudaGetLastError());
     };
     auto remap_step = [&](bool given) {
       CHECK_OK(dp.BeginStep(batch, stream));
@@ -760,11 +772,12 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
   // to RemapTopK, with the top-K remapped as an engine does.
   std::string md2 =
       "\nThe probe's top-K from the engine (RemapTopK), same run: each layer of these steps also "
-      "copies a fixed top-K (K per entry) into the engine's buffer and remaps it, with Remap (the "
+      "writes a fixed top-K (K per entry) into the engine's buffer with a copy kernel (the engine's "
+      "top-K kernel's stand-in) and remaps it, with Remap (the "
       "probe's dense top-K computed from the logits by Observe's Probe launch, or the fused "
       "call's) or with RemapTopK (the engine's top-K counted at the remap; Observe computes none, "
       "and the one call, FusedIndexerArgs::probe_at_remap, launches no Probe). SPIN = the step "
-      "less the copies alone (copy us, per layer) less the plain sparse indexer's own time; one "
+      "less the copy kernels alone (copy us, per layer) less the plain sparse indexer's own time; one "
       "call: spread, programmatic launches, against the plain indexer launched so.\n\n"
       "| batch | slots | sparsity | state | contexts | probe period | dense us | copy us | "
       "unfused + Remap SPIN/dense | unfused + RemapTopK SPIN/dense | unfused + RemapTopK "
