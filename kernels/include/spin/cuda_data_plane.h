@@ -91,8 +91,8 @@ absl::Status IndexAndObserve(DataPlane& dp, int32_t layer, const FusedIndexerArg
 /// Select(layer, block_table, table_stride) and IndexAndObserve(layer, args) in one: the fused
 /// kernel reads the layer's selection (made when the step began) and the engine's block table
 /// itself, and publishes Select's outputs (union, compacted table and lengths, statistics), so
-/// Remap works after it as after Select; one kernel and the Probe launch per layer instead of
-/// three launches. The block table is required (stride >= the session's max blocks). Same
+/// Remap works after it as after Select; one kernel and the Probe launch (none with
+/// probe_at_remap) per layer instead of three launches. The block table is required (stride >= the session's max blocks). Same
 /// results, bit for bit, as the two calls; same call-order rules as Select (it is the layer's
 /// Select).
 absl::Status SelectIndexAndObserve(DataPlane& dp, int32_t layer, const int32_t* block_table,
