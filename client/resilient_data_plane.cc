@@ -271,6 +271,12 @@ absl::Status ResilientDataPlane::RemapTopK(int32_t* idx, int32_t count, cudaStre
   return current().RemapTopK(idx, count, stream);
 }
 
+absl::Status ResilientDataPlane::RemapAndObserve(int32_t layer, int32_t* idx, int32_t count,
+                                                 const float* logits, int64_t stride,
+                                                 const int32_t* accepted, cudaStream_t stream) {
+  return current().RemapAndObserve(layer, idx, count, logits, stride, accepted, stream);
+}
+
 absl::Status ResilientDataPlane::Observe(int32_t layer, const float* logits, int64_t stride,
                                          const int32_t* accepted, cudaStream_t stream) {
   return current().Observe(layer, logits, stride, accepted, stream);

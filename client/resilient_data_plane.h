@@ -79,6 +79,9 @@ class ResilientDataPlane final : public DataPlane {
                       cudaStream_t stream = nullptr) override;
   absl::Status Remap(int32_t* idx, int32_t count, cudaStream_t stream = nullptr) override;
   absl::Status RemapTopK(int32_t* idx, int32_t count, cudaStream_t stream = nullptr) override;
+  absl::Status RemapAndObserve(int32_t layer, int32_t* idx, int32_t count, const float* logits,
+                               int64_t logits_stride, const int32_t* accepted = nullptr,
+                               cudaStream_t stream = nullptr) override;
   absl::Status Observe(int32_t layer, const float* logits, int64_t logits_stride,
                        const int32_t* accepted = nullptr, cudaStream_t stream = nullptr) override;
 

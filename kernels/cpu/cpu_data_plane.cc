@@ -191,6 +191,24 @@ class CpuDataPlane final : public DataPlane {
     return absl::OkStatus();
   }
 
+  absl::Status RemapAndObserve(int32_t layer, int32_t* idx, int32_t count, const float* logits,
+                               int64_t logits_stride, const int32_t* accepted,
+                               cudaStream_t stream) override {
+    // Both calls' checks first: a refusal changes nothing.
+    SPIN_RETURN_IF_ERROR(CheckLayer(layer));
+    if (a_.batch->selected_layer != layer) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "RemapAndObserve of layer ", layer,
+          " without its Select in this step (last: ", a_.batch->selected_layer, ")"));
+    }
+    if (count < 0 || (count > 0 && idx == nullptr)) {
+      return absl::InvalidArgumentError(absl::StrCat("bad top-K buffer (count ", count, ")"));
+    }
+    SPIN_RETURN_IF_ERROR(ValidateObserveInputs(a_, logits, logits_stride, accepted));
+    SPIN_RETURN_IF_ERROR(RemapTopK(idx, count, stream));
+    return Observe(layer, logits, logits_stride, accepted, stream);
+  }
+
   absl::Status Observe(int32_t layer, const float* logits, int64_t logits_stride,
                        const int32_t* accepted, cudaStream_t) override {
     SPIN_RETURN_IF_ERROR(CheckLayer(layer));

@@ -306,6 +306,32 @@ class CudaDataPlane final : public DataPlane {
                       "Observe launch");
   }
 
+  absl::Status RemapAndObserve(int32_t layer, int32_t* idx, int32_t count, const float* logits,
+                               int64_t logits_stride, const int32_t* accepted,
+                               cudaStream_t stream) override {
+    // Both calls' checks first: a refusal launches nothing.
+    SPIN_RETURN_IF_ERROR(CheckLayer(layer));
+    if (selected_layer_ != layer) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("RemapAndObserve of layer ", layer,
+                       " without its Select in this step (last: ", selected_layer_, ")"));
+    }
+    if (count < 0 || (count > 0 && idx == nullptr)) {
+      return absl::InvalidArgumentError(absl::StrCat("bad top-K buffer (count ", count, ")"));
+    }
+    if (n_ == 0) return absl::OkStatus();
+    if (logits == nullptr || logits_stride < 0) {
+      return absl::InvalidArgumentError("logits are required");
+    }
+    // RemapTopK's rule, then Observe's launches with the remap inside the Probe launch.
+    const bool probe = count > 0 && !topk_given_;
+    if (probe) topk_given_ = true;
+    observed_[layer] = 1;
+    const ck::RemapWork remap{count > 0 ? idx : nullptr, count, probe};
+    return CudaStatus(LaunchObserve(layer, logits, logits_stride, accepted, stream, remap),
+                      "RemapAndObserve launch");
+  }
+
   absl::Status IndexAndObserve(int32_t layer, const FusedIndexerArgs& f, cudaStream_t stream) {
     SPIN_RETURN_IF_ERROR(CheckLayer(layer));
     if (selected_layer_ != layer) {
@@ -390,7 +416,7 @@ class CudaDataPlane final : public DataPlane {
     // engine gives its own to RemapTopK (probe_at_remap) or already has.
     if (f.probe_at_remap || topk_given_) return absl::OkStatus();
     return CudaStatus(ck::LaunchProbe(d_, layer, n_, sms_, f.logits, f.logits_stride, nullptr,
-                                      false, true, stream),
+                                      false, true, ck::RemapWork{}, stream),
                       "Probe launch");
   }
 
@@ -414,11 +440,13 @@ class CudaDataPlane final : public DataPlane {
   // state type and the logits' layout (after EmaWord or Ema, the V summaries). Without an
   // accepted array only row 0 is applied (the engine contract), so only its launch is made. The
   // bookkeeping runs beside the EMA launches (probe_beside_ema) or before them.
+  // With `remap` (RemapAndObserve), the Probe launch also does the remap, first.
   cudaError_t LaunchObserve(int32_t layer, const float* logits, int64_t logits_stride,
-                            const int32_t* accepted, cudaStream_t stream) {
+                            const int32_t* accepted, cudaStream_t stream,
+                            const ck::RemapWork& remap = {}) {
     if (side_ == nullptr) {
       SPIN_CUDA_RETURN_IF_ERROR(ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride,
-                                                accepted, true, !topk_given_, stream));
+                                                accepted, true, !topk_given_, remap, stream));
       return LaunchEmas(layer, logits, logits_stride, accepted, stream);
     }
     // The Probe launch and the EMA launches touch disjoint memory (Probe: fresh flags, errors,
@@ -431,7 +459,7 @@ class CudaDataPlane final : public DataPlane {
     SPIN_CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_, stream));
     SPIN_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, fork_, 0));
     const cudaError_t probe = ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride,
-                                              accepted, true, !topk_given_, side_);
+                                              accepted, true, !topk_given_, remap, side_);
     const cudaError_t joined = cudaEventRecord(join_, side_);
     const cudaError_t ema = LaunchEmas(layer, logits, logits_stride, accepted, stream);
     const cudaError_t wait = joined == cudaSuccess ? cudaStreamWaitEvent(stream, join_, 0) : joined;

@@ -139,4 +139,78 @@ __device__ __forceinline__ bool RowApplied(int e, int batch_n, int seq, int r, i
   return e < batch_n && seq >= 0 && r < rows && acc >= 0 && acc <= rows && r < acc && rows_fit;
 }
 
+// Remap's work (RemapKernel, and ProbeKernel in RemapAndObserve) for this thread's share of the
+// n x rows x count top-K buffer: thread t of nt takes elements t, t + nt, ... Every thread of
+// the CTA calls it (with probe, it ends with a barrier).
+__device__ inline void RemapShare(const Dev& d, int32_t* idx, int count, int probe, int64_t t0,
+                                  int64_t nt) {
+  constexpr unsigned kAll = 0xFFFFFFFFu;
+  const int rows = d.batch->rows, n = d.batch->n, layer = d.batch->selected_layer;
+  const int64_t total = static_cast<int64_t>(n) * rows * count;
+  const bool selected = layer >= 0;
+  if (!selected && blockIdx.x == 0 && threadIdx.x == 0) RecordError(d.error, kArenaNoSelect);
+  // RemapTopK over a layer with probing entries: each one's row 0, mapped, is the engine's dense
+  // top-K, counted per curve level (as ProbeTask counts the one it computes): per CTA in shared
+  // memory, then added to the layer's curve and statistics. Every sum is linear over slots and
+  // entries, so the CTAs' shares add up to the reference's per-entry counts exactly.
+  const bool counting = probe && selected && d.probe_count[layer] > 0;  // the same in every CTA
+  __shared__ int s_cnt[kCurvePoints + 1], s_sum[3];  // per level; {slots, kept now, entries}
+  if (counting) {
+    for (int i = static_cast<int>(threadIdx.x); i <= kCurvePoints; i += blockDim.x) s_cnt[i] = 0;
+    if (threadIdx.x < 3) s_sum[threadIdx.x] = 0;
+    __syncthreads();
+  }
+  int slots = 0, now = 0, entries = 0;
+  for (int64_t x = t0; x < total; x += nt) {
+    const int e = static_cast<int>(x / (static_cast<int64_t>(rows) * count));
+    const int r = static_cast<int>((x / count) % rows);
+    const bool live = selected && d.entries[e].seq >= 0;
+    const int len = live ? d.compact_len[static_cast<int64_t>(e) * d.max_rows + r] : 0;
+    const int c = idx[x];
+    const int slot =
+        (c < 0 || c >= len)
+            ? -1
+            : d.union_ids[static_cast<int64_t>(e) * d.max_blocks + c / d.block] * d.block +
+                  c % d.block;
+    idx[x] = slot;
+    if (counting && r == 0 && live && d.probe_on[d.Ahead(layer, e)]) {
+      if (x % count == 0) ++entries;
+      if (slot >= 0) {
+        const int j = d.block_shift >= 0 ? slot >> d.block_shift : slot / d.block;
+        const uint8_t lv = d.probe_lvl[d.Ahead(layer, e) * d.max_blocks + j];
+        atomicAdd(&s_cnt[lv & ~kLevelNow], 1);
+        ++slots;
+        if (lv & kLevelNow) ++now;
+      }
+    }
+  }
+  if (!counting) return;
+  slots = __reduce_add_sync(kAll, slots);
+  now = __reduce_add_sync(kAll, now);
+  entries = __reduce_add_sync(kAll, entries);
+  if (threadIdx.x % 32 == 0 && (slots | entries) != 0) {
+    atomicAdd(&s_sum[0], slots);
+    atomicAdd(&s_sum[1], now);
+    atomicAdd(&s_sum[2], entries);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && (s_sum[0] | s_sum[2]) != 0) {
+    unsigned long long* curve = d.curves + static_cast<int64_t>(layer) * kCurvePoints;
+    int covered = 0;
+    for (int p = 0; p < kCurvePoints; ++p) {
+      covered += s_cnt[p];
+      if (s_sum[0] != covered) {
+        atomicAdd(&curve[p], static_cast<unsigned long long>(s_sum[0] - covered));
+      }
+    }
+    LayerStats* st = d.stats + layer;
+    atomicAdd(reinterpret_cast<unsigned long long*>(&st->probe_steps),
+              static_cast<unsigned long long>(s_sum[2]));
+    atomicAdd(reinterpret_cast<unsigned long long*>(&st->probe_topk),
+              static_cast<unsigned long long>(s_sum[0]));
+    atomicAdd(reinterpret_cast<unsigned long long*>(&st->probe_missed),
+              static_cast<unsigned long long>(s_sum[0] - s_sum[1]));
+  }
+}
+
 }  // namespace spin::cuda_kernels

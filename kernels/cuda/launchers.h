@@ -76,12 +76,20 @@ int ProbeRankThreads(int64_t max_blocks);
 cudaError_t LaunchProbeRank(const Dev& d, int l0, int layers, int n, int threads,
                             cudaStream_t stream);
 
+// A remap the Probe launch also does (RemapAndObserve): the top-K buffer, its count per row, and
+// whether it is counted as the engine's top-K (RemapTopK). idx null: none.
+struct RemapWork {
+  int32_t* idx = nullptr;
+  int count = 0;
+  bool probe = false;
+};
+
 // Observe's validation (unless the fused kernel did it: validate = false) and probe miss curve
 // of `layer` (ProbeKernel: row 0's dense top-K from the logits, unless RemapTopK counted the
-// engine's: topk = false), on at most `sms` CTAs.
+// engine's: topk = false), on at most `sms` CTAs; first, over the whole grid, `remap`'s work.
 cudaError_t LaunchProbe(const Dev& d, int layer, int n, int sms, const float* logits,
                         int64_t stride, const int32_t* accepted, bool validate, bool topk,
-                        cudaStream_t stream);
+                        const RemapWork& remap, cudaStream_t stream);
 
 // ---- ema_kernels.cu
 

@@ -346,9 +346,15 @@ __device__ void ProbeTask(Dev d, int layer, const float* logits, int64_t stride,
 // docs/lab/cuda-kernel-tuning.md.)
 __global__ void __launch_bounds__(kProbeThreads)
     ProbeKernel(Dev d, int layer, const float* logits, int64_t stride, const int32_t* accepted,
-                int validate, int topk) {
+                int validate, int topk, int32_t* remap_idx, int remap_count, int remap_probe) {
   StepKernelEntry();
   const int g = static_cast<int>(blockIdx.x), G = static_cast<int>(gridDim.x);
+  // RemapAndObserve: Remap's (or RemapTopK's) work first, shared over the whole grid.
+  if (remap_idx) {
+    RemapShare(d, remap_idx, remap_count, remap_probe,
+               static_cast<int64_t>(g) * blockDim.x + threadIdx.x,
+               static_cast<int64_t>(G) * blockDim.x);
+  }
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int batch_n = d.batch->n, rows = d.batch->rows;
   // Loaded with the batch (the fresh flags written below may alias it for the compiler).
@@ -413,12 +419,12 @@ cudaError_t LaunchProbeRank(const Dev& d, int l0, int layers, int n, int threads
 
 cudaError_t LaunchProbe(const Dev& d, int layer, int n, int sms, const float* logits,
                         int64_t stride, const int32_t* accepted, bool validate, bool topk,
-                        cudaStream_t stream) {
+                        const RemapWork& remap, cudaStream_t stream) {
   // One CTA per multiprocessor, and no more than kMaxProbeShares per entry, shared out over the
   // probing entries.
   const dim3 probe_grid(static_cast<unsigned>(std::min(sms, kMaxProbeShares * n)));
   return Launch(ProbeKernel, probe_grid, kProbeThreads, stream, d, layer, logits, stride, accepted,
-                validate ? 1 : 0, topk ? 1 : 0);
+                validate ? 1 : 0, topk ? 1 : 0, remap.idx, remap.count, remap.probe ? 1 : 0);
 }
 
 }  // namespace spin::cuda_kernels

@@ -420,6 +420,33 @@ void Observe(int64_t h, int64_t layer, const at::Tensor& logits,
         "observe");
 }
 
+// remap_topk and observe in one call (DataPlane::RemapAndObserve): every argument checked first,
+// and on the GPU one launch fewer per layer.
+void RemapAndObserve(int64_t h, int64_t layer, at::Tensor& topk, const at::Tensor& logits,
+                     const c10::optional<at::Tensor>& accepted, at::Tensor& token) {
+  auto s = Get(h);
+  CheckPlace(*s, topk, "topk");
+  TORCH_CHECK(topk.dim() == 2, "spind.remap_and_observe: topk must be [entries * rows, count]");
+  CheckPlace(*s, logits, "logits");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat,
+              "spind.remap_and_observe: logits must be float32");
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1,
+              "spind.remap_and_observe: logits must be [entries * rows, width] with unit column "
+              "stride");
+  TORCH_CHECK(layer >= 0 && layer < s->geometry.layers, "spind.remap_and_observe: layer ", layer,
+              " outside [0, ", s->geometry.layers, ")");
+  const int32_t* acc = nullptr;
+  if (accepted) {
+    CheckPlace(*s, *accepted, "accepted");
+    acc = Int32Data(*accepted, "accepted", 0);
+  }
+  Check(s->dp().RemapAndObserve(static_cast<int32_t>(layer),
+                                const_cast<int32_t*>(Int32Data(topk, "topk", 0)),
+                                static_cast<int32_t>(topk.size(1)), logits.data_ptr<float>(),
+                                logits.stride(0), acc, Stream(*s)),
+        "remap_and_observe");
+}
+
 // Between steps. Attached: notices a lost daemon and switches in a new session. Local with
 // per-layer budgets: after each probe-period step, feeds the arena's counters to the budget
 // controller and writes a new table when it has one (as spind's probe thread does). Returns 1
@@ -653,6 +680,9 @@ TORCH_LIBRARY(spind, m) {
   m.def("remap(int handle, Tensor(a!) topk, Tensor(t!) token) -> ()");
   m.def("remap_topk(int handle, Tensor(a!) topk, Tensor(t!) token) -> ()");
   m.def("observe(int handle, int layer, Tensor logits, Tensor? accepted, Tensor(t!) token) -> ()");
+  m.def(
+      "remap_and_observe(int handle, int layer, Tensor(a!) topk, Tensor logits, Tensor? accepted, "
+      "Tensor(t!) token) -> ()");
 }
 
 // One kernel per backend; the functions themselves dispatch on the session.
@@ -662,6 +692,7 @@ void ImplPerStep(torch::Library& m) {
   m.impl("remap", &Remap);
   m.impl("remap_topk", &RemapTopK);
   m.impl("observe", &Observe);
+  m.impl("remap_and_observe", &RemapAndObserve);
 }
 
 TORCH_LIBRARY_IMPL(spind, CPU, m) { ImplPerStep(m); }

@@ -29,8 +29,8 @@ if hasattr(torch.library, "register_fake"):
     def _none(*args, **kwargs):
         return None
 
-    for _name in ("begin_step", "select", "remap", "remap_topk", "observe", "paged_indexer",
-                  "row_topk"):
+    for _name in ("begin_step", "select", "remap", "remap_topk", "observe", "remap_and_observe",
+                  "paged_indexer", "row_topk"):
         torch.library.register_fake(f"spind::{_name}")(_none)
 
 
@@ -108,6 +108,11 @@ class Session:
 
     def observe(self, layer, logits, accepted=None):
         ops.observe(self.handle, layer, logits, accepted, self.token)
+
+    def remap_and_observe(self, layer, topk, logits, accepted=None):
+        """remap(topk, engine_topk=True) and observe(layer, logits, accepted) in one call: every
+        argument checked first; on the GPU the remap runs inside observe's first launch."""
+        ops.remap_and_observe(self.handle, layer, topk, logits, accepted, self.token)
 
     def refresh(self):
         changed = ops.refresh(self.handle)

@@ -20,8 +20,9 @@ Two modes share everything but the selection:
 - dense: the indexer over each row's full block table;
 - spin: a spind.Session (local by default, or attached to spind) picks blocks: begin_step once
   per step; per layer select(layer, block_table), the indexer over s.phys with s.compact_len,
-  top-k over the compacted slots, s.remap(topk, engine_topk=True) to logical slots (on probe
-  steps the miss curves count that top-K), s.observe(layer, logits) with no accepted count (the engine contract: acceptance is known only after sampling), then
+  top-k over the compacted slots, s.remap_and_observe(layer, topk, logits): the remap to
+  logical slots (on probe steps the miss curves count that top-K) and the observation with no
+  accepted count (the engine contract: acceptance is known only after sampling), then
   the attention over the remapped logical slots.
 
 Requests arrive (admit), finish (when their context reaches their final length) and are
@@ -514,8 +515,9 @@ class DsaEngine:
                               s.compact_len, lg, width // PAGE, self.n, self.kernel)
             out = self.topk_out["spin"][layer]
             self._topk(lg, s.compact_len.view(-1), out)
-            s.remap(out, engine_topk=True)  # on probe steps, the curves count this top-K
-            s.observe(layer, lg)  # no accepted count: acceptance is not known yet
+            # The remap (on probe steps the curves count this top-K) and the observation (no
+            # accepted count: acceptance is not known yet) in one call.
+            s.remap_and_observe(layer, out, lg)
             if full and not wide:
                 torch.amax(s.compact_len.view(-1), dim=0, out=self._widest_step[layer])
             if full:

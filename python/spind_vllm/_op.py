@@ -8,9 +8,10 @@ the current stream, the engine's kernels, copies between fixed buffers).
 
 Decode on SPIN, per layer: select(layer, block_table) -> the engine's paged logits over s.phys
 with s.compact_len (and schedule metadata for those lengths) -> top-K over the compacted
-lengths -> s.remap(topk, engine_topk=True) (on probe steps the miss curves count vLLM's own
-top-K) -> s.observe(layer, logits) (no accepted argument: acceptance is known only after
-sampling, so the data plane applies row 0 only; docs/lab/mtp-contract.md). Everything else (prefill, mixed or
+lengths -> s.remap_and_observe(layer, topk, logits): the remap to logical slots (on probe
+steps the miss curves count vLLM's own top-K) and the observation (no accepted argument:
+acceptance is known only after sampling, so the data plane applies row 0 only;
+docs/lab/mtp-contract.md) in one call. Everything else (prefill, mixed or
 non-uniform batches, profiling runs, MTP draft layers, FP4 caches, compressed caches) calls
 vLLM's own indexer function: dense.
 """
@@ -112,11 +113,11 @@ def sparse_attn_indexer(hidden_states, k_cache_prefix, kv_cache, q_quant, q_scal
     topk.fill_(-1)
     torch.ops._C.top_k_per_row_decode(logits, next_n, compact_len, topk[:rows], rows,
                                       logits.stride(0), logits.stride(1), topk_tokens)
-    # Compacted slots -> logical slots, every begun entry's rows; on a probe step the engine's
-    # own top-K is the dense top-K the miss curves count (observe then computes none).
-    s.remap(topk, engine_topk=True)
+    # Compacted slots -> logical slots, every begun entry's rows (on a probe step the engine's
+    # own top-K is the dense top-K the miss curves count), and the EMA from the logits, in one
+    # call (on the GPU the remap runs inside observe's first launch).
+    s.remap_and_observe(spin_layer, topk, logits)
     topk_indices_buffer[:rows, :topk_tokens] = topk[:rows]
-    s.observe(spin_layer, logits)
 
 
 def _fake(*args):

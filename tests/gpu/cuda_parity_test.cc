@@ -230,6 +230,21 @@ class Twin {
       for (size_t x = 0; x < idx.size(); ++x) {
         idx[x] = static_cast<int32_t>(rng_() % (stride_ + 10)) - 5;
       }
+      if (remap_observe_ && !fused_) {
+        // RemapAndObserve on both backends (the CPU's: its checks, RemapTopK, Observe).
+        std::vector<int32_t> idx = RandomTopK(n, rows);
+        ASSERT_TRUE(cpu_.dp()
+                        .RemapAndObserve(l, idx.data(), kTopK, logits.data(), stride_,
+                                         no_accepted_ ? nullptr : acc.data())
+                        .ok());
+        ASSERT_TRUE(gpu_->RemapAndObserve(l, d_idx_->as<int32_t>(), kTopK,
+                                          d_logits_->as<float>(), stride_,
+                                          no_accepted_ ? nullptr : d_acc_->as<int32_t>())
+                        .ok());
+        ASSERT_EQ(ToHost(d_idx_->as<int32_t>(), idx.size()), idx) << "remap, step " << step;
+        if (after_observe_) after_observe_(step, l);
+        continue;
+      }
       ASSERT_NO_FATAL_FAILURE(RemapBoth(n, rows, step));
       if (fused_) {
         // The GPU's own indexer writes the logits and applies the EMA; the CPU observes them.
@@ -262,11 +277,7 @@ class Twin {
   // curves count) of random compacted indices, some out of range, on both backends; the mapped
   // indices compared.
   void RemapBoth(int n, int rows, int step) {
-    std::vector<int32_t> idx(static_cast<size_t>(n) * rows * kTopK);
-    for (size_t x = 0; x < idx.size(); ++x) {
-      idx[x] = static_cast<int32_t>(rng_() % (stride_ + 10)) - 5;
-    }
-    CUDA_OK(cudaMemcpy(d_idx_->p, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
+    std::vector<int32_t> idx = RandomTopK(n, rows);
     if (given_topk_) {
       ASSERT_TRUE(cpu_.dp().RemapTopK(idx.data(), kTopK).ok());
       ASSERT_TRUE(gpu_->RemapTopK(d_idx_->as<int32_t>(), kTopK).ok());
@@ -276,6 +287,21 @@ class Twin {
     }
     ASSERT_EQ(ToHost(d_idx_->as<int32_t>(), idx.size()), idx) << "remap, step " << step;
   }
+
+  // Random compacted indices (some out of range) for n x rows rows of kTopK, also copied to
+  // the device buffer.
+  std::vector<int32_t> RandomTopK(int n, int rows) {
+    std::vector<int32_t> idx(static_cast<size_t>(n) * rows * kTopK);
+    for (size_t x = 0; x < idx.size(); ++x) {
+      idx[x] = static_cast<int32_t>(rng_() % (stride_ + 10)) - 5;
+    }
+    EXPECT_EQ(cudaMemcpy(d_idx_->p, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    return idx;
+  }
+
+  // The unfused layers from now on: RemapAndObserve in place of RemapTopK and Observe.
+  void RemapAndObserveMode() { remap_observe_ = true; }
 
   // The engine gives its top-K from now on: RemapTopK instead of Remap, and the fused calls
   // leave the probe to it (FusedIndexerArgs::probe_at_remap).
@@ -407,6 +433,7 @@ class Twin {
   bool fused_ = false;
   bool one_call_ = false;
   bool given_topk_ = false;
+  bool remap_observe_ = false;
   std::unique_ptr<FusedInputs> in_;
   ScoreFn score_ = Score;
 };
@@ -420,6 +447,7 @@ struct Scenario {
   bool fused = false;            ///< IndexAndObserve on the GPU (row 0 only), from its logits
   bool one_call = false;         ///< fused: SelectIndexAndObserve instead of Select + that
   bool given_topk = false;       ///< RemapTopK: the probes count the engine's top-K
+  bool remap_observe = false;    ///< unfused: RemapAndObserve (the remap in the Probe launch)
 };
 
 // max_slots 64 * 40 + 17 runs the word-access EMA kernel (EmaWordKernel) and slot-by-slot block
@@ -458,6 +486,7 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uin
   if (sc.engine_contract) t.NoAccepted();
   if (sc.fused) t.Fused(sc.one_call);
   if (sc.given_topk) t.GivenTopK();
+  if (sc.remap_observe) t.RemapAndObserveMode();
   int step_n = 0;  // entries of the current step
   if (mid_step) {
     t.AfterObserve([&](int step, int l) {
@@ -579,6 +608,21 @@ TEST_F(CudaTest, ParityProbeCountsTheEngineTopK) {
       RunScenarioWith(sc, 64 * 40 + 8, 0);
       RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true);
     }
+  }
+}
+
+// RemapAndObserve (the remap inside Observe's Probe launch, the engine's top-K counted there)
+// against the CPU's RemapTopK and Observe: one row and MTP rows with accepted counts and without,
+// Probe beside the EMA and before it, 32-slot blocks, mid-step events; the mapped indices after
+// every layer and every byte of the arena at the end.
+TEST_F(CudaTest, ParityRemapAndObserve) {
+  for (Scenario sc : {Scenario{StateDtype::kFp32, 1, 0.5, 0.1, 3},
+                      Scenario{StateDtype::kBf16, 3, 0.6, 0.2, 2},
+                      Scenario{StateDtype::kBf16, 2, 0.4, 0.05, 4, true}}) {
+    sc.remap_observe = true;
+    RunScenarioWith(sc, 64 * 40 + 8, 0);
+    RunScenarioWith(sc, 64 * 40 + 17, 0, 64, 0, true, false);  // mid-step events, Probe first
+    RunScenarioWith(sc, 32 * 80 + 9, 0, 32);
   }
 }
 

@@ -200,6 +200,10 @@ class Gpu(unittest.TestCase):
             torch.library.opcheck(spind.ops.remap_topk.default,
                                   (s.handle, torch.zeros(1, 8, dtype=torch.int32, device=dev),
                                    s.token), test_utils=(test,))
+            torch.library.opcheck(spind.ops.remap_and_observe.default,
+                                  (s.handle, 0, torch.zeros(1, 8, dtype=torch.int32, device=dev),
+                                   torch.zeros(1, 16 * B, device=dev), None, s.token),
+                                  test_utils=(test,))
             torch.library.opcheck(spind.ops.observe.default,
                                   (s.handle, 0, torch.randn(1, 16 * B, device=dev), None,
                                    s.token), test_utils=(test,))

@@ -88,6 +88,39 @@ class LocalSession(unittest.TestCase):
                     self.assertEqual(int(stats[0, 2]), 1)  # probe steps
                     self.assertEqual(int(stats[0, 9]), want_topk)  # top-K slots counted
 
+    def test_remap_and_observe_is_remap_then_observe(self):
+        # Two sessions through a probe step: remap(engine_topk=True) + observe on one,
+        # remap_and_observe on the other; the same indices and counters. A refused call (logits
+        # too narrow for the dense probing row) changes nothing, the top-K buffer included.
+        got = []
+        for joint in (False, True):
+            with spind.Session(1, 32 * B, topk=64, target_sparsity=0.5, exploration=0.0,
+                               probe_period=2) as s:
+                s.reset_sequence(0, 1)
+                run_step(s, 32 * B, 1)
+                run_step(s, 32 * B, 1)
+                s.begin_step(i32(0), i32(32 * B), i32(32 * B - 1), 1)
+                s.select(0)
+                topk = torch.full((1, 64), -1, dtype=torch.int32)
+                topk[0, :40] = torch.arange(40, dtype=torch.int32) * 37
+                logits = torch.arange(32 * B, dtype=torch.float32)[None]
+                if joint:
+                    before = s.stats().clone()
+                    with self.assertRaisesRegex(RuntimeError, "logits stride"):
+                        s.remap_and_observe(0, topk, torch.zeros(1, 100))
+                    self.assertEqual(topk[0, :3].tolist(), [0, 37, 74])
+                    s.refresh()
+                    self.assertTrue(torch.equal(s.stats(), before))
+                    s.remap_and_observe(0, topk, logits)
+                else:
+                    s.remap(topk, engine_topk=True)
+                    s.observe(0, logits)
+                s.refresh()
+                got.append((topk.clone(), s.stats().clone()))
+        self.assertTrue(torch.equal(got[0][0], got[1][0]))
+        self.assertTrue(torch.equal(got[0][1], got[1][1]))
+        self.assertEqual(int(got[1][1][0, 9]), 40)  # the given top-K was counted
+
     def test_select_maps_the_engine_block_table_to_the_compacted_one(self):
         with spind.Session(1, 32 * B, topk=64, target_sparsity=0.5, exploration=0.0) as s:
             s.reset_sequence(0, 1)

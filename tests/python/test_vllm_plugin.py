@@ -114,6 +114,10 @@ class RecordingSession:
         self.calls.append(("observe", layer, len(args), tuple(kwargs)))
         return self._s.observe(layer, *args, **kwargs)
 
+    def remap_and_observe(self, layer, *args, **kwargs):
+        self.calls.append(("remap_and_observe", layer, len(args), tuple(kwargs)))
+        return self._s.remap_and_observe(layer, *args, **kwargs)
+
     def reset_sequence(self, slot, key):
         self.calls.append(("reset_sequence", slot, key))
         return self._s.reset_sequence(slot, key)
@@ -375,9 +379,10 @@ class StubDecode(unittest.TestCase):
             per_layer = rec.calls[2:]
             expect = []
             for layer in range(e.layers):
-                # remap with the engine's top-K: on probe steps the curves count it
-                expect += [("select", layer), ("remap", True), ("observe", layer, 1, ())]
-            self.assertEqual(per_layer, expect)  # observe(layer, logits): no accepted
+                # remap (the engine's top-K: on probe steps the curves count it) and observe in
+                # one call: remap_and_observe(layer, topk, logits), no accepted
+                expect += [("select", layer), ("remap_and_observe", layer, 2, ())]
+            self.assertEqual(per_layer, expect)
             md, table, seq_lens = e.metadata[-1]
             for layer, (count, union) in enumerate((c, u) for _, c, u in rec.selections):
                 topk, q, w = out[layer]

@@ -268,6 +268,44 @@ TEST(Observe, ProbeCountsTheEngineTopKGivenToRemapTopK) {
   EXPECT_EQ(t.dp().RemapTopK(none.data(), -1).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// RemapAndObserve is RemapTopK then Observe, byte for byte; each bad argument (of either call)
+// is refused before anything runs: the arena and the top-K buffer unchanged.
+TEST(Observe, RemapAndObserveIsRemapTopKThenObserveAndRefusesAsAWhole) {
+  TestArena one(Geo(640, 128), Pol(0.5, 0.5f, 2)), two(Geo(640, 128), Pol(0.5, 0.5f, 2));
+  OneSeqStep s{0, 640, 639};
+  ASSERT_NO_FATAL_FAILURE(BeginProbeStep(one, s));
+  ASSERT_NO_FATAL_FAILURE(BeginProbeStep(two, s));
+  std::vector<int32_t> topk(140, -1);
+  for (int i = 0; i < 64; ++i) topk[i] = i, topk[64 + i] = 512 + i;
+  const std::vector<float> z = ProbeLogits();
+  // Refusals first, on `one`: nothing changes.
+  const std::vector<uint8_t> before = one.Snapshot();
+  std::vector<int32_t> idx = topk;
+  EXPECT_EQ(one.dp().RemapAndObserve(2, idx.data(), 140, z.data(), 640).code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(one.dp().RemapAndObserve(1, idx.data(), 140, z.data(), 640).code(),
+            absl::StatusCode::kFailedPrecondition);  // layer 1 is not the selected one
+  EXPECT_EQ(one.dp().RemapAndObserve(0, nullptr, 140, z.data(), 640).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(one.dp().RemapAndObserve(0, idx.data(), -1, z.data(), 640).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(one.dp().RemapAndObserve(0, idx.data(), 140, z.data(), 639).code(),
+            absl::StatusCode::kInvalidArgument);  // the logits stride below the dense row
+  const int32_t bad_accepted = 2;
+  EXPECT_EQ(one.dp().RemapAndObserve(0, idx.data(), 140, z.data(), 640, &bad_accepted).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(idx, topk);
+  EXPECT_TRUE(one.Snapshot() == before);
+  // The one call against the two.
+  ASSERT_TRUE(one.dp().RemapAndObserve(0, idx.data(), 140, z.data(), 640).ok());
+  std::vector<int32_t> idx2 = topk;
+  ASSERT_TRUE(two.dp().RemapTopK(idx2.data(), 140).ok());
+  ASSERT_TRUE(two.dp().Observe(0, z.data(), 640).ok());
+  EXPECT_EQ(idx, idx2);
+  EXPECT_TRUE(one.Snapshot() == two.Snapshot());
+  EXPECT_EQ(one.view().stats[0].probe_topk, 128u);  // the given top-K was counted
+}
+
 // Without RemapTopK, or when the pair does not probe, nothing is counted at the remap; a fresh
 // pair's given top-K is not a probe either.
 TEST(Observe, RemapTopKOfAPairThatDoesNotProbeCountsNothing) {

@@ -12,6 +12,7 @@
 //                                        (RemapTopK: the same, and on a probe step the engine's
 //                                        top-K is the one the miss curve counts)
 //     Observe(l, logits, accepted)    -> EMA update from accepted rows, probe miss curves
+//     (RemapAndObserve: RemapTopK and Observe in one call)
 //
 // Per-step inputs are read through pointers (fixed addresses, so CUDA graphs replay them);
 // outputs are written to fixed-address buffers inside the arena (see Outputs()). A data plane's
@@ -110,6 +111,20 @@ class DataPlane {
   virtual absl::Status Observe(int32_t layer, const float* logits, int64_t logits_stride,
                                const int32_t* accepted = nullptr,
                                cudaStream_t stream = nullptr) = 0;
+
+  /// RemapTopK(idx, count), then Observe(layer, logits, logits_stride, accepted): the same
+  /// results in one call, whose arguments are all checked before anything runs (a refused call
+  /// changes nothing). The CUDA backend does the remap inside Observe's Probe launch: one launch
+  /// fewer per layer. The mapped indices are ready when the call's work on the stream is. This
+  /// default runs the two calls (the remote data plane: spind checks Observe's arguments after
+  /// the local remap).
+  virtual absl::Status RemapAndObserve(int32_t layer, int32_t* idx, int32_t count,
+                                       const float* logits, int64_t logits_stride,
+                                       const int32_t* accepted = nullptr,
+                                       cudaStream_t stream = nullptr) {
+    if (absl::Status s = RemapTopK(idx, count, stream); !s.ok()) return s;
+    return Observe(layer, logits, logits_stride, accepted, stream);
+  }
 
   /// The output buffers of the last Select.
   Outputs outputs() const {
