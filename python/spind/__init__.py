@@ -7,8 +7,7 @@
     for layer in range(layers):
         s.select(layer, block_table)                    # -> s.union_count, s.union_ids, ...
         ...the engine's indexer over the compacted table, its top-k...
-        s.remap(topk, engine_topk=True)                 # in place: compacted -> logical slots
-        s.observe(layer, logits, accepted)
+        s.remap_and_observe(layer, topk, logits, accepted)  # topk in place: -> logical slots
     s.refresh()                                         # between steps
 
 The ops are torch.ops.spind.*; Session only keeps the handle and the output views. An empty
