@@ -401,20 +401,25 @@ void RemapTopK(int64_t h, at::Tensor& topk, at::Tensor& token) {
         "remap_topk");
 }
 
+// Observe's checks of its tensors (`op` names the op in the messages); returns the accepted
+// counts' pointer (null without them).
+const int32_t* ObserveInputs(Handle& s, int64_t layer, const at::Tensor& logits,
+                             const c10::optional<at::Tensor>& accepted, const char* op) {
+  CheckPlace(s, logits, "logits");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat, "spind.", op, ": logits must be float32");
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "spind.", op,
+              ": logits must be [entries * rows, width] with unit column stride");
+  TORCH_CHECK(layer >= 0 && layer < s.geometry.layers, "spind.", op, ": layer ", layer,
+              " outside [0, ", s.geometry.layers, ")");
+  if (!accepted) return nullptr;
+  CheckPlace(s, *accepted, "accepted");
+  return Int32Data(*accepted, "accepted", 0);
+}
+
 void Observe(int64_t h, int64_t layer, const at::Tensor& logits,
              const c10::optional<at::Tensor>& accepted, at::Tensor& token) {
   auto s = Get(h);
-  CheckPlace(*s, logits, "logits");
-  TORCH_CHECK(logits.scalar_type() == at::kFloat, "spind.observe: logits must be float32");
-  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1,
-              "spind.observe: logits must be [entries * rows, width] with unit column stride");
-  TORCH_CHECK(layer >= 0 && layer < s->geometry.layers, "spind.observe: layer ", layer,
-              " outside [0, ", s->geometry.layers, ")");
-  const int32_t* acc = nullptr;
-  if (accepted) {
-    CheckPlace(*s, *accepted, "accepted");
-    acc = Int32Data(*accepted, "accepted", 0);
-  }
+  const int32_t* acc = ObserveInputs(*s, layer, logits, accepted, "observe");
   Check(s->dp().Observe(static_cast<int32_t>(layer), logits.data_ptr<float>(), logits.stride(0),
                         acc, Stream(*s)),
         "observe");
@@ -427,19 +432,7 @@ void RemapAndObserve(int64_t h, int64_t layer, at::Tensor& topk, const at::Tenso
   auto s = Get(h);
   CheckPlace(*s, topk, "topk");
   TORCH_CHECK(topk.dim() == 2, "spind.remap_and_observe: topk must be [entries * rows, count]");
-  CheckPlace(*s, logits, "logits");
-  TORCH_CHECK(logits.scalar_type() == at::kFloat,
-              "spind.remap_and_observe: logits must be float32");
-  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1,
-              "spind.remap_and_observe: logits must be [entries * rows, width] with unit column "
-              "stride");
-  TORCH_CHECK(layer >= 0 && layer < s->geometry.layers, "spind.remap_and_observe: layer ", layer,
-              " outside [0, ", s->geometry.layers, ")");
-  const int32_t* acc = nullptr;
-  if (accepted) {
-    CheckPlace(*s, *accepted, "accepted");
-    acc = Int32Data(*accepted, "accepted", 0);
-  }
+  const int32_t* acc = ObserveInputs(*s, layer, logits, accepted, "remap_and_observe");
   Check(s->dp().RemapAndObserve(static_cast<int32_t>(layer),
                                 const_cast<int32_t*>(Int32Data(topk, "topk", 0)),
                                 static_cast<int32_t>(topk.size(1)), logits.data_ptr<float>(),

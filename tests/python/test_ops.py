@@ -37,6 +37,26 @@ def run_step(s, ctx, layers, logits_fill=1.0):
     return kept
 
 
+def probe_session():
+    """One layer, probe period 2, no exploration."""
+    return spind.Session(1, 32 * B, topk=64, target_sparsity=0.5, exploration=0.0,
+                         probe_period=2)
+
+
+def begin_probe_step(s):
+    """Sequence 0 through two steps, then step 2 (a probe step, the pair no longer fresh) begun
+    and layer 0 selected; returns an engine top-K of 40 valid slots (dense row: compacted =
+    logical) padded to 64 with -1."""
+    s.reset_sequence(0, 1)
+    run_step(s, 32 * B, 1)
+    run_step(s, 32 * B, 1)
+    s.begin_step(i32(0), i32(32 * B), i32(32 * B - 1), 1)
+    s.select(0)
+    topk = torch.full((1, 64), -1, dtype=torch.int32)
+    topk[0, :40] = torch.arange(40, dtype=torch.int32) * 37
+    return topk
+
+
 class LocalSession(unittest.TestCase):
     def test_a_step_selects_the_budget(self):
         with spind.Session(2, 32 * B, topk=64, target_sparsity=0.5, exploration=0.0) as s:
@@ -67,16 +87,9 @@ class LocalSession(unittest.TestCase):
         # the remapped row (40 valid slots), and observe computes no top-K of its own.
         for engine_topk, want_topk in ((True, 40), (False, 64)):
             with self.subTest(engine_topk=engine_topk):
-                with spind.Session(1, 32 * B, topk=64, target_sparsity=0.5, exploration=0.0,
-                                   probe_period=2) as s:
-                    s.reset_sequence(0, 1)
-                    run_step(s, 32 * B, 1)
-                    run_step(s, 32 * B, 1)
-                    s.begin_step(i32(0), i32(32 * B), i32(32 * B - 1), 1)
-                    s.select(0)
+                with probe_session() as s:
+                    topk = begin_probe_step(s)
                     self.assertEqual(int(s.union_count[0]), 32, "a probe step is dense")
-                    topk = torch.full((1, 64), -1, dtype=torch.int32)
-                    topk[0, :40] = torch.arange(40, dtype=torch.int32) * 37
                     s.remap(topk, engine_topk=engine_topk)
                     self.assertEqual(topk[0, :40].tolist(), [i * 37 for i in range(40)])
                     s.refresh()
@@ -94,15 +107,8 @@ class LocalSession(unittest.TestCase):
         # too narrow for the dense probing row) changes nothing, the top-K buffer included.
         got = []
         for joint in (False, True):
-            with spind.Session(1, 32 * B, topk=64, target_sparsity=0.5, exploration=0.0,
-                               probe_period=2) as s:
-                s.reset_sequence(0, 1)
-                run_step(s, 32 * B, 1)
-                run_step(s, 32 * B, 1)
-                s.begin_step(i32(0), i32(32 * B), i32(32 * B - 1), 1)
-                s.select(0)
-                topk = torch.full((1, 64), -1, dtype=torch.int32)
-                topk[0, :40] = torch.arange(40, dtype=torch.int32) * 37
+            with probe_session() as s:
+                topk = begin_probe_step(s)
                 logits = torch.arange(32 * B, dtype=torch.float32)[None]
                 if joint:
                     before = s.stats().clone()
