@@ -126,6 +126,26 @@ absl::Status RemoteDataPlane::Remap(int32_t* idx, int32_t count, cudaStream_t) {
   return local_->Remap(idx, count);
 }
 
+absl::Status RemoteDataPlane::RemapAndObserve(int32_t layer, int32_t* idx, int32_t count,
+                                              const float* logits, int64_t stride,
+                                              const int32_t* accepted, cudaStream_t stream) {
+  if (layer < 0 || static_cast<uint32_t>(layer) >= mirror_.geometry.layers) {
+    return absl::OutOfRangeError(
+        absl::StrCat("layer ", layer, " is out of range [0, ", mirror_.geometry.layers, ")"));
+  }
+  if (mirror_.batch->selected_layer != layer) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("RemapAndObserve of layer ", layer, " without its Select in this step (last: ",
+                     mirror_.batch->selected_layer, ")"));
+  }
+  if (count < 0 || (count > 0 && idx == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat("bad top-K buffer (count ", count, ")"));
+  }
+  SPIN_RETURN_IF_ERROR(ValidateObserveInputs(mirror_, logits, stride, accepted));
+  SPIN_RETURN_IF_ERROR(local_->Remap(idx, count));
+  return Observe(layer, logits, stride, accepted, stream);
+}
+
 absl::Status RemoteDataPlane::Observe(int32_t layer, const float* logits, int64_t stride,
                                       const int32_t* accepted, cudaStream_t) {
   pb::ObserveScoresRequest req;

@@ -32,6 +32,12 @@ class RemoteDataPlane final : public DataPlane {
   absl::Status Remap(int32_t* idx, int32_t count, cudaStream_t stream = nullptr) override;
   absl::Status Observe(int32_t layer, const float* logits, int64_t logits_stride,
                        const int32_t* accepted = nullptr, cudaStream_t stream = nullptr) override;
+  /// Checks every argument on the mirror first (layer, selection, top-K buffer, logits stride,
+  /// accepted counts), then the local remap and ObserveScores; only a failed RPC leaves the
+  /// top-K mapped. The top-K is computed by spind (it is sent the logits, not the top-K).
+  absl::Status RemapAndObserve(int32_t layer, int32_t* idx, int32_t count, const float* logits,
+                               int64_t logits_stride, const int32_t* accepted = nullptr,
+                               cudaStream_t stream = nullptr) override;
 
  private:
   RemoteDataPlane() = default;

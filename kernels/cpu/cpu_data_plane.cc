@@ -147,7 +147,7 @@ class CpuDataPlane final : public DataPlane {
       SelectAll<uint16_t>(layer, block_table, table_stride);
     }
     a_.batch->selected_layer = layer;
-    topk_given_ = false;
+    probe_counted_ = false;
     return absl::OkStatus();
   }
 
@@ -175,8 +175,8 @@ class CpuDataPlane final : public DataPlane {
 
   absl::Status RemapTopK(int32_t* idx, int32_t count, cudaStream_t stream) override {
     SPIN_RETURN_IF_ERROR(Remap(idx, count, stream));
-    if (topk_given_ || count == 0) return absl::OkStatus();
-    topk_given_ = true;
+    if (probe_counted_ || count == 0) return absl::OkStatus();
+    probe_counted_ = true;
     // Each probing entry's row 0, mapped: the engine's dense top-K, counted as given.
     const int32_t layer = a_.batch->selected_layer, rows = a_.batch->rows;
     for (int32_t e = 0; e < a_.batch->n; ++e) {
@@ -223,6 +223,7 @@ class CpuDataPlane final : public DataPlane {
     } else {
       ObserveAll<uint16_t>(layer, logits, logits_stride, accepted);
     }
+    probe_counted_ = true;  // a later Observe or RemapTopK of this selection counts nothing
     return absl::OkStatus();
   }
 
@@ -356,7 +357,7 @@ class CpuDataPlane final : public DataPlane {
       const StepEntry& en = a_.entries[e];
       if (en.seq < 0) continue;
       uint8_t& fresh = a_.fresh[static_cast<uint64_t>(en.seq) * g.layers + layer];
-      if (probing_[e] && !topk_given_) {
+      if (probing_[e] && !probe_counted_) {
         DenseTopK(e, logits + static_cast<int64_t>(e) * rows * stride);
         if (!topk_.empty()) CountCurve(layer, e);
       }
@@ -470,9 +471,9 @@ class CpuDataPlane final : public DataPlane {
   // its Observe then samples the miss curve. Decided at Select, so a second Observe of the same
   // selection does not probe with a ranking made for a fresh pair.
   std::vector<uint8_t> probing_;
-  // RemapTopK gave the engine's top-K for the current selection (reset by Select): its probing
-  // entries are counted, and Observe computes no top-K.
-  bool topk_given_ = false;
+  // The current selection's probe is counted (reset by Select): by RemapTopK (the engine's
+  // top-K) or by Observe (the logits' top-K), whichever came first; the other counts nothing.
+  bool probe_counted_ = false;
   std::vector<uint64_t> draws_;
   std::vector<int32_t> topk_;
   std::vector<int32_t> block_hits_;

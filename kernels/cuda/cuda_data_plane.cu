@@ -261,7 +261,7 @@ class CudaDataPlane final : public DataPlane {
       if (e == cudaSuccess) e = ck::LaunchPublish(d_, layer, n_, block_table, table_stride, stream);
     }
     selected_layer_ = layer;
-    topk_given_ = false;
+    probe_counted_ = false;
     return CudaStatus(e, "Select launch");
   }
 
@@ -282,11 +282,13 @@ class CudaDataPlane final : public DataPlane {
     if (count < 0 || (count > 0 && idx == nullptr)) {
       return absl::InvalidArgumentError(absl::StrCat("bad top-K buffer (count ", count, ")"));
     }
-    // The engine's top-K is counted once per selection, and the layer's Observe then computes
-    // none (the reference's rule).
-    const bool probe = count > 0 && !topk_given_;
-    if (probe) topk_given_ = true;
-    return CudaStatus(ck::LaunchRemap(d_, idx, count, n_, rows_, probe, stream), "Remap launch");
+    // A selection's probe is counted once: here (the engine's top-K) unless Observe or a fused
+    // call counted it already (the reference's rule).
+    const bool probe = count > 0 && !probe_counted_;
+    SPIN_RETURN_IF_ERROR(
+        CudaStatus(ck::LaunchRemap(d_, idx, count, n_, rows_, probe, stream), "Remap launch"));
+    if (probe) probe_counted_ = true;
+    return absl::OkStatus();
   }
 
   absl::Status Observe(int32_t layer, const float* logits, int64_t logits_stride,
@@ -302,8 +304,11 @@ class CudaDataPlane final : public DataPlane {
       return absl::InvalidArgumentError("logits are required");
     }
     observed_[layer] = 1;
-    return CudaStatus(LaunchObserve(layer, logits, logits_stride, accepted, stream),
-                      "Observe launch");
+    SPIN_RETURN_IF_ERROR(CudaStatus(
+        LaunchObserve(layer, logits, logits_stride, accepted, stream, {}, !probe_counted_),
+        "Observe launch"));
+    probe_counted_ = true;  // a later Observe or RemapTopK of this selection counts nothing
+    return absl::OkStatus();
   }
 
   absl::Status RemapAndObserve(int32_t layer, int32_t* idx, int32_t count, const float* logits,
@@ -323,13 +328,16 @@ class CudaDataPlane final : public DataPlane {
     if (logits == nullptr || logits_stride < 0) {
       return absl::InvalidArgumentError("logits are required");
     }
-    // RemapTopK's rule, then Observe's launches with the remap inside the Probe launch.
-    const bool probe = count > 0 && !topk_given_;
-    if (probe) topk_given_ = true;
+    // RemapTopK's rule, then Observe's launches with the remap inside the Probe launch: the
+    // probe is counted from the given top-K, else (count 0) computed, unless counted already.
+    const bool given = count > 0 && !probe_counted_;
     observed_[layer] = 1;
-    const ck::RemapWork remap{count > 0 ? idx : nullptr, count, probe};
-    return CudaStatus(LaunchObserve(layer, logits, logits_stride, accepted, stream, remap),
-                      "RemapAndObserve launch");
+    const ck::RemapWork remap{count > 0 ? idx : nullptr, count, given};
+    SPIN_RETURN_IF_ERROR(CudaStatus(LaunchObserve(layer, logits, logits_stride, accepted, stream,
+                                                  remap, !given && !probe_counted_),
+                                    "RemapAndObserve launch"));
+    probe_counted_ = true;
+    return absl::OkStatus();
   }
 
   absl::Status IndexAndObserve(int32_t layer, const FusedIndexerArgs& f, cudaStream_t stream) {
@@ -375,7 +383,7 @@ class CudaDataPlane final : public DataPlane {
     }
     const bool publish = block_table != nullptr;
     if (n_ == 0) {
-      if (publish) selected_layer_ = layer, topk_given_ = false;  // nothing to publish
+      if (publish) selected_layer_ = layer, probe_counted_ = false;  // nothing to publish
       return absl::OkStatus();
     }
     // Everything the launch can refuse, before anything is launched.
@@ -409,15 +417,18 @@ class CudaDataPlane final : public DataPlane {
     SPIN_RETURN_IF_ERROR(internal::LaunchIndexerEma(d_, layer, a, publish, stream));
     if (publish) {
       selected_layer_ = layer;
-      topk_given_ = false;
+      probe_counted_ = false;
     }
     observed_[layer] = 1;
     // The kernel validated its entries; what is left is the probing entries' top-K, unless the
-    // engine gives its own to RemapTopK (probe_at_remap) or already has.
-    if (f.probe_at_remap || topk_given_) return absl::OkStatus();
-    return CudaStatus(ck::LaunchProbe(d_, layer, n_, sms_, f.logits, f.logits_stride, nullptr,
-                                      false, true, ck::RemapWork{}, stream),
-                      "Probe launch");
+    // engine gives its own to RemapTopK after the call (probe_at_remap) or it is counted already.
+    if (f.probe_at_remap || probe_counted_) return absl::OkStatus();
+    SPIN_RETURN_IF_ERROR(CudaStatus(ck::LaunchProbe(d_, layer, n_, sms_, f.logits,
+                                                    f.logits_stride, nullptr, false, true,
+                                                    ck::RemapWork{}, stream),
+                                    "Probe launch"));
+    probe_counted_ = true;
+    return absl::OkStatus();
   }
 
   // Scores and selections of layers [l0, l0 + count) into their select-ahead records, in
@@ -440,18 +451,20 @@ class CudaDataPlane final : public DataPlane {
   // state type and the logits' layout (after EmaWord or Ema, the V summaries). Without an
   // accepted array only row 0 is applied (the engine contract), so only its launch is made. The
   // bookkeeping runs beside the EMA launches (probe_beside_ema) or before them.
-  // With `remap` (RemapAndObserve), the Probe launch also does the remap, first.
+  // With `remap` (RemapAndObserve), the Probe launch also does the remap, first; `topk`: the
+  // Probe launch computes the probing entries' top-K from the logits.
   cudaError_t LaunchObserve(int32_t layer, const float* logits, int64_t logits_stride,
                             const int32_t* accepted, cudaStream_t stream,
-                            const ck::RemapWork& remap = {}) {
+                            const ck::RemapWork& remap, bool topk) {
     if (side_ == nullptr) {
       SPIN_CUDA_RETURN_IF_ERROR(ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride,
-                                                accepted, true, !topk_given_, remap, stream));
+                                                accepted, true, topk, remap, stream));
       return LaunchEmas(layer, logits, logits_stride, accepted, stream);
     }
     // The Probe launch and the EMA launches touch disjoint memory (Probe: fresh flags, errors,
-    // probe candidates, curves and the probe counters; the EMA: state, V summaries and the
-    // observed counters; both only read the logits and the step's records), so they run side by
+    // probe candidates, curves and the probe counters, and with RemapAndObserve the engine's
+    // top-K buffer; the EMA: state, V summaries and the observed counters; both only read the
+    // logits and the step's records), so they run side by
     // side: Probe on the second stream, forked from and joined back to the caller's (in a
     // captured graph, two parallel branches). The join is recorded and waited for whatever the
     // launches return; only if recording the join event itself fails is the second stream left
@@ -459,7 +472,7 @@ class CudaDataPlane final : public DataPlane {
     SPIN_CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_, stream));
     SPIN_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, fork_, 0));
     const cudaError_t probe = ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride,
-                                              accepted, true, !topk_given_, remap, side_);
+                                              accepted, true, topk, remap, side_);
     const cudaError_t joined = cudaEventRecord(join_, side_);
     const cudaError_t ema = LaunchEmas(layer, logits, logits_stride, accepted, stream);
     const cudaError_t wait = joined == cudaSuccess ? cudaStreamWaitEvent(stream, join_, 0) : joined;
@@ -500,9 +513,10 @@ class CudaDataPlane final : public DataPlane {
   std::vector<void*> owned_;
   // Host mirror of the call sequence (BeginStep/Select), so call-order errors need no sync.
   int32_t n_ = 0, rows_ = 1, selected_layer_ = -1;
-  // RemapTopK counted the engine's top-K for the current selection (reset by every Select):
-  // Observe's Probe launch then counts none.
-  bool topk_given_ = false;
+  // The current selection's probe is counted (reset by every Select and one call): by RemapTopK
+  // (the engine's top-K), or by Observe's or a fused call's Probe launch (the logits'),
+  // whichever came first; later calls count nothing (the reference's rule).
+  bool probe_counted_ = false;
   std::vector<uint8_t> observed_;  // per layer: Observe ran in this step (since its selection)
   int32_t group_ = 1;              // layers per select-ahead group
   int ema_resident_ = 1;           // EmaWordKernel CTAs resident on the device at once

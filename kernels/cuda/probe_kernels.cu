@@ -1,6 +1,6 @@
 // Probe steps: ProbeRank (when the step begins, each probing (layer, entry)'s block levels for
 // the miss curve) and Probe (Observe's validation, fresh flags and the dense top-K counted per
-// curve level).
+// curve level; in RemapAndObserve also the remap, and the engine's top-K counted in its place).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -325,8 +325,9 @@ __device__ void ProbeTask(Dev d, int layer, const float* logits, int64_t stride,
   }
 }
 
-// Observe's first launch, before the EMA launches, one CTA per multiprocessor (at most
-// kMaxProbeShares per entry): CTA g validates accepted and the logits stride of entries g, g + G,
+// Observe's first launch, before the EMA launches (or beside them), one CTA per multiprocessor
+// (at most kMaxProbeShares per entry): in RemapAndObserve the whole grid first does the remap
+// (RemapShare); CTA g validates accepted and the logits stride of entries g, g + G,
 // ... (recording errors) and clears their fresh flags when row 0 is applied (nothing else reads
 // them during Observe); then the CTAs are shared out over the layer's probing entries (those
 // ProbeRankKernel listed), up to kMaxProbeShares each, and count row 0's dense top-K per curve

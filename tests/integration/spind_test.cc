@@ -24,6 +24,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "remote_data_plane.h"
 #include "replay.h"
 #include "resilient_data_plane.h"
 #include "spin/numerics.h"
@@ -430,6 +431,58 @@ TEST(Spind, LocalDataPlaneOnTheSharedArenaEqualsOfflineReplay) {
   ASSERT_TRUE(CALL(d, SetPolicy, sp, &spr).ok());
   EXPECT_DOUBLE_EQ((*session)->arena().sparsity[1], 0.6);
   EXPECT_TRUE((*session)->Detach().ok());
+}
+
+// The remote data plane's RemapAndObserve checks every argument on its mirror before anything
+// runs (the top-K buffer untouched, nothing sent), then remaps locally and sends the logits.
+TEST(Spind, RemoteRemapAndObserveChecksFirstThenObserves) {
+  Daemon d;
+  ASSERT_TRUE(d.ready());
+  client::AttachOptions o;
+  o.geometry.layers = 2;
+  o.geometry.max_seqs = 2;
+  o.geometry.max_slots = 4096;
+  o.geometry.topk = 128;
+  o.client_name = "remote";
+  o.fetch_arena = false;
+  auto s = client::Session::Attach("unix://" + d.socket(), o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  auto r = client::RemoteDataPlane::Create(&(*s)->stub(), (*s)->id(), (*s)->token(), o.geometry);
+  ASSERT_TRUE(r.ok()) << r.status();
+  DataPlane& dp = **r;
+  ASSERT_TRUE(dp.ResetSequence(0, 1).ok());
+  const int32_t seq = 0, ctx = 1000, q = 999;
+  ASSERT_TRUE(dp.BeginStep(StepBatch{&seq, &ctx, &q, 1, 1}).ok());
+  ASSERT_TRUE(dp.Select(0).ok());
+  const int32_t clen = dp.outputs().compact_len[0];
+  ASSERT_EQ(clen, ctx);  // a fresh pair: dense
+  std::vector<int32_t> topk(128);
+  for (int k = 0; k < 128; ++k) topk[k] = k * 7;
+  std::vector<int32_t> idx = topk;
+  std::vector<float> logits(clen, 1.0f);
+  EXPECT_EQ(dp.RemapAndObserve(2, idx.data(), 128, logits.data(), clen).code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(dp.RemapAndObserve(1, idx.data(), 128, logits.data(), clen).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(dp.RemapAndObserve(0, idx.data(), -1, logits.data(), clen).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(dp.RemapAndObserve(0, idx.data(), 128, logits.data(), clen - 1).code(),
+            absl::StatusCode::kInvalidArgument);
+  const int32_t bad_accepted = 2;
+  EXPECT_EQ(dp.RemapAndObserve(0, idx.data(), 128, logits.data(), clen, &bad_accepted).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(idx, topk);
+  pb::GetStatsRequest gs;
+  gs.mutable_session()->set_session_id((*s)->id());
+  gs.mutable_session()->set_token((*s)->token());
+  pb::GetStatsResponse st;
+  ASSERT_TRUE(CALL(d, GetStats, gs, &st).ok());
+  EXPECT_EQ(st.layers(0).observed(), 0u) << "a refused call observed";
+  const absl::Status ok = dp.RemapAndObserve(0, idx.data(), 128, logits.data(), clen);
+  ASSERT_TRUE(ok.ok()) << ok;
+  EXPECT_EQ(idx, topk);  // dense: compacted = logical
+  ASSERT_TRUE(CALL(d, GetStats, gs, &st).ok());
+  EXPECT_EQ(st.layers(0).observed(), static_cast<uint64_t>(clen));
 }
 
 // Engines that crash (SIGKILL) lose their sessions after the grace period: no fd or memory

@@ -259,6 +259,21 @@ TEST(Observe, ProbeCountsTheEngineTopKGivenToRemapTopK) {
   ASSERT_TRUE(t.dp().RemapTopK(none.data(), 8).ok());
   EXPECT_EQ(st.probe_steps, 2u);
   EXPECT_EQ(st.probe_topk, 128u);
+  // Once per selection, whichever counts first: Observe after RemapTopK computes nothing, and
+  // after Observe computed the top-K (selected again), RemapTopK and a second Observe count
+  // nothing.
+  ASSERT_TRUE(t.dp().Observe(0, z.data(), 640).ok());
+  EXPECT_EQ(st.probe_steps, 2u);
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  ASSERT_TRUE(t.dp().Observe(0, z.data(), 640).ok());
+  EXPECT_EQ(st.probe_steps, 3u);
+  const uint64_t topk_then = st.probe_topk;
+  given = topk;
+  ASSERT_TRUE(t.dp().RemapTopK(given.data(), 140).ok());
+  EXPECT_EQ(given, plain);  // still mapped
+  ASSERT_TRUE(t.dp().Observe(0, z.data(), 640).ok());
+  EXPECT_EQ(st.probe_steps, 3u);
+  EXPECT_EQ(st.probe_topk, topk_then);
   // Without a Select in the step, RemapTopK is refused like Remap.
   ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());
   EXPECT_EQ(t.dp().RemapTopK(none.data(), 8).code(), absl::StatusCode::kFailedPrecondition);

@@ -69,8 +69,11 @@ struct FusedIndexerArgs {
   bool spread = true;
   bool programmatic = true;
   /// The engine gives its top-K to RemapTopK after the call (DESIGN §5, "given by the engine"):
-  /// the call then launches no Probe, and on a probe step the miss curves are counted there. Off:
-  /// the Probe launch after the kernel computes each probing entry's dense top-K from the logits.
+  /// the call then launches no Probe, and on a probe step the miss curves are counted there. A
+  /// promise: nothing else counts that probe, so a layer whose selection gets no RemapTopK with
+  /// count > 0 (a plain Remap, or none) has no curve sample on that step, where the reference's
+  /// Select and Observe would have computed one. Off: the Probe launch after the kernel computes
+  /// each probing entry's dense top-K from the logits.
   bool probe_at_remap = false;
 };
 
@@ -92,9 +95,9 @@ absl::Status IndexAndObserve(DataPlane& dp, int32_t layer, const FusedIndexerArg
 /// kernel reads the layer's selection (made when the step began) and the engine's block table
 /// itself, and publishes Select's outputs (union, compacted table and lengths, statistics), so
 /// Remap works after it as after Select; one kernel and the Probe launch (none with
-/// probe_at_remap) per layer instead of three launches. The block table is required (stride >= the session's max blocks). Same
-/// results, bit for bit, as the two calls; same call-order rules as Select (it is the layer's
-/// Select).
+/// probe_at_remap) per layer instead of three launches. The block table is required (stride >=
+/// the session's max blocks). Same results, bit for bit, as the two calls; same call-order rules
+/// as Select (it is the layer's Select).
 absl::Status SelectIndexAndObserve(DataPlane& dp, int32_t layer, const int32_t* block_table,
                                    int64_t table_stride, const FusedIndexerArgs& args,
                                    cudaStream_t stream = nullptr);

@@ -92,10 +92,11 @@ class DataPlane {
   /// `count` per row): the same mapping, and on a probe step each probing entry's row 0, once
   /// mapped, is the dense top-K its miss curve counts (DESIGN §5: "given by the engine"): every
   /// valid slot is counted against the curve levels of the selection's ranking, and the probe
-  /// counts one step per probing entry. The layer's Observe (or a fused call with
-  /// `probe_at_remap`) then computes no top-K from the logits. Counted once per selection: a
-  /// second RemapTopK only maps. This default only maps, and the layer's Observe computes the
-  /// top-K (the remote data plane: spind gets the logits, not the top-K).
+  /// counts one step per probing entry. A selection's probe is counted once, by whichever comes
+  /// first: RemapTopK with count > 0, or the layer's Observe (or a fused call without
+  /// `probe_at_remap`), which computes the top-K from the logits; the later calls count nothing.
+  /// So give the top-K before Observe. This default only maps, and the layer's Observe computes
+  /// the top-K (the remote data plane: spind gets the logits, not the top-K).
   virtual absl::Status RemapTopK(int32_t* idx, int32_t count, cudaStream_t stream = nullptr) {
     return Remap(idx, count, stream);
   }
@@ -113,11 +114,13 @@ class DataPlane {
                                cudaStream_t stream = nullptr) = 0;
 
   /// RemapTopK(idx, count), then Observe(layer, logits, logits_stride, accepted): the same
-  /// results in one call, whose arguments are all checked before anything runs (a refused call
-  /// changes nothing). The CUDA backend does the remap inside Observe's Probe launch: one launch
-  /// fewer per layer. The mapped indices are ready when the call's work on the stream is. This
-  /// default runs the two calls (the remote data plane: spind checks Observe's arguments after
-  /// the local remap).
+  /// results in one call, whose host-checked arguments are all checked before anything runs (a
+  /// refused call changes nothing). The CUDA backend does the remap inside Observe's Probe
+  /// launch: one launch fewer per layer; what only the device can check (accepted counts, a
+  /// row longer than the stride) is recorded as for Observe, that entry not applied, while the
+  /// remap and the given top-K's counts still happen. The mapped indices are ready when the
+  /// call's work on the stream is. This default runs the two calls (the remote data plane
+  /// overrides it to check first).
   virtual absl::Status RemapAndObserve(int32_t layer, int32_t* idx, int32_t count,
                                        const float* logits, int64_t logits_stride,
                                        const int32_t* accepted = nullptr,
