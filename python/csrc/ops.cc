@@ -64,6 +64,8 @@ struct Handle {
   std::vector<uint64_t> curves;
   std::vector<spin::LayerStats> stats;
   int64_t steps_begun = 0;
+  // The last begun step's entries and rows: what the per-layer ops' tensors must cover.
+  int64_t step_n = 0, step_rows = 0;
   bool write_uniform_table = false;  // local per-layer: the table starts uniform at the target
 
   DataPlane& dp() { return resilient ? static_cast<DataPlane&>(*resilient) : *local; }
@@ -310,6 +312,8 @@ void BeginStep(int64_t h, const at::Tensor& seq, const at::Tensor& ctx_len, cons
   }
   Check(s->dp().BeginStep(b, Stream(*s)), "begin_step");
   ++s->steps_begun;
+  s->step_n = n;
+  s->step_rows = n * rows;
 }
 
 // The arena's output buffers as tensors: union_count [S], union_ids [S, max_blocks],
@@ -381,24 +385,28 @@ void Select(int64_t h, int64_t layer, const c10::optional<at::Tensor>& block_tab
   }
 }
 
+// The top-K tensor's checks: [entries * rows, count] int32 on the session's device, with a row
+// for every row of the begun step (the data plane writes them all).
+int32_t* TopKInput(Handle& s, at::Tensor& topk, const char* op) {
+  CheckPlace(s, topk, "topk");
+  TORCH_CHECK(topk.dim() == 2, "spind.", op, ": topk must be [entries * rows, count]");
+  TORCH_CHECK(topk.size(0) >= s.step_rows, "spind.", op, ": topk has ", topk.size(0),
+              " rows; the step has ", s.step_rows, " (entries x rows)");
+  return const_cast<int32_t*>(Int32Data(topk, "topk", 0));
+}
+
 void Remap(int64_t h, at::Tensor& topk, at::Tensor& token) {
   auto s = Get(h);
-  CheckPlace(*s, topk, "topk");
-  TORCH_CHECK(topk.dim() == 2, "spind.remap: topk must be [entries * rows, count]");
-  Check(s->dp().Remap(const_cast<int32_t*>(Int32Data(topk, "topk", 0)),
-                      static_cast<int32_t>(topk.size(1)), Stream(*s)),
-        "remap");
+  int32_t* idx = TopKInput(*s, topk, "remap");
+  Check(s->dp().Remap(idx, static_cast<int32_t>(topk.size(1)), Stream(*s)), "remap");
 }
 
 // Remap of the engine's own top-K (DataPlane::RemapTopK): on a probe step the probing entries'
 // row 0 is the dense top-K their miss curves count, and observe computes none.
 void RemapTopK(int64_t h, at::Tensor& topk, at::Tensor& token) {
   auto s = Get(h);
-  CheckPlace(*s, topk, "topk");
-  TORCH_CHECK(topk.dim() == 2, "spind.remap_topk: topk must be [entries * rows, count]");
-  Check(s->dp().RemapTopK(const_cast<int32_t*>(Int32Data(topk, "topk", 0)),
-                          static_cast<int32_t>(topk.size(1)), Stream(*s)),
-        "remap_topk");
+  int32_t* idx = TopKInput(*s, topk, "remap_topk");
+  Check(s->dp().RemapTopK(idx, static_cast<int32_t>(topk.size(1)), Stream(*s)), "remap_topk");
 }
 
 // Observe's checks of its tensors (`op` names the op in the messages); returns the accepted
@@ -411,9 +419,11 @@ const int32_t* ObserveInputs(Handle& s, int64_t layer, const at::Tensor& logits,
               ": logits must be [entries * rows, width] with unit column stride");
   TORCH_CHECK(layer >= 0 && layer < s.geometry.layers, "spind.", op, ": layer ", layer,
               " outside [0, ", s.geometry.layers, ")");
+  // (The logits need rows only up to the last live entry's, which only the step's sequence ids
+  // tell; the CUDA backend reads an accepted count for every entry, padding included.)
   if (!accepted) return nullptr;
   CheckPlace(s, *accepted, "accepted");
-  return Int32Data(*accepted, "accepted", 0);
+  return Int32Data(*accepted, "accepted", s.step_n);
 }
 
 void Observe(int64_t h, int64_t layer, const at::Tensor& logits,
@@ -430,11 +440,9 @@ void Observe(int64_t h, int64_t layer, const at::Tensor& logits,
 void RemapAndObserve(int64_t h, int64_t layer, at::Tensor& topk, const at::Tensor& logits,
                      const c10::optional<at::Tensor>& accepted, at::Tensor& token) {
   auto s = Get(h);
-  CheckPlace(*s, topk, "topk");
-  TORCH_CHECK(topk.dim() == 2, "spind.remap_and_observe: topk must be [entries * rows, count]");
+  int32_t* idx = TopKInput(*s, topk, "remap_and_observe");
   const int32_t* acc = ObserveInputs(*s, layer, logits, accepted, "remap_and_observe");
-  Check(s->dp().RemapAndObserve(static_cast<int32_t>(layer),
-                                const_cast<int32_t*>(Int32Data(topk, "topk", 0)),
+  Check(s->dp().RemapAndObserve(static_cast<int32_t>(layer), idx,
                                 static_cast<int32_t>(topk.size(1)), logits.data_ptr<float>(),
                                 logits.stride(0), acc, Stream(*s)),
         "remap_and_observe");

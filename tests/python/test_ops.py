@@ -127,6 +127,29 @@ class LocalSession(unittest.TestCase):
         self.assertTrue(torch.equal(got[0][1], got[1][1]))
         self.assertEqual(int(got[1][1][0, 9]), 40)  # the given top-K was counted
 
+    def test_tensors_shorter_than_the_step_are_refused(self):
+        # A step of two entries: a top-K with rows for one entry, or accepted counts for one, are
+        # refused before the data plane runs (it writes every top-K row of the step, and on the
+        # GPU reads every entry's accepted count).
+        with spind.Session(1, 32 * B, max_sequences=2, topk=64, exploration=0.0) as s:
+            for seq in (0, 1):
+                s.reset_sequence(seq, seq + 1)
+            s.begin_step(i32(0, 1), i32(32 * B, 32 * B), i32(32 * B - 1, 32 * B - 1), 1)
+            s.select(0)
+            short = torch.zeros((1, 64), dtype=torch.int32)
+            logits = torch.zeros((2, 32 * B))
+            for call in (lambda: s.remap(short), lambda: s.remap(short, engine_topk=True),
+                         lambda: s.remap_and_observe(0, short, logits)):
+                with self.assertRaisesRegex(RuntimeError, "topk has 1 rows; the step has 2"):
+                    call()
+            with self.assertRaisesRegex(RuntimeError, "accepted has 1 elements"):
+                s.observe(0, logits, i32(1))
+            s.refresh()
+            self.assertEqual(int(s.stats()[0, 7]), 0, "nothing observed")
+            s.observe(0, logits, i32(1, 1))
+            s.refresh()
+            self.assertEqual(int(s.stats()[0, 7]), 2 * 32 * B)
+
     def test_select_maps_the_engine_block_table_to_the_compacted_one(self):
         with spind.Session(1, 32 * B, topk=64, target_sparsity=0.5, exploration=0.0) as s:
             s.reset_sequence(0, 1)
