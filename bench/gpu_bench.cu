@@ -259,9 +259,9 @@ struct Result {
   // (CudaDataPlaneOptions::probe_beside_ema = false) instead of beside it.
   double spin_seq_us = 0;
   // The step as an engine runs it with the top-K remapped: each layer writes a fixed top-K into
-  // the engine's buffer (WriteTopKKernel; copy_us: those kernels alone), then Remap (the probe's top-K computed from
-  // the logits) or RemapTopK (the engine's top-K counted at the remap), unfused and one call
-  // (spread, PDL; with RemapTopK, FusedIndexerArgs::probe_at_remap: no Probe launch).
+  // the engine's buffer (WriteTopKKernel; copy_us: those kernels alone), then Remap (the probe's
+  // top-K computed from the logits) or RemapTopK (the engine's top-K counted at the remap), unfused
+  // and one call (spread, PDL; with RemapTopK, FusedIndexerArgs::probe_at_remap: no Probe launch).
   double copy_us = 0, remap_us = 0, remap_topk_us = 0, one_remap_us = 0, one_topk_us = 0;
   double remap_joint_us = 0;  // unfused, RemapAndObserve (the remap inside the Probe launch)
   double RemapSpin(double step_us) const { return step_us - copy_us - (plain_us - select_us); }
@@ -593,7 +593,7 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
     auto copy_topk = [&] {
       const unsigned blocks = static_cast<unsigned>(std::min<size_t>((topk_n + 255) / 256, 1024));
       WriteTopKKernel<<<blocks, 256, 0, stream>>>(topk_fixed, topk_buf,
-                                                   static_cast<int64_t>(topk_n));
+                                                  static_cast<int64_t>(topk_n));
       CHECK_CUDA(cudaGetLastError());
     };
     auto remap_step = [&](bool given, bool joint = false) {
@@ -633,10 +633,9 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
     cudaGraphExec_t g_remap_joint = Capture(stream, [&] { remap_step(true, true); });
     cudaGraphExec_t g_one_remap = Capture(stream, [&] { one_remap_step(false); });
     cudaGraphExec_t g_one_topk = Capture(stream, [&] { one_remap_step(true); });
-    fused_graphs = {g_fused,   g_plain,     g_one,   g_one_spread, g_plain_spread,
-                    g_one_pdl, g_plain_pdl, g_dense, g_dense_pdl,  g_spin_seq,
-                    g_copy,    g_remap,     g_remap_topk, g_one_remap, g_one_topk,
-                    g_remap_joint};
+    fused_graphs = {g_fused,      g_plain,     g_one,       g_one_spread, g_plain_spread, g_one_pdl,
+                    g_plain_pdl,  g_dense,     g_dense_pdl, g_spin_seq,   g_copy,         g_remap,
+                    g_remap_topk, g_one_remap, g_one_topk,  g_remap_joint};
     timed = {{g_fused, &r.fused_us, double(Ls)},
              {g_plain, &r.plain_us, double(Ls)},
              {g_one, &r.one_us, double(Ls)},
@@ -781,14 +780,16 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
   // to RemapTopK, with the top-K remapped as an engine does.
   std::string md2 =
       "\nThe probe's top-K from the engine (RemapTopK), same run: each layer of these steps also "
-      "writes a fixed top-K (K per entry) into the engine's buffer with a copy kernel (the engine's "
+      "writes a fixed top-K (K per entry) into the engine's buffer with a copy kernel (the "
+      "engine's "
       "top-K kernel's stand-in) and remaps it, with Remap (the "
       "probe's dense top-K computed from the logits by Observe's Probe launch, or the fused "
       "call's) or with RemapTopK (the engine's top-K counted at the remap; Observe computes none, "
       "and the one call, FusedIndexerArgs::probe_at_remap, launches no Probe); unfused, "
       "RemapAndObserve: RemapTopK and Observe in one call, the remap inside Observe's Probe "
       "launch. SPIN = the step "
-      "less the copy kernels alone (copy us, per layer) less the plain sparse indexer's own time; one "
+      "less the copy kernels alone (copy us, per layer) less the plain sparse indexer's own time; "
+      "one "
       "call: spread, programmatic launches, against the plain indexer launched so.\n\n"
       "| batch | slots | sparsity | state | contexts | probe period | dense us | copy us | "
       "unfused + Remap SPIN/dense | unfused + RemapTopK SPIN/dense | unfused + RemapTopK "
@@ -818,22 +819,19 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
         r.plain_pdl_us - r.select_us, r.begin_us, r.select_us);
     md += line;
     std::fprintf(stderr, "%s", line);
-    std::snprintf(line, sizeof(line),
-                  "| %d | %dK | %.1f | %s | %s | %u | %.1f | %.1f | %.3f | %.3f | %.3f | %.3f | "
-                  "%.3f | %.3f | %.3f | %.3f |\n",
-                  pt.batch, pt.slots >> 10, pt.rho,
-                  pt.dtype == StateDtype::kFp32 ? "fp32" : "bf16",
-                  pt.contexts == kRagged  ? "ragged"
-                  : pt.contexts == kMixed ? "mixed"
-                                          : "full",
-                  pt.probe_period, r.dense_us, r.copy_us, r.RemapSpin(r.remap_us) / r.dense_us,
-                  r.RemapSpin(r.remap_topk_us) / r.dense_us,
-                  (r.remap_topk_us - r.copy_us) / r.dense_us,
-                  r.RemapSpin(r.remap_joint_us) / r.dense_us,
-                  (r.remap_joint_us - r.copy_us) / r.dense_us,
-                  r.OneRemapSpin(r.one_remap_us) / r.dense_us,
-                  r.OneRemapSpin(r.one_topk_us) / r.dense_us,
-                  (r.one_topk_us - r.copy_us) / r.dense_us);
+    std::snprintf(
+        line, sizeof(line),
+        "| %d | %dK | %.1f | %s | %s | %u | %.1f | %.1f | %.3f | %.3f | %.3f | %.3f | "
+        "%.3f | %.3f | %.3f | %.3f |\n",
+        pt.batch, pt.slots >> 10, pt.rho, pt.dtype == StateDtype::kFp32 ? "fp32" : "bf16",
+        pt.contexts == kRagged  ? "ragged"
+        : pt.contexts == kMixed ? "mixed"
+                                : "full",
+        pt.probe_period, r.dense_us, r.copy_us, r.RemapSpin(r.remap_us) / r.dense_us,
+        r.RemapSpin(r.remap_topk_us) / r.dense_us, (r.remap_topk_us - r.copy_us) / r.dense_us,
+        r.RemapSpin(r.remap_joint_us) / r.dense_us, (r.remap_joint_us - r.copy_us) / r.dense_us,
+        r.OneRemapSpin(r.one_remap_us) / r.dense_us, r.OneRemapSpin(r.one_topk_us) / r.dense_us,
+        (r.one_topk_us - r.copy_us) / r.dense_us);
     md2 += line;
     std::fprintf(stderr, "%s", line);
   }
@@ -986,8 +984,7 @@ int main(int argc, char** argv) {
           "RemapTopK %.1f (SPIN %.1f, %.1f); dense %.1f\n",
           r.copy_us, r.remap_us, r.remap_topk_us, r.remap_joint_us, r.RemapSpin(r.remap_us),
           r.RemapSpin(r.remap_topk_us), r.RemapSpin(r.remap_joint_us), r.one_remap_us,
-          r.one_topk_us,
-          r.OneRemapSpin(r.one_remap_us), r.OneRemapSpin(r.one_topk_us), r.dense_us);
+          r.one_topk_us, r.OneRemapSpin(r.one_remap_us), r.OneRemapSpin(r.one_topk_us), r.dense_us);
     }
     return r.wg_ok ? 0 : 3;
   }

@@ -134,13 +134,11 @@ absl::Status RemoteDataPlane::RemapAndObserve(int32_t layer, int32_t* idx, int32
         absl::StrCat("layer ", layer, " is out of range [0, ", mirror_.geometry.layers, ")"));
   }
   if (mirror_.batch->selected_layer != layer) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("RemapAndObserve of layer ", layer, " without its Select in this step (last: ",
-                     mirror_.batch->selected_layer, ")"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "RemapAndObserve of layer ", layer,
+        " without its Select in this step (last: ", mirror_.batch->selected_layer, ")"));
   }
-  if (count < 0 || (count > 0 && idx == nullptr)) {
-    return absl::InvalidArgumentError(absl::StrCat("bad top-K buffer (count ", count, ")"));
-  }
+  SPIN_RETURN_IF_ERROR(ValidateTopKBuffer(idx, count));
   SPIN_RETURN_IF_ERROR(ValidateObserveInputs(mirror_, logits, stride, accepted));
   SPIN_RETURN_IF_ERROR(local_->Remap(idx, count));
   return Observe(layer, logits, stride, accepted, stream);

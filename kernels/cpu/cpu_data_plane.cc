@@ -155,9 +155,7 @@ class CpuDataPlane final : public DataPlane {
     if (a_.batch->selected_layer < 0) {
       return absl::FailedPreconditionError("Remap needs a Select of the current step first");
     }
-    if (count < 0 || (count > 0 && idx == nullptr)) {
-      return absl::InvalidArgumentError(absl::StrCat("bad top-K buffer (count ", count, ")"));
-    }
+    SPIN_RETURN_IF_ERROR(ValidateTopKBuffer(idx, count));
     const int32_t rows = a_.batch->rows, b = static_cast<int32_t>(a_.geometry.block_size);
     for (int32_t e = 0; e < a_.batch->n; ++e) {
       const int32_t* ids = a_.union_ids + static_cast<int64_t>(e) * a_.max_blocks;
@@ -195,29 +193,15 @@ class CpuDataPlane final : public DataPlane {
                                int64_t logits_stride, const int32_t* accepted,
                                cudaStream_t stream) override {
     // Both calls' checks first: a refusal changes nothing.
-    SPIN_RETURN_IF_ERROR(CheckLayer(layer));
-    if (a_.batch->selected_layer != layer) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "RemapAndObserve of layer ", layer,
-          " without its Select in this step (last: ", a_.batch->selected_layer, ")"));
-    }
-    if (count < 0 || (count > 0 && idx == nullptr)) {
-      return absl::InvalidArgumentError(absl::StrCat("bad top-K buffer (count ", count, ")"));
-    }
-    SPIN_RETURN_IF_ERROR(ValidateObserveInputs(a_, logits, logits_stride, accepted));
+    SPIN_RETURN_IF_ERROR(CheckObserve("RemapAndObserve", layer, logits, logits_stride, accepted));
+    SPIN_RETURN_IF_ERROR(ValidateTopKBuffer(idx, count));
     SPIN_RETURN_IF_ERROR(RemapTopK(idx, count, stream));
     return Observe(layer, logits, logits_stride, accepted, stream);
   }
 
   absl::Status Observe(int32_t layer, const float* logits, int64_t logits_stride,
                        const int32_t* accepted, cudaStream_t) override {
-    SPIN_RETURN_IF_ERROR(CheckLayer(layer));
-    if (a_.batch->selected_layer != layer) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("Observe of layer ", layer,
-                       " without its Select in this step (last: ", a_.batch->selected_layer, ")"));
-    }
-    SPIN_RETURN_IF_ERROR(ValidateObserveInputs(a_, logits, logits_stride, accepted));
+    SPIN_RETURN_IF_ERROR(CheckObserve("Observe", layer, logits, logits_stride, accepted));
     if (a_.geometry.dtype == StateDtype::kFp32) {
       ObserveAll<float>(layer, logits, logits_stride, accepted);
     } else {
@@ -228,6 +212,18 @@ class CpuDataPlane final : public DataPlane {
   }
 
  private:
+  // Observe's checks (`what` names the call): the layer, its Select in this step, the inputs.
+  absl::Status CheckObserve(const char* what, int32_t layer, const float* logits,
+                            int64_t logits_stride, const int32_t* accepted) const {
+    SPIN_RETURN_IF_ERROR(CheckLayer(layer));
+    if (a_.batch->selected_layer != layer) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, " of layer ", layer,
+                       " without its Select in this step (last: ", a_.batch->selected_layer, ")"));
+    }
+    return ValidateObserveInputs(a_, logits, logits_stride, accepted);
+  }
+
   absl::Status CheckLayer(int32_t layer) const {
     if (layer < 0 || static_cast<uint32_t>(layer) >= a_.geometry.layers) {
       return absl::OutOfRangeError(
@@ -524,6 +520,13 @@ absl::Status ValidateStepBatch(const ArenaView& a, const StepBatch& batch) {
                                                 " rows is out of range [0, ",
                                                 g.max_slots - last_row, ")"));
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateTopKBuffer(const int32_t* idx, int32_t count) {
+  if (count < 0 || (count > 0 && idx == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat("bad top-K buffer (count ", count, ")"));
   }
   return absl::OkStatus();
 }

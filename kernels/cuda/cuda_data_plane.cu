@@ -266,78 +266,23 @@ class CudaDataPlane final : public DataPlane {
   }
 
   absl::Status Remap(int32_t* idx, int32_t count, cudaStream_t stream) override {
-    if (selected_layer_ < 0) {
-      return absl::FailedPreconditionError("Remap needs a Select of the current step first");
-    }
-    if (count < 0 || (count > 0 && idx == nullptr)) {
-      return absl::InvalidArgumentError(absl::StrCat("bad top-K buffer (count ", count, ")"));
-    }
-    return CudaStatus(ck::LaunchRemap(d_, idx, count, n_, rows_, false, stream), "Remap launch");
+    return RemapWith("Remap", idx, count, false, stream);
   }
 
   absl::Status RemapTopK(int32_t* idx, int32_t count, cudaStream_t stream) override {
-    if (selected_layer_ < 0) {
-      return absl::FailedPreconditionError("RemapTopK needs a Select of the current step first");
-    }
-    if (count < 0 || (count > 0 && idx == nullptr)) {
-      return absl::InvalidArgumentError(absl::StrCat("bad top-K buffer (count ", count, ")"));
-    }
-    // A selection's probe is counted once: here (the engine's top-K) unless Observe or a fused
-    // call counted it already (the reference's rule).
-    const bool probe = count > 0 && !probe_counted_;
-    SPIN_RETURN_IF_ERROR(
-        CudaStatus(ck::LaunchRemap(d_, idx, count, n_, rows_, probe, stream), "Remap launch"));
-    if (probe) probe_counted_ = true;
-    return absl::OkStatus();
+    return RemapWith("RemapTopK", idx, count, true, stream);
   }
 
   absl::Status Observe(int32_t layer, const float* logits, int64_t logits_stride,
                        const int32_t* accepted, cudaStream_t stream) override {
-    SPIN_RETURN_IF_ERROR(CheckLayer(layer));
-    if (selected_layer_ != layer) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("Observe of layer ", layer,
-                       " without its Select in this step (last: ", selected_layer_, ")"));
-    }
-    if (n_ == 0) return absl::OkStatus();
-    if (logits == nullptr || logits_stride < 0) {
-      return absl::InvalidArgumentError("logits are required");
-    }
-    observed_[layer] = 1;
-    SPIN_RETURN_IF_ERROR(CudaStatus(
-        LaunchObserve(layer, logits, logits_stride, accepted, stream, {}, !probe_counted_),
-        "Observe launch"));
-    probe_counted_ = true;  // a later Observe or RemapTopK of this selection counts nothing
-    return absl::OkStatus();
+    return ObserveWith("Observe", layer, nullptr, 0, logits, logits_stride, accepted, stream);
   }
 
   absl::Status RemapAndObserve(int32_t layer, int32_t* idx, int32_t count, const float* logits,
                                int64_t logits_stride, const int32_t* accepted,
                                cudaStream_t stream) override {
-    // Both calls' checks first: a refusal launches nothing.
-    SPIN_RETURN_IF_ERROR(CheckLayer(layer));
-    if (selected_layer_ != layer) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("RemapAndObserve of layer ", layer,
-                       " without its Select in this step (last: ", selected_layer_, ")"));
-    }
-    if (count < 0 || (count > 0 && idx == nullptr)) {
-      return absl::InvalidArgumentError(absl::StrCat("bad top-K buffer (count ", count, ")"));
-    }
-    if (n_ == 0) return absl::OkStatus();
-    if (logits == nullptr || logits_stride < 0) {
-      return absl::InvalidArgumentError("logits are required");
-    }
-    // RemapTopK's rule, then Observe's launches with the remap inside the Probe launch: the
-    // probe is counted from the given top-K, else (count 0) computed, unless counted already.
-    const bool given = count > 0 && !probe_counted_;
-    observed_[layer] = 1;
-    const ck::RemapWork remap{count > 0 ? idx : nullptr, count, given};
-    SPIN_RETURN_IF_ERROR(CudaStatus(LaunchObserve(layer, logits, logits_stride, accepted, stream,
-                                                  remap, !given && !probe_counted_),
-                                    "RemapAndObserve launch"));
-    probe_counted_ = true;
-    return absl::OkStatus();
+    return ObserveWith("RemapAndObserve", layer, idx, count, logits, logits_stride, accepted,
+                       stream);
   }
 
   absl::Status IndexAndObserve(int32_t layer, const FusedIndexerArgs& f, cudaStream_t stream) {
@@ -364,6 +309,50 @@ class CudaDataPlane final : public DataPlane {
   }
 
  private:
+  // Remap and RemapTopK (`engine_topk`: the top-K is the engine's, counted on a probe step).
+  absl::Status RemapWith(const char* what, int32_t* idx, int32_t count, bool engine_topk,
+                         cudaStream_t stream) {
+    if (selected_layer_ < 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, " needs a Select of the current step first"));
+    }
+    SPIN_RETURN_IF_ERROR(ValidateTopKBuffer(idx, count));
+    // A selection's probe is counted once: here (the engine's top-K) unless Observe or a fused
+    // call counted it already (the reference's rule).
+    const bool probe = engine_topk && count > 0 && !probe_counted_;
+    SPIN_RETURN_IF_ERROR(
+        CudaStatus(ck::LaunchRemap(d_, idx, count, n_, rows_, probe, stream), "Remap launch"));
+    if (probe) probe_counted_ = true;
+    return absl::OkStatus();
+  }
+
+  // Observe, and with a top-K (count > 0) RemapAndObserve: every check first (a refusal launches
+  // nothing), then Observe's launches with the remap inside the Probe launch. The probe is
+  // counted from the given top-K, else computed from the logits, unless counted already.
+  absl::Status ObserveWith(const char* what, int32_t layer, int32_t* idx, int32_t count,
+                           const float* logits, int64_t logits_stride, const int32_t* accepted,
+                           cudaStream_t stream) {
+    SPIN_RETURN_IF_ERROR(CheckLayer(layer));
+    if (selected_layer_ != layer) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, " of layer ", layer,
+                       " without its Select in this step (last: ", selected_layer_, ")"));
+    }
+    SPIN_RETURN_IF_ERROR(ValidateTopKBuffer(idx, count));
+    if (n_ == 0) return absl::OkStatus();
+    if (logits == nullptr || logits_stride < 0) {
+      return absl::InvalidArgumentError("logits are required");
+    }
+    const bool given = count > 0 && !probe_counted_;
+    observed_[layer] = 1;
+    const ck::RemapWork remap{count > 0 ? idx : nullptr, count, given};
+    SPIN_RETURN_IF_ERROR(CudaStatus(LaunchObserve(layer, logits, logits_stride, accepted, stream,
+                                                  remap, !given && !probe_counted_),
+                                    absl::StrCat(what, " launch").c_str()));
+    probe_counted_ = true;  // a later Observe or RemapTopK of this selection counts nothing
+    return absl::OkStatus();
+  }
+
   // The fused mode: the indexer with the row-0 EMA, then the rest of Observe (validation, fresh
   // flags, probe curves; row 0 only: no accepted counts) as a Probe launch. With a block table
   // the same kernel also publishes the layer's selection (Select's work), so Select launches
@@ -423,9 +412,8 @@ class CudaDataPlane final : public DataPlane {
     // The kernel validated its entries; what is left is the probing entries' top-K, unless the
     // engine gives its own to RemapTopK after the call (probe_at_remap) or it is counted already.
     if (f.probe_at_remap || probe_counted_) return absl::OkStatus();
-    SPIN_RETURN_IF_ERROR(CudaStatus(ck::LaunchProbe(d_, layer, n_, sms_, f.logits,
-                                                    f.logits_stride, nullptr, false, true,
-                                                    ck::RemapWork{}, stream),
+    SPIN_RETURN_IF_ERROR(CudaStatus(ck::LaunchProbe(d_, layer, n_, sms_, f.logits, f.logits_stride,
+                                                    nullptr, false, true, ck::RemapWork{}, stream),
                                     "Probe launch"));
     probe_counted_ = true;
     return absl::OkStatus();
@@ -471,8 +459,8 @@ class CudaDataPlane final : public DataPlane {
     // unjoined (a capture then fails when it ends).
     SPIN_CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_, stream));
     SPIN_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, fork_, 0));
-    const cudaError_t probe = ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride,
-                                              accepted, true, topk, remap, side_);
+    const cudaError_t probe = ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride, accepted,
+                                              true, topk, remap, side_);
     const cudaError_t joined = cudaEventRecord(join_, side_);
     const cudaError_t ema = LaunchEmas(layer, logits, logits_stride, accepted, stream);
     const cudaError_t wait = joined == cudaSuccess ? cudaStreamWaitEvent(stream, join_, 0) : joined;

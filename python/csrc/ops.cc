@@ -442,10 +442,10 @@ void RemapAndObserve(int64_t h, int64_t layer, at::Tensor& topk, const at::Tenso
   auto s = Get(h);
   int32_t* idx = TopKInput(*s, topk, "remap_and_observe");
   const int32_t* acc = ObserveInputs(*s, layer, logits, accepted, "remap_and_observe");
-  Check(s->dp().RemapAndObserve(static_cast<int32_t>(layer), idx,
-                                static_cast<int32_t>(topk.size(1)), logits.data_ptr<float>(),
-                                logits.stride(0), acc, Stream(*s)),
-        "remap_and_observe");
+  Check(
+      s->dp().RemapAndObserve(static_cast<int32_t>(layer), idx, static_cast<int32_t>(topk.size(1)),
+                              logits.data_ptr<float>(), logits.stride(0), acc, Stream(*s)),
+      "remap_and_observe");
 }
 
 // Between steps. Attached: notices a lost daemon and switches in a new session. Local with

@@ -237,9 +237,8 @@ class Twin {
                         .RemapAndObserve(l, idx.data(), kTopK, logits.data(), stride_,
                                          no_accepted_ ? nullptr : acc.data())
                         .ok());
-        ASSERT_TRUE(gpu_->RemapAndObserve(l, d_idx_->as<int32_t>(), kTopK,
-                                          d_logits_->as<float>(), stride_,
-                                          no_accepted_ ? nullptr : d_acc_->as<int32_t>())
+        ASSERT_TRUE(gpu_->RemapAndObserve(l, d_idx_->as<int32_t>(), kTopK, d_logits_->as<float>(),
+                                          stride_, no_accepted_ ? nullptr : d_acc_->as<int32_t>())
                         .ok());
         ASSERT_EQ(ToHost(d_idx_->as<int32_t>(), idx.size()), idx) << "remap, step " << step;
         if (after_observe_) after_observe_(step, l);
@@ -624,9 +623,9 @@ TEST_F(CudaTest, ParityProbeCountsTheEngineTopK) {
 // Probe beside the EMA and before it, 32-slot blocks, mid-step events; the mapped indices after
 // every layer and every byte of the arena at the end.
 TEST_F(CudaTest, ParityRemapAndObserve) {
-  for (Scenario sc : {Scenario{StateDtype::kFp32, 1, 0.5, 0.1, 3},
-                      Scenario{StateDtype::kBf16, 3, 0.6, 0.2, 2},
-                      Scenario{StateDtype::kBf16, 2, 0.4, 0.05, 4, true}}) {
+  for (Scenario sc :
+       {Scenario{StateDtype::kFp32, 1, 0.5, 0.1, 3}, Scenario{StateDtype::kBf16, 3, 0.6, 0.2, 2},
+        Scenario{StateDtype::kBf16, 2, 0.4, 0.05, 4, true}}) {
     sc.remap_observe = true;
     RunScenarioWith(sc, 64 * 40 + 8, 0);
     RunScenarioWith(sc, 64 * 40 + 17, 0, 64, 0, true, false);  // mid-step events, Probe first

@@ -166,6 +166,14 @@ void BeginProbeStep(TestArena& t, const OneSeqStep& s) {
   ASSERT_EQ(t.Selected().size(), 10u);
 }
 
+// The same sequence's first step, its pair still fresh (scored densely without a ranking):
+// reset, step 0 (a probe step) begun and layer 0 selected.
+void BeginFreshProbeStep(TestArena& t, const OneSeqStep& s) {
+  ASSERT_TRUE(t.dp().ResetSequence(0, 1).ok());
+  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());
+  ASSERT_TRUE(t.dp().Select(0).ok());
+}
+
 // The probe tests' logits: the dense top-K lies in blocks 0 and 5 (64 slots each).
 std::vector<float> ProbeLogits() {
   std::vector<float> z(640, 0.0f);
@@ -203,10 +211,8 @@ TEST(Observe, ProbeStepAccumulatesTheMissCurve) {
 
 TEST(Observe, FreshProbeStepTakesNoCurveSample) {
   TestArena t(Geo(640, 128), Pol(0.5, 0.5f, 2));
-  ASSERT_TRUE(t.dp().ResetSequence(0, 1).ok());
   OneSeqStep s{0, 640, 639};
-  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());
-  ASSERT_TRUE(t.dp().Select(0).ok());
+  ASSERT_NO_FATAL_FAILURE(BeginFreshProbeStep(t, s));
   std::vector<float> z(640, 1.0f);
   ASSERT_TRUE(t.dp().Observe(0, z.data(), 640).ok());
   EXPECT_EQ(t.view().stats[0].probe_steps, 0u);
@@ -325,10 +331,8 @@ TEST(Observe, RemapAndObserveIsRemapTopKThenObserveAndRefusesAsAWhole) {
 // pair's given top-K is not a probe either.
 TEST(Observe, RemapTopKOfAPairThatDoesNotProbeCountsNothing) {
   TestArena t(Geo(640, 128), Pol(0.5, 0.5f, 2));
-  ASSERT_TRUE(t.dp().ResetSequence(0, 1).ok());
   OneSeqStep s{0, 640, 639};
-  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());  // step 0: probe, the pair fresh
-  ASSERT_TRUE(t.dp().Select(0).ok());
+  ASSERT_NO_FATAL_FAILURE(BeginFreshProbeStep(t, s));
   std::vector<int32_t> topk(128);
   for (int i = 0; i < 128; ++i) topk[i] = i;
   ASSERT_TRUE(t.dp().RemapTopK(topk.data(), 128).ok());
@@ -363,10 +367,8 @@ TEST(Observe, ProbeMissesAtTheBudgetOfTheStep) {
 // curve sample either.
 TEST(Observe, ProbeIsDecidedAtSelect) {
   TestArena t(Geo(640, 128), Pol(0.5, 0.5f, 2));
-  ASSERT_TRUE(t.dp().ResetSequence(0, 1).ok());
   OneSeqStep s{0, 640, 639};
-  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());  // step 0: probe, the pair fresh
-  ASSERT_TRUE(t.dp().Select(0).ok());
+  ASSERT_NO_FATAL_FAILURE(BeginFreshProbeStep(t, s));
   std::vector<float> z(640, 1.0f);
   ASSERT_TRUE(t.dp().Observe(0, z.data(), 640).ok());
   EXPECT_FALSE(t.Fresh(0, 0));

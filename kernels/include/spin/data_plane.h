@@ -150,6 +150,9 @@ absl::Status ValidateStepBatch(const ArenaView& a, const StepBatch& batch);
 /// Observe's checks against the current step (host-readable batch, entries and compacted
 /// lengths): `accepted` within [0, rows] for every live entry, and a logits stride that covers
 /// the widest compacted row.
+/// Remap's check of its top-K buffer (every backend's): a count >= 0, and a buffer when count > 0.
+absl::Status ValidateTopKBuffer(const int32_t* idx, int32_t count);
+
 absl::Status ValidateObserveInputs(const ArenaView& a, const float* logits, int64_t logits_stride,
                                    const int32_t* accepted);
 
