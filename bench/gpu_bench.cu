@@ -264,6 +264,9 @@ struct Result {
   // and one call (spread, PDL; with RemapTopK, FusedIndexerArgs::probe_at_remap: no Probe launch).
   double copy_us = 0, remap_us = 0, remap_topk_us = 0, one_remap_us = 0, one_topk_us = 0;
   double remap_joint_us = 0;  // unfused, RemapAndObserve (the remap inside the Probe launch)
+  // The same with the engine's table given at BeginStep (StepBatch::block_table): each Observe
+  // publishes the next layer's selection and that Select launches nothing.
+  double remap_ahead_us = 0;
   double RemapSpin(double step_us) const { return step_us - copy_us - (plain_us - select_us); }
   double OneRemapSpin(double step_us) const {
     return step_us - copy_us - (plain_pdl_us - select_us);
@@ -596,10 +599,16 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
                                                   static_cast<int64_t>(topk_n));
       CHECK_CUDA(cudaGetLastError());
     };
-    auto remap_step = [&](bool given, bool joint = false) {
-      CHECK_OK(dp.BeginStep(batch, stream));
+    auto remap_step = [&](bool given, bool joint = false, bool ahead = false) {
+      StepBatch b = batch;
+      if (ahead) b.block_table = layer_table(0), b.table_stride = P;  // one table, every layer
+      CHECK_OK(dp.BeginStep(b, stream));
       for (int l = 0; l < Ls; ++l) {
-        CHECK_OK(dp.Select(l, layer_table(l % L), P, stream));
+        if (ahead) {
+          CHECK_OK(dp.Select(l, nullptr, 0, stream));
+        } else {
+          CHECK_OK(dp.Select(l, layer_table(l % L), P, stream));
+        }
         CHECK_OK(LaunchPagedIndexer(sparse, stream));
         copy_topk();
         if (joint) {
@@ -624,6 +633,7 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
     };
     for (bool given : {false, true}) remap_step(given), one_remap_step(given);
     remap_step(true, true);
+    remap_step(true, true, true);
     CHECK_CUDA(cudaStreamSynchronize(stream));
     cudaGraphExec_t g_copy = Capture(stream, [&] {
       for (int l = 0; l < Ls; ++l) copy_topk();
@@ -631,11 +641,13 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
     cudaGraphExec_t g_remap = Capture(stream, [&] { remap_step(false); });
     cudaGraphExec_t g_remap_topk = Capture(stream, [&] { remap_step(true); });
     cudaGraphExec_t g_remap_joint = Capture(stream, [&] { remap_step(true, true); });
+    cudaGraphExec_t g_remap_ahead = Capture(stream, [&] { remap_step(true, true, true); });
     cudaGraphExec_t g_one_remap = Capture(stream, [&] { one_remap_step(false); });
     cudaGraphExec_t g_one_topk = Capture(stream, [&] { one_remap_step(true); });
-    fused_graphs = {g_fused,      g_plain,     g_one,       g_one_spread, g_plain_spread, g_one_pdl,
-                    g_plain_pdl,  g_dense,     g_dense_pdl, g_spin_seq,   g_copy,         g_remap,
-                    g_remap_topk, g_one_remap, g_one_topk,  g_remap_joint};
+    fused_graphs = {g_fused,       g_plain,      g_one,        g_one_spread, g_plain_spread,
+                    g_one_pdl,     g_plain_pdl,  g_dense,      g_dense_pdl,  g_spin_seq,
+                    g_copy,        g_remap,      g_remap_topk, g_one_remap,  g_one_topk,
+                    g_remap_joint, g_remap_ahead};
     timed = {{g_fused, &r.fused_us, double(Ls)},
              {g_plain, &r.plain_us, double(Ls)},
              {g_one, &r.one_us, double(Ls)},
@@ -651,7 +663,8 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
              {g_remap_topk, &r.remap_topk_us, double(Ls)},
              {g_one_remap, &r.one_remap_us, double(Ls)},
              {g_one_topk, &r.one_topk_us, double(Ls)},
-             {g_remap_joint, &r.remap_joint_us, double(Ls)}};
+             {g_remap_joint, &r.remap_joint_us, double(Ls)},
+             {g_remap_ahead, &r.remap_ahead_us, double(Ls)}};
     // One eager layer of each over the same compacted table, in NVTX ranges for profilers
     // (ncu --nvtx --nvtx-include sparse-plain/ or fused/): the plain indexer, then the fused mode
     // (two calls, chunks for max_pages).
@@ -787,16 +800,19 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
       "call's) or with RemapTopK (the engine's top-K counted at the remap; Observe computes none, "
       "and the one call, FusedIndexerArgs::probe_at_remap, launches no Probe); unfused, "
       "RemapAndObserve: RemapTopK and Observe in one call, the remap inside Observe's Probe "
-      "launch. SPIN = the step "
+      "launch; with the table at BeginStep: the same, the engine's block table given to BeginStep "
+      "(StepBatch::block_table; one table for every layer), so each Observe publishes the next "
+      "layer's selection and that Select launches nothing. SPIN = the step "
       "less the copy kernels alone (copy us, per layer) less the plain sparse indexer's own time; "
       "one "
       "call: spread, programmatic launches, against the plain indexer launched so.\n\n"
       "| batch | slots | sparsity | state | contexts | probe period | dense us | copy us | "
       "unfused + Remap SPIN/dense | unfused + RemapTopK SPIN/dense | unfused + RemapTopK "
       "sparse/dense | unfused, RemapAndObserve SPIN/dense | unfused, RemapAndObserve "
-      "sparse/dense | one call + Remap SPIN/dense | one call + RemapTopK SPIN/dense | one call + "
-      "RemapTopK sparse/dense |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+      "sparse/dense | unfused, RemapAndObserve, table at BeginStep SPIN/dense | unfused, "
+      "RemapAndObserve, table at BeginStep sparse/dense | one call + Remap SPIN/dense | one call + "
+      "RemapTopK SPIN/dense | one call + RemapTopK sparse/dense |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   char line[512];
   Measure(points[0], bw, plan, stream, reps);  // dropped: the clocks settle
   for (const Point& pt : points) {
@@ -822,7 +838,7 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
     std::snprintf(
         line, sizeof(line),
         "| %d | %dK | %.1f | %s | %s | %u | %.1f | %.1f | %.3f | %.3f | %.3f | %.3f | "
-        "%.3f | %.3f | %.3f | %.3f |\n",
+        "%.3f | %.3f | %.3f | %.3f | %.3f | %.3f |\n",
         pt.batch, pt.slots >> 10, pt.rho, pt.dtype == StateDtype::kFp32 ? "fp32" : "bf16",
         pt.contexts == kRagged  ? "ragged"
         : pt.contexts == kMixed ? "mixed"
@@ -830,6 +846,7 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
         pt.probe_period, r.dense_us, r.copy_us, r.RemapSpin(r.remap_us) / r.dense_us,
         r.RemapSpin(r.remap_topk_us) / r.dense_us, (r.remap_topk_us - r.copy_us) / r.dense_us,
         r.RemapSpin(r.remap_joint_us) / r.dense_us, (r.remap_joint_us - r.copy_us) / r.dense_us,
+        r.RemapSpin(r.remap_ahead_us) / r.dense_us, (r.remap_ahead_us - r.copy_us) / r.dense_us,
         r.OneRemapSpin(r.one_remap_us) / r.dense_us, r.OneRemapSpin(r.one_topk_us) / r.dense_us,
         (r.one_topk_us - r.copy_us) / r.dense_us);
     md2 += line;
@@ -985,6 +1002,12 @@ int main(int argc, char** argv) {
           r.copy_us, r.remap_us, r.remap_topk_us, r.remap_joint_us, r.RemapSpin(r.remap_us),
           r.RemapSpin(r.remap_topk_us), r.RemapSpin(r.remap_joint_us), r.one_remap_us,
           r.one_topk_us, r.OneRemapSpin(r.one_remap_us), r.OneRemapSpin(r.one_topk_us), r.dense_us);
+      std::printf(
+          "point, table at BeginStep (us per layer): RemapAndObserve %.1f -> with the table at "
+          "BeginStep %.1f (SPIN %.1f -> %.1f; SPIN/dense %.3f -> %.3f)\n",
+          r.remap_joint_us, r.remap_ahead_us, r.RemapSpin(r.remap_joint_us),
+          r.RemapSpin(r.remap_ahead_us), r.RemapSpin(r.remap_joint_us) / r.dense_us,
+          r.RemapSpin(r.remap_ahead_us) / r.dense_us);
     }
     return r.wg_ok ? 0 : 3;
   }

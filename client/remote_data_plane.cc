@@ -64,6 +64,9 @@ absl::Status RemoteDataPlane::ResetSequence(int32_t seq, uint64_t key, cudaStrea
 }
 
 absl::Status RemoteDataPlane::BeginStep(const StepBatch& batch, cudaStream_t) {
+  // The step's table is checked like every backend's; spind fills no physical table for a
+  // remote-mode engine (Select's tables are not sent), so it is not used further.
+  SPIN_RETURN_IF_ERROR(ValidateStepTable(mirror_, batch));
   seq_.assign(batch.seq, batch.seq + batch.n);
   ctx_.assign(batch.ctx_len, batch.ctx_len + batch.n);
   q_.assign(batch.q_pos, batch.q_pos + batch.n);

@@ -120,6 +120,8 @@ class CpuDataPlane final : public DataPlane {
     a_.batch->n = batch.n;
     a_.batch->rows = batch.rows;
     a_.batch->selected_layer = -1;
+    step_table_ = batch.block_table;
+    step_table_stride_ = batch.block_table ? batch.table_stride : 0;
     for (int32_t e = 0; e < batch.n; ++e) {
       StepEntry& en = a_.entries[e];
       en.seq = batch.seq[e];
@@ -141,6 +143,8 @@ class CpuDataPlane final : public DataPlane {
                                                      " is below the session's max blocks ",
                                                      a_.max_blocks));
     }
+    // Without a table of its own, the step's (StepBatch::block_table), if one was given.
+    if (block_table == nullptr) block_table = step_table_, table_stride = step_table_stride_;
     if (a_.geometry.dtype == StateDtype::kFp32) {
       SelectAll<float>(layer, block_table, table_stride);
     } else {
@@ -470,6 +474,9 @@ class CpuDataPlane final : public DataPlane {
   // The current selection's probe is counted (reset by Select): by RemapTopK (the engine's
   // top-K) or by Observe (the logits' top-K), whichever came first; the other counts nothing.
   bool probe_counted_ = false;
+  // The engine's table for every layer of the current step (StepBatch::block_table), or null.
+  const int32_t* step_table_ = nullptr;
+  int64_t step_table_stride_ = 0;
   std::vector<uint64_t> draws_;
   std::vector<int32_t> topk_;
   std::vector<int32_t> block_hits_;
@@ -477,6 +484,15 @@ class CpuDataPlane final : public DataPlane {
 };
 
 }  // namespace
+
+absl::Status ValidateStepTable(const ArenaView& a, const StepBatch& batch) {
+  if (batch.block_table && batch.table_stride < static_cast<int64_t>(a.max_blocks)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the step's block table stride ", batch.table_stride,
+                     " is below the session's max blocks ", a.max_blocks));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status ValidateStepBatch(const ArenaView& a, const StepBatch& batch) {
   const Geometry& g = a.geometry;
@@ -491,6 +507,7 @@ absl::Status ValidateStepBatch(const ArenaView& a, const StepBatch& batch) {
   if (batch.n > 0 && (!batch.seq || !batch.ctx_len || !batch.q_pos)) {
     return absl::InvalidArgumentError("batch arrays seq, ctx_len and q_pos are required");
   }
+  SPIN_RETURN_IF_ERROR(ValidateStepTable(a, batch));
   // Validate everything before touching the arena: a bad entry changes nothing.
   std::vector<uint8_t> seen(g.max_seqs, 0);
   const int64_t last_row = batch.rows - 1;

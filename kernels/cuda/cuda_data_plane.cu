@@ -212,6 +212,10 @@ class CudaDataPlane final : public DataPlane {
       return absl::OutOfRangeError(
           absl::StrCat("sequence ", seq, " is out of range [0, ", a_.geometry.max_seqs, ")"));
     }
+    // A Select's statistics are those of the entries as they are now; a selection published
+    // ahead holds the entry as it was (the next Select publishes again).
+    SPIN_RETURN_IF_ERROR(FlushSelectCounts(stream));
+    ahead_ = -1;
     return CudaStatus(ck::LaunchReset(d_, seq, key, stream), "ResetSequence launch");
   }
 
@@ -228,11 +232,16 @@ class CudaDataPlane final : public DataPlane {
     if (batch.n > 0 && (!batch.seq || !batch.ctx_len || !batch.q_pos)) {
       return absl::InvalidArgumentError("batch arrays seq, ctx_len and q_pos are required");
     }
+    SPIN_RETURN_IF_ERROR(ValidateStepTable(a_, batch));
+    SPIN_RETURN_IF_ERROR(FlushSelectCounts(stream));
     cudaError_t e =
         ck::LaunchBeginStep(d_, batch.seq, batch.ctx_len, batch.q_pos, batch.n, batch.rows, stream);
     n_ = batch.n;
     rows_ = batch.rows;
     selected_layer_ = -1;
+    step_table_ = batch.block_table;
+    step_table_stride_ = batch.block_table ? batch.table_stride : 0;
+    ahead_ = -1;
     observed_.assign(a_.geometry.layers, 0);
     // Every layer's selection of the step, made now: a layer's selection depends only on its
     // own state (which only its Observe changes), the step's entries and the policy, so the
@@ -250,17 +259,33 @@ class CudaDataPlane final : public DataPlane {
                                                      " is below the session's max blocks ",
                                                      a_.max_blocks));
     }
+    // Without a table of its own, the step's (StepBatch::block_table), if one was given.
+    if (block_table == nullptr) block_table = step_table_, table_stride = step_table_stride_;
+    SPIN_RETURN_IF_ERROR(FlushSelectCounts(stream));
     cudaError_t e = cudaSuccess;
     if (n_ > 0) {
-      // The layer's Observe already ran in this step and changed its state: select it again
-      // from the state as it is now, as the reference does.
       if (observed_[layer]) {
+        // The layer's Observe already ran in this step and changed its state: select it again
+        // from the state as it is now, as the reference does.
         e = SelectAhead(layer, 1, stream);
         observed_[layer] = 0;
+        if (e == cudaSuccess) {
+          e = ck::LaunchPublish(d_, layer, n_, block_table, table_stride, true, stream);
+        }
+      } else if (ahead_ == layer && block_table == step_table_ && block_table != nullptr &&
+                 table_stride == step_table_stride_) {
+        // The previous layer's Observe published this selection through the step's table:
+        // nothing to launch; the statistics are counted by the layer's Observe (or the next
+        // call that launches).
+        pending_counts_ = layer;
+      } else {
+        e = ck::LaunchPublish(d_, layer, n_, block_table, table_stride, true, stream);
       }
-      if (e == cudaSuccess) e = ck::LaunchPublish(d_, layer, n_, block_table, table_stride, stream);
     }
+    ahead_ = -1;
     selected_layer_ = layer;
+    selected_table_ = block_table;
+    selected_table_stride_ = table_stride;
     probe_counted_ = false;
     return CudaStatus(e, "Select launch");
   }
@@ -321,7 +346,8 @@ class CudaDataPlane final : public DataPlane {
     // call counted it already (the reference's rule).
     const bool probe = engine_topk && count > 0 && !probe_counted_;
     SPIN_RETURN_IF_ERROR(
-        CudaStatus(ck::LaunchRemap(d_, idx, count, n_, rows_, probe, stream), "Remap launch"));
+        CudaStatus(ck::LaunchRemap(d_, selected_layer_, idx, count, n_, rows_, probe, stream),
+                   "Remap launch"));
     if (probe) probe_counted_ = true;
     return absl::OkStatus();
   }
@@ -346,9 +372,24 @@ class CudaDataPlane final : public DataPlane {
     const bool given = count > 0 && !probe_counted_;
     observed_[layer] = 1;
     const ck::RemapWork remap{count > 0 ? idx : nullptr, count, given};
-    SPIN_RETURN_IF_ERROR(CudaStatus(LaunchObserve(layer, logits, logits_stride, accepted, stream,
-                                                  remap, !given && !probe_counted_),
-                                    absl::StrCat(what, " launch").c_str()));
+    // The Probe launch counts a launchless Select's statistics (pending_counts_ is the selected
+    // layer, this one) and, with the step's table, publishes the next layer's selection unless
+    // that layer was observed in this step (then its Select selects again).
+    ck::SelectWork sel;
+    sel.count_select = pending_counts_ == layer;
+    const int32_t next = layer + 1;
+    if (step_table_ != nullptr && static_cast<uint32_t>(next) < a_.geometry.layers &&
+        !observed_[next]) {
+      sel.table = step_table_;
+      sel.table_stride = step_table_stride_;
+      sel.publish_layer = next;
+    }
+    ahead_ = -1;
+    const cudaError_t e = LaunchObserve(layer, logits, logits_stride, accepted, stream, remap,
+                                        !given && !probe_counted_, sel);
+    SPIN_RETURN_IF_ERROR(CudaStatus(e, absl::StrCat(what, " launch").c_str()));
+    if (sel.count_select) pending_counts_ = -1;
+    ahead_ = sel.publish_layer;
     probe_counted_ = true;  // a later Observe or RemapTopK of this selection counts nothing
     return absl::OkStatus();
   }
@@ -372,12 +413,24 @@ class CudaDataPlane final : public DataPlane {
     }
     const bool publish = block_table != nullptr;
     if (n_ == 0) {
-      if (publish) selected_layer_ = layer, probe_counted_ = false;  // nothing to publish
+      if (publish) {  // nothing to publish
+        selected_layer_ = layer, probe_counted_ = false, ahead_ = -1;
+        selected_table_ = block_table, selected_table_stride_ = table_stride;
+      }
       return absl::OkStatus();
     }
     // Everything the launch can refuse, before anything is launched.
     SPIN_RETURN_IF_ERROR(internal::CheckIndexerEma(static_cast<int64_t>(n_) * rows_));
+    SPIN_RETURN_IF_ERROR(FlushSelectCounts(stream));
     cudaError_t e = cudaSuccess;
+    // IndexAndObserve reads the selection from the outputs: if an Observe since the layer's
+    // Select published the next layer's there, publish this one again (its statistics are
+    // counted already).
+    if (!publish && ahead_ >= 0) {
+      e = ck::LaunchPublish(d_, layer, n_, selected_table_, selected_table_stride_, false, stream);
+      SPIN_RETURN_IF_ERROR(CudaStatus(e, "Publish launch"));
+    }
+    ahead_ = -1;
     // Select's host side: a layer observed earlier in this step is selected again from the
     // state as it is now, as the reference does.
     if (publish && observed_[layer]) {
@@ -406,15 +459,18 @@ class CudaDataPlane final : public DataPlane {
     SPIN_RETURN_IF_ERROR(internal::LaunchIndexerEma(d_, layer, a, publish, stream));
     if (publish) {
       selected_layer_ = layer;
+      selected_table_ = block_table;
+      selected_table_stride_ = table_stride;
       probe_counted_ = false;
     }
     observed_[layer] = 1;
     // The kernel validated its entries; what is left is the probing entries' top-K, unless the
     // engine gives its own to RemapTopK after the call (probe_at_remap) or it is counted already.
     if (f.probe_at_remap || probe_counted_) return absl::OkStatus();
-    SPIN_RETURN_IF_ERROR(CudaStatus(ck::LaunchProbe(d_, layer, n_, sms_, f.logits, f.logits_stride,
-                                                    nullptr, false, true, ck::RemapWork{}, stream),
-                                    "Probe launch"));
+    SPIN_RETURN_IF_ERROR(
+        CudaStatus(ck::LaunchProbe(d_, layer, n_, sms_, f.logits, f.logits_stride, nullptr, false,
+                                   true, ck::RemapWork{}, ck::SelectWork{}, stream),
+                   "Probe launch"));
     probe_counted_ = true;
     return absl::OkStatus();
   }
@@ -443,10 +499,10 @@ class CudaDataPlane final : public DataPlane {
   // Probe launch computes the probing entries' top-K from the logits.
   cudaError_t LaunchObserve(int32_t layer, const float* logits, int64_t logits_stride,
                             const int32_t* accepted, cudaStream_t stream,
-                            const ck::RemapWork& remap, bool topk) {
+                            const ck::RemapWork& remap, bool topk, const ck::SelectWork& sel) {
     if (side_ == nullptr) {
       SPIN_CUDA_RETURN_IF_ERROR(ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride,
-                                                accepted, true, topk, remap, stream));
+                                                accepted, true, topk, remap, sel, stream));
       return LaunchEmas(layer, logits, logits_stride, accepted, stream);
     }
     // The Probe launch and the EMA launches touch disjoint memory (Probe: fresh flags, errors,
@@ -460,7 +516,7 @@ class CudaDataPlane final : public DataPlane {
     SPIN_CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_, stream));
     SPIN_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, fork_, 0));
     const cudaError_t probe = ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride, accepted,
-                                              true, topk, remap, side_);
+                                              true, topk, remap, sel, side_);
     const cudaError_t joined = cudaEventRecord(join_, side_);
     const cudaError_t ema = LaunchEmas(layer, logits, logits_stride, accepted, stream);
     const cudaError_t wait = joined == cudaSuccess ? cudaStreamWaitEvent(stream, join_, 0) : joined;
@@ -486,6 +542,15 @@ class CudaDataPlane final : public DataPlane {
     return ck::LaunchVSummary(d_, layer, n_, stream);
   }
 
+  // A launchless Select's statistics that no Observe has counted yet, counted now: before a call
+  // that changes the step's entries or selections, or selects again.
+  absl::Status FlushSelectCounts(cudaStream_t stream) {
+    if (pending_counts_ < 0) return absl::OkStatus();
+    const int32_t layer = pending_counts_;
+    pending_counts_ = -1;
+    return CudaStatus(ck::LaunchCountSelect(d_, layer, n_, stream), "Select statistics launch");
+  }
+
   absl::Status CheckLayer(int32_t layer) const {
     if (layer < 0 || static_cast<uint32_t>(layer) >= a_.geometry.layers) {
       return absl::OutOfRangeError(
@@ -506,11 +571,21 @@ class CudaDataPlane final : public DataPlane {
   // whichever came first; later calls count nothing (the reference's rule).
   bool probe_counted_ = false;
   std::vector<uint8_t> observed_;  // per layer: Observe ran in this step (since its selection)
-  int32_t group_ = 1;              // layers per select-ahead group
-  int ema_resident_ = 1;           // EmaWordKernel CTAs resident on the device at once
-  int sms_ = 1;                    // multiprocessors of the device (ProbeKernel's grid)
-  int rank_threads_ = 1024;        // ProbeRankKernel's CTA size
-  int ema_vec_resident_ = 1;       // EmaVecKernel CTAs resident on the device at once
+  // Publish ahead (the engine's table given at BeginStep: StepBatch::block_table). ahead_: the
+  // layer whose selection an Observe published into the outputs before its Select (-1: the
+  // outputs hold the selected layer's); pending_counts_: a Select that launched nothing, whose
+  // statistics its layer's Observe counts (or FlushSelectCounts); selected_table_: the table
+  // the selected layer's outputs were published through.
+  const int32_t* step_table_ = nullptr;
+  int64_t step_table_stride_ = 0;
+  int32_t ahead_ = -1, pending_counts_ = -1;
+  const int32_t* selected_table_ = nullptr;
+  int64_t selected_table_stride_ = 0;
+  int32_t group_ = 1;         // layers per select-ahead group
+  int ema_resident_ = 1;      // EmaWordKernel CTAs resident on the device at once
+  int sms_ = 1;               // multiprocessors of the device (ProbeKernel's grid)
+  int rank_threads_ = 1024;   // ProbeRankKernel's CTA size
+  int ema_vec_resident_ = 1;  // EmaVecKernel CTAs resident on the device at once
   // Observe's second stream and its fork/join events (CudaDataPlaneOptions::probe_beside_ema).
   cudaStream_t side_ = nullptr;
   cudaEvent_t fork_ = nullptr, join_ = nullptr;

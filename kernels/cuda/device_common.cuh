@@ -56,6 +56,18 @@ __device__ __forceinline__ void AddSelectCounts(LayerStats* st, int count, int w
   }
 }
 
+// The layer's selection of entry e as its select-ahead record holds it: the union's blocks and
+// the rows' compacted lengths (for a live entry, what Select publishes). Observe's kernels and
+// Remap read the record, not the published outputs: with the engine's table given at BeginStep,
+// Observe's Probe launch publishes the next layer's selection into the outputs while the EMA of
+// this one runs (PublishAheadEntry below).
+__device__ __forceinline__ const int32_t* SelIds(const Dev& d, int layer, int e) {
+  return d.ahead_ids + d.Ahead(layer, e) * d.max_blocks;
+}
+__device__ __forceinline__ const int32_t* SelLens(const Dev& d, int layer, int e) {
+  return d.ahead_len + d.Ahead(layer, e) * d.max_rows;
+}
+
 // Programmatic dependent launch (Hopper; Launch below). Every per-step kernel starts with
 // StepKernelEntry(): it lets the next kernel of the stream be launched now (its CTAs are placed
 // as this grid's CTAs make room, instead of after this grid has drained), then waits until the
@@ -73,6 +85,45 @@ __device__ __forceinline__ void StepKernelEntry() {
 // long instruction sequence on the device), by shift for a power-of-two block.
 __device__ __forceinline__ int BlocksOf(const Dev& d, int n) {
   return d.block_shift >= 0 ? (n + d.block - 1) >> d.block_shift : (n + d.block - 1) / d.block;
+}
+
+// Select's statistics of (layer, entry e), counted as PublishKernel counts them: nothing for
+// padding.
+__device__ __forceinline__ void CountSelectOf(const Dev& d, int layer, int e, int rows) {
+  const StepEntry en = d.entries[e];
+  if (en.seq < 0) return;
+  const int2 info = d.ahead_info[d.Ahead(layer, e)];
+  AddSelectCounts(d.stats + layer, info.x, BlocksOf(d, en.ctx_len + rows - 1), info.y != 0);
+}
+
+// Select's publishing of (layer, entry e < the batch's n) by the calling CTA (every thread calls
+// it): the record's union into the outputs, the compacted physical table through the engine's
+// `table`, the rows' lengths, the union count and the selected layer, as PublishKernel writes
+// them (an entry that is padding now gets an empty union). Observe's Probe launch runs it for
+// the next layer when the engine gave its table at BeginStep (publish ahead). Not the
+// statistics: those count the engine's Select of the layer when it is made (CountSelectOf).
+__device__ inline void PublishAheadEntry(const Dev& d, int layer, const int32_t* table,
+                                         int64_t table_stride, int e, int rows) {
+  const int tid = static_cast<int>(threadIdx.x);
+  const bool live = d.entries[e].seq >= 0;
+  const int count = live ? d.ahead_info[d.Ahead(layer, e)].x : 0;
+  if (tid < rows) {
+    d.compact_len[static_cast<int64_t>(e) * d.max_rows + tid] =
+        live ? SelLens(d, layer, e)[tid] : 0;
+  }
+  if (tid == 0) {
+    d.union_count[e] = count;
+    if (e == 0) d.batch->selected_layer = layer;
+  }
+  const int32_t* src = SelIds(d, layer, e);
+  const int32_t* row_table = table + e * table_stride;
+  int32_t* ids = d.union_ids + static_cast<int64_t>(e) * d.max_blocks;
+  int32_t* phys = d.phys + static_cast<int64_t>(e) * d.max_blocks;
+  for (int k = tid; k < count; k += static_cast<int>(blockDim.x)) {
+    const int32_t id = src[k];
+    ids[k] = id;
+    phys[k] = row_table[id];
+  }
 }
 
 // kernel<<<grid, block, 0, stream>>>(args...) as a programmatic dependent launch: the kernel may
@@ -104,9 +155,9 @@ cudaError_t Launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_
 // holds row rr's compacted length of the entry (LaneRowLen: 0 past max_rows; rows <= kMaxRows
 // <= 32), and RowsFitWarp, called by every lane, is true when no row of the step is longer than
 // the logits stride (a longer row makes the whole entry unapplied; ProbeKernel records the error).
-__device__ __forceinline__ int LaneRowLen(const Dev& d, int e) {
+__device__ __forceinline__ int LaneRowLen(const Dev& d, int layer, int e) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
-  return lane < d.max_rows ? d.compact_len[static_cast<int64_t>(e) * d.max_rows + lane] : 0;
+  return lane < d.max_rows ? SelLens(d, layer, e)[lane] : 0;
 }
 __device__ __forceinline__ bool RowsFitWarp(int lane_len, int rows, int64_t stride) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
@@ -125,11 +176,10 @@ __device__ __forceinline__ bool RowLensFitStride(const int32_t* lens, int max_ro
   }
   return fit;
 }
-// The same over the lengths Select published for entry e.
-__device__ __forceinline__ bool RowsFitStride(const Dev& d, int e, int rows, int64_t stride, int r,
-                                              int& len_r) {
-  return RowLensFitStride(d.compact_len + static_cast<int64_t>(e) * d.max_rows, d.max_rows, rows,
-                          stride, r, len_r);
+// The same over the lengths of the layer's selection of entry e.
+__device__ __forceinline__ bool RowsFitStride(const Dev& d, int layer, int e, int rows,
+                                              int64_t stride, int r, int& len_r) {
+  return RowLensFitStride(SelLens(d, layer, e), d.max_rows, rows, stride, r, len_r);
 }
 // Row r of entry e is applied: the entry is in the batch and not padding, its accepted count
 // (`acc`; 1, row 0 only, without an accepted array) is in [0, rows] and above r, and its rows fit
@@ -142,12 +192,14 @@ __device__ __forceinline__ bool RowApplied(int e, int batch_n, int seq, int r, i
 // Remap's work (RemapKernel, and ProbeKernel in RemapAndObserve) for this thread's share of the
 // n x rows x count top-K buffer: thread t of nt takes elements t, t + nt, ... Every thread of
 // the CTA calls it (with probe, it ends with a barrier).
-__device__ inline void RemapShare(const Dev& d, int32_t* idx, int count, int probe, int64_t t0,
-                                  int64_t nt) {
+__device__ inline void RemapShare(const Dev& d, int layer, int32_t* idx, int count, int probe,
+                                  int64_t t0, int64_t nt) {
   constexpr unsigned kAll = 0xFFFFFFFFu;
-  const int rows = d.batch->rows, n = d.batch->n, layer = d.batch->selected_layer;
+  const int rows = d.batch->rows, n = d.batch->n;
   const int64_t total = static_cast<int64_t>(n) * rows * count;
-  const bool selected = layer >= 0;
+  // A layer's selection was published in this step (the host mirror's `layer` is the engine's
+  // last Select; a step the device refused has none).
+  const bool selected = d.batch->selected_layer >= 0;
   if (!selected && blockIdx.x == 0 && threadIdx.x == 0) RecordError(d.error, kArenaNoSelect);
   // RemapTopK over a layer with probing entries: each one's row 0, mapped, is the engine's dense
   // top-K, counted per curve level (as ProbeTask counts the one it computes): per CTA in shared
@@ -165,13 +217,10 @@ __device__ inline void RemapShare(const Dev& d, int32_t* idx, int count, int pro
     const int e = static_cast<int>(x / (static_cast<int64_t>(rows) * count));
     const int r = static_cast<int>((x / count) % rows);
     const bool live = selected && d.entries[e].seq >= 0;
-    const int len = live ? d.compact_len[static_cast<int64_t>(e) * d.max_rows + r] : 0;
+    const int len = live ? SelLens(d, layer, e)[r] : 0;
     const int c = idx[x];
     const int slot =
-        (c < 0 || c >= len)
-            ? -1
-            : d.union_ids[static_cast<int64_t>(e) * d.max_blocks + c / d.block] * d.block +
-                  c % d.block;
+        (c < 0 || c >= len) ? -1 : SelIds(d, layer, e)[c / d.block] * d.block + c % d.block;
     idx[x] = slot;
     if (counting && r == 0 && live && d.probe_on[d.Ahead(layer, e)]) {
       if (x % count == 0) ++entries;

@@ -52,15 +52,20 @@ cudaError_t LaunchScores(const Dev& d, int l0, int layers, int n, int rows, cuda
 cudaError_t LaunchSelect(const Dev& d, int l0, int layers, int n, int rows, cudaStream_t stream);
 
 // Select(layer): the layer's select-ahead record into the outputs (PublishKernel); `table` may
-// be null.
+// be null. `count_stats`: add the layer's Select statistics (not when publishing again a
+// selection already counted).
 cudaError_t LaunchPublish(const Dev& d, int layer, int n, const int32_t* table,
-                          int64_t table_stride, cudaStream_t stream);
+                          int64_t table_stride, bool count_stats, cudaStream_t stream);
 
-// Remap of the n x rows x count top-K buffer `idx` through the selected union (RemapKernel);
-// nothing to launch when it is empty. With `probe` (RemapTopK) the probing entries' row 0, mapped,
-// is counted against the selected layer's miss curve.
-cudaError_t LaunchRemap(const Dev& d, int32_t* idx, int count, int n, int rows, bool probe,
-                        cudaStream_t stream);
+// Select's statistics of `layer` for the step's entries (CountSelectKernel): for a Select that
+// launched nothing (its selection published ahead), when no Observe of the layer counts them.
+cudaError_t LaunchCountSelect(const Dev& d, int layer, int n, cudaStream_t stream);
+
+// Remap of the n x rows x count top-K buffer `idx` through the union of `layer` (the selected
+// one; RemapKernel); nothing to launch when it is empty. With `probe` (RemapTopK) the probing
+// entries' row 0, mapped, is counted against the layer's miss curve.
+cudaError_t LaunchRemap(const Dev& d, int layer, int32_t* idx, int count, int n, int rows,
+                        bool probe, cudaStream_t stream);
 
 // ---- probe_kernels.cu
 
@@ -84,12 +89,24 @@ struct RemapWork {
   bool probe = false;
 };
 
+// What Observe's Probe launch also does for the engine's Selects when the engine gave its block
+// table at BeginStep: `count_select`, count the observed layer's Select statistics (its Select
+// launched nothing); `publish_layer` >= 0, publish that layer's selection through `table` into
+// the outputs, ahead of its Select (which then launches nothing).
+struct SelectWork {
+  const int32_t* table = nullptr;
+  int64_t table_stride = 0;
+  int publish_layer = -1;
+  bool count_select = false;
+};
+
 // Observe's validation (unless the fused kernel did it: validate = false) and probe miss curve
 // of `layer` (ProbeKernel: row 0's dense top-K from the logits, unless RemapTopK counted the
-// engine's: topk = false), on at most `sms` CTAs; first, over the whole grid, `remap`'s work.
+// engine's: topk = false), on at most `sms` CTAs; first, over the whole grid, `remap`'s work;
+// with validation, `sel`'s.
 cudaError_t LaunchProbe(const Dev& d, int layer, int n, int sms, const float* logits,
                         int64_t stride, const int32_t* accepted, bool validate, bool topk,
-                        const RemapWork& remap, cudaStream_t stream);
+                        const RemapWork& remap, const SelectWork& sel, cudaStream_t stream);
 
 // ---- ema_kernels.cu
 

@@ -153,7 +153,7 @@ __device__ void ProbeTask(Dev d, int layer, const float* logits, int64_t stride,
   __shared__ int s_probe;
   __syncthreads();  // the previous task's readers of the shared state are done
   if (tid < 32) {
-    const bool fit = RowsFitWarp(LaneRowLen(d, e), rows, stride);
+    const bool fit = RowsFitWarp(LaneRowLen(d, layer, e), rows, stride);
     if (lane == 0) s_probe = fit ? 1 : 0;  // a row past the stride: no probe (recorded)
   }
   __syncthreads();
@@ -347,12 +347,13 @@ __device__ void ProbeTask(Dev d, int layer, const float* logits, int64_t stride,
 // docs/lab/cuda-kernel-tuning.md.)
 __global__ void __launch_bounds__(kProbeThreads)
     ProbeKernel(Dev d, int layer, const float* logits, int64_t stride, const int32_t* accepted,
-                int validate, int topk, int32_t* remap_idx, int remap_count, int remap_probe) {
+                int validate, int topk, int32_t* remap_idx, int remap_count, int remap_probe,
+                SelectWork sel) {
   StepKernelEntry();
   const int g = static_cast<int>(blockIdx.x), G = static_cast<int>(gridDim.x);
   // RemapAndObserve: Remap's (or RemapTopK's) work first, shared over the whole grid.
   if (remap_idx) {
-    RemapShare(d, remap_idx, remap_count, remap_probe,
+    RemapShare(d, layer, remap_idx, remap_count, remap_probe,
                static_cast<int64_t>(g) * blockDim.x + threadIdx.x,
                static_cast<int64_t>(G) * blockDim.x);
   }
@@ -367,7 +368,7 @@ __global__ void __launch_bounds__(kProbeThreads)
     for (int e = g; e < batch_n; e += G) {
       const StepEntry en = d.entries[e];
       const int acc = accepted ? accepted[e] : 1;
-      const bool fit = RowsFitWarp(LaneRowLen(d, e), rows, stride);
+      const bool fit = RowsFitWarp(LaneRowLen(d, layer, e), rows, stride);
       if (lane == 0 && en.seq >= 0) {
         uint8_t* fresh = d.fresh + static_cast<int64_t>(en.seq) * d.layers + layer;
         if (accepted && (acc < 0 || acc > rows)) RecordError(d.error, kArenaBadAccepted);
@@ -375,6 +376,14 @@ __global__ void __launch_bounds__(kProbeThreads)
         // Row 0 is applied: the pair is no longer fresh.
         if (RowApplied(e, batch_n, en.seq, 0, rows, acc, fit) && *fresh != 0) *fresh = 0;
       }
+      if (lane == 0 && sel.count_select) CountSelectOf(d, layer, e, rows);
+    }
+  }
+  // Publish ahead: the next layer's selection into the outputs, entries g, g + G, ... (every
+  // kernel of this Observe reads the observed layer's record, not the outputs).
+  if (validate && sel.publish_layer >= 0) {
+    for (int e = g; e < batch_n; e += G) {
+      PublishAheadEntry(d, sel.publish_layer, sel.table, sel.table_stride, e, rows);
     }
   }
   // The probing entries' work (ProbeRankKernel's list): K CTAs per entry, task t being the
@@ -420,12 +429,12 @@ cudaError_t LaunchProbeRank(const Dev& d, int l0, int layers, int n, int threads
 
 cudaError_t LaunchProbe(const Dev& d, int layer, int n, int sms, const float* logits,
                         int64_t stride, const int32_t* accepted, bool validate, bool topk,
-                        const RemapWork& remap, cudaStream_t stream) {
+                        const RemapWork& remap, const SelectWork& sel, cudaStream_t stream) {
   // One CTA per multiprocessor, and no more than kMaxProbeShares per entry, shared out over the
   // probing entries.
   const dim3 probe_grid(static_cast<unsigned>(std::min(sms, kMaxProbeShares * n)));
   return Launch(ProbeKernel, probe_grid, kProbeThreads, stream, d, layer, logits, stride, accepted,
-                validate ? 1 : 0, topk ? 1 : 0, remap.idx, remap.count, remap.probe ? 1 : 0);
+                validate ? 1 : 0, topk ? 1 : 0, remap.idx, remap.count, remap.probe ? 1 : 0, sel);
 }
 
 }  // namespace spin::cuda_kernels

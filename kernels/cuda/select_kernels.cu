@@ -454,7 +454,7 @@ constexpr int kPublishThreads = 256;
 constexpr int kPublishPer = 4;
 constexpr int kPublishSpan = kPublishThreads * kPublishPer;
 __global__ void __launch_bounds__(kPublishThreads)
-    PublishKernel(Dev d, int layer, const int32_t* table, int64_t table_stride) {
+    PublishKernel(Dev d, int layer, const int32_t* table, int64_t table_stride, int count_stats) {
   StepKernelEntry();
   const int e = blockIdx.y;
   const int k0 = blockIdx.x * kPublishSpan + static_cast<int>(threadIdx.x);
@@ -482,7 +482,7 @@ __global__ void __launch_bounds__(kPublishThreads)
     if (static_cast<int>(threadIdx.x) < rows) clen[threadIdx.x] = live ? lane_len : 0;
     if (threadIdx.x == 0) {
       d.union_count[e] = count;
-      if (live) {
+      if (live && count_stats) {
         const int widest = BlocksOf(d, en.ctx_len + rows - 1);
         AddSelectCounts(d.stats + layer, count, widest, dense);
       }
@@ -508,10 +508,21 @@ __global__ void __launch_bounds__(kPublishThreads)
   }
 }
 
-__global__ void RemapKernel(Dev d, int32_t* idx, int count, int probe) {
+__global__ void RemapKernel(Dev d, int layer, int32_t* idx, int count, int probe) {
   StepKernelEntry();
-  RemapShare(d, idx, count, probe, blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x,
+  RemapShare(d, layer, idx, count, probe,
+             blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x,
              static_cast<int64_t>(gridDim.x) * blockDim.x);
+}
+
+// Select's statistics of `layer` for the step's entries (a Select whose selection was published
+// ahead launched nothing, and no Observe of the layer counted them).
+__global__ void __launch_bounds__(256) CountSelectKernel(Dev d, int layer) {
+  StepKernelEntry();
+  const int batch_n = d.batch->n, rows = d.batch->rows;
+  for (int e = static_cast<int>(threadIdx.x); e < batch_n; e += static_cast<int>(blockDim.x)) {
+    CountSelectOf(d, layer, e, rows);
+  }
 }
 
 }  // namespace
@@ -533,18 +544,24 @@ cudaError_t LaunchSelect(const Dev& d, int l0, int layers, int n, int rows, cuda
 }
 
 cudaError_t LaunchPublish(const Dev& d, int layer, int n, const int32_t* table,
-                          int64_t table_stride, cudaStream_t stream) {
+                          int64_t table_stride, bool count_stats, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(CeilDiv(d.max_blocks, kPublishSpan)),
                   static_cast<unsigned>(n));
-  return Launch(PublishKernel, grid, kPublishThreads, stream, d, layer, table, table_stride);
+  return Launch(PublishKernel, grid, kPublishThreads, stream, d, layer, table, table_stride,
+                count_stats ? 1 : 0);
 }
 
-cudaError_t LaunchRemap(const Dev& d, int32_t* idx, int count, int n, int rows, bool probe,
-                        cudaStream_t stream) {
+cudaError_t LaunchCountSelect(const Dev& d, int layer, int n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  return Launch(CountSelectKernel, 1, 256, stream, d, layer);
+}
+
+cudaError_t LaunchRemap(const Dev& d, int layer, int32_t* idx, int count, int n, int rows,
+                        bool probe, cudaStream_t stream) {
   const int64_t total = static_cast<int64_t>(n) * rows * count;
   if (total == 0) return cudaSuccess;
   const int grid = static_cast<int>(std::min<int64_t>(CeilDiv(total, 256), 4096));
-  return Launch(RemapKernel, grid, 256, stream, d, idx, count, probe ? 1 : 0);
+  return Launch(RemapKernel, grid, 256, stream, d, layer, idx, count, probe ? 1 : 0);
 }
 
 }  // namespace spin::cuda_kernels

@@ -294,16 +294,29 @@ void CheckPlace(Handle& s, const at::Tensor& t, const char* what) {
 // `token` (one int32 on the session's device, never written) is declared mutated by every
 // per-step op: the ops' order on it is the data plane's call order, and a compiler keeps and
 // orders them even though their effects on the arena are invisible to it.
+// `block_table` (optional, [entries, blocks]): the engine's table for every layer of the step;
+// a select without one uses it, and on the GPU each observe then publishes the next layer's
+// selection (spin::StepBatch::block_table). It must stay alive and unchanged until the step's
+// last select.
 void BeginStep(int64_t h, const at::Tensor& seq, const at::Tensor& ctx_len, const at::Tensor& q_pos,
-               int64_t rows, at::Tensor& token) {
+               int64_t rows, const c10::optional<at::Tensor>& block_table, at::Tensor& token) {
   auto s = Get(h);
   const int64_t n = seq.numel();
   TORCH_CHECK(n <= s->geometry.max_seqs, "spind.begin_step: ", n, " entries; the session holds ",
               s->geometry.max_seqs);
   for (const at::Tensor* t : {&seq, &ctx_len, &q_pos}) CheckPlace(*s, *t, "a step tensor");
-  const spin::StepBatch b{Int32Data(seq, "seq", n), Int32Data(ctx_len, "ctx_len", n),
-                          Int32Data(q_pos, "q_pos", n), static_cast<int32_t>(n),
-                          static_cast<int32_t>(rows)};
+  spin::StepBatch b{Int32Data(seq, "seq", n), Int32Data(ctx_len, "ctx_len", n),
+                    Int32Data(q_pos, "q_pos", n), static_cast<int32_t>(n),
+                    static_cast<int32_t>(rows)};
+  if (block_table) {
+    CheckPlace(*s, *block_table, "block_table");
+    TORCH_CHECK(block_table->dim() == 2,
+                "spind.begin_step: block_table must be [entries, blocks] (a row for every live "
+                "entry); got ",
+                block_table->sizes());
+    b.block_table = Int32Data(*block_table, "block_table", 0);
+    b.table_stride = block_table->size(1);
+  }
   if (s->write_uniform_table) {  // before the first step: a control-plane write
     const std::vector<double> uniform(s->geometry.layers,
                                       PolicyOf(*s, "begin_step").target_sparsity);
@@ -674,7 +687,7 @@ TORCH_LIBRARY(spind, m) {
   m.def("adopt_control(int handle, Tensor control) -> ()", &AdoptControl);
   m.def(
       "begin_step(int handle, Tensor seq, Tensor ctx_len, Tensor q_pos, int rows, "
-      "Tensor(t!) token) -> ()");
+      "Tensor? block_table, Tensor(t!) token) -> ()");
   m.def(
       "select(int handle, int layer, Tensor? block_table, Tensor(a!) union_count, "
       "Tensor(b!) union_ids, Tensor(c!) phys, Tensor(d!) compact_len, Tensor(t!) token) -> ()");

@@ -3,9 +3,9 @@
     import spind
     s = spind.Session(layers=61, max_slots=131072, target="unix:///run/spin/spind.sock")
     s.reset_sequence(0, key)
-    s.begin_step(seq, ctx_len, q_pos, rows)            # int32 tensors, one entry each
+    s.begin_step(seq, ctx_len, q_pos, rows, block_table)  # int32 tensors, one entry each
     for layer in range(layers):
-        s.select(layer, block_table)                    # -> s.union_count, s.union_ids, ...
+        s.select(layer)                                 # -> s.union_count, s.union_ids, ...
         ...the engine's indexer over the compacted table, its top-k...
         s.remap_and_observe(layer, topk, logits, accepted)  # topk in place: -> logical slots
     s.refresh()                                         # between steps
@@ -87,8 +87,13 @@ class Session:
     def reset_sequence(self, seq, key):
         ops.reset_sequence(self.handle, seq, key)
 
-    def begin_step(self, seq, ctx_len, q_pos, rows=1):
-        ops.begin_step(self.handle, seq, ctx_len, q_pos, rows, self.token)
+    def begin_step(self, seq, ctx_len, q_pos, rows=1, block_table=None):
+        """Begins a decode step. block_table ([entries, blocks] int32, optional): the engine's
+        block table for every layer of the step; a select without a table of its own uses it,
+        and on the GPU each observe then publishes the next layer's selection, so that select
+        launches nothing (read a layer's outputs before its observe). Keep it alive and
+        unchanged until the step's last select."""
+        ops.begin_step(self.handle, seq, ctx_len, q_pos, rows, block_table, self.token)
         if self._outputs_move:
             self._fetch_outputs()
 

@@ -508,9 +508,11 @@ class DsaEngine:
         s = self.session
         width = self.width_wide if wide else self.width_narrow
         lg = self.logits_spin[:, :width]
-        s.begin_step(self.seq, self.ctx, self.q_pos, self.n)
+        # The block table is every layer's: given as the step begins, each layer's observe
+        # publishes the next layer's selection (on the GPU its select then launches nothing).
+        s.begin_step(self.seq, self.ctx, self.q_pos, self.n, self.block_table)
         for layer in range(self.L):
-            s.select(layer, self.block_table)
+            s.select(layer)
             ops.paged_indexer(self.q_index[layer], self.w_index[layer], self.kv[layer], s.phys,
                               s.compact_len, lg, width // PAGE, self.n, self.kernel)
             out = self.topk_out["spin"][layer]

@@ -258,7 +258,10 @@ class PluginState:
             # L - next_n + j + 1), and its own key is the last of them.
             ctx[:nd_live] = dec.seq_lens[:nd_live, 0].to(ctx.device, torch.int32)
         torch.sub(ctx, 1, out=qpos)
-        self.session.begin_step(seq, ctx, qpos, self.rows)
+        # The decode block table is every indexer layer's (the op selects through the same
+        # tensor): given now, each layer's observe publishes the next layer's selection and that
+        # select launches nothing (docs/vllm.md).
+        self.session.begin_step(seq, ctx, qpos, self.rows, dec.block_table)
         self.counters["begin_steps"] += 1
         self.batch_size = nd
         self.num_sms = getattr(builder, "num_sms", 0)

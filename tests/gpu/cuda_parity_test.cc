@@ -160,19 +160,30 @@ class Twin {
     CUDA_OK(cudaMemcpy(d_ctx_->p, ctx.data(), n * 4, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(d_q_->p, q.data(), n * 4, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(d_acc_->p, acc.data(), n * 4, cudaMemcpyHostToDevice));
-    ASSERT_TRUE(cpu_.dp().BeginStep(StepBatch{seq.data(), ctx.data(), q.data(), n, rows}).ok());
-    ASSERT_TRUE(gpu_->BeginStep(StepBatch{d_seq_->as<int32_t>(), d_ctx_->as<int32_t>(),
-                                          d_q_->as<int32_t>(), n, rows})
-                    .ok());
     const ArenaView& c = cpu_.view();
     const int MB = static_cast<int>(c.max_blocks), R = static_cast<int>(g_.max_rows);
+    StepBatch cb{seq.data(), ctx.data(), q.data(), n, rows};
+    StepBatch gb{d_seq_->as<int32_t>(), d_ctx_->as<int32_t>(), d_q_->as<int32_t>(), n, rows};
+    if (step_table_) {  // the engine's table for every layer, given as the step begins
+      cb.block_table = table_.data(), cb.table_stride = MB;
+      gb.block_table = d_table_->as<int32_t>(), gb.table_stride = MB;
+    }
+    ASSERT_TRUE(cpu_.dp().BeginStep(cb).ok());
+    ASSERT_TRUE(gpu_->BeginStep(gb).ok());
     const int b = static_cast<int>(g_.block_size);
     for (int l = 0; l < static_cast<int>(g_.layers); ++l) {
       std::vector<uint8_t> fresh(n, 1);  // before Select: a fresh pair writes no block scores
       for (int e = 0; e < n; ++e) {
         if (seq[e] >= 0) fresh[e] = c.fresh[static_cast<size_t>(seq[e]) * g_.layers + l];
       }
-      ASSERT_TRUE(cpu_.dp().Select(l, table_.data(), MB).ok());
+      // With the step's table: Select without one (both use the step's), except layer 1 every
+      // fifth step, given the same table at another address on the GPU (Select publishes).
+      const bool own_table = !step_table_ || (l == 1 && step % 5 == 1);
+      if (own_table) {
+        ASSERT_TRUE(cpu_.dp().Select(l, table_.data(), MB).ok());
+      } else {
+        ASSERT_TRUE(cpu_.dp().Select(l).ok());
+      }
       // The fused mode's logits (the GPU's own indexer writes them).
       std::vector<float> fused_logits;
       if (one_call_) {
@@ -182,8 +193,12 @@ class Twin {
             SelectIndexAndObserve(*gpu_, l, d_table_->as<int32_t>(), MB, FusedArgs(step));
         ASSERT_TRUE(st.ok()) << st;
         fused_logits = ToHost(d_logits_->as<float>(), static_cast<size_t>(n) * rows * stride_);
-      } else {
+      } else if (!step_table_) {
         ASSERT_TRUE(gpu_->Select(l, d_table_->as<int32_t>(), MB).ok());
+      } else if (own_table) {
+        ASSERT_TRUE(gpu_->Select(l, d_table2_->as<int32_t>(), MB).ok());
+      } else {
+        ASSERT_TRUE(gpu_->Select(l).ok());
       }
       // Row 0's block scores (what the selection ranked) are equal, not just the selections.
       const auto scores_or = ReadDeviceBlockScores(*gpu_, l, n);
@@ -229,6 +244,12 @@ class Twin {
       std::vector<int32_t> idx(static_cast<size_t>(n) * rows * kTopK);
       for (size_t x = 0; x < idx.size(); ++x) {
         idx[x] = static_cast<int32_t>(rng_() % (stride_ + 10)) - 5;
+      }
+      // With the step's table, layer 1 is not observed every fourth step (its Select's
+      // statistics, which no Observe counts then, are counted when the next Select is made).
+      if (step_table_ && l == 1 && step % 4 == 3) {
+        ASSERT_NO_FATAL_FAILURE(RemapBoth(n, rows, step));
+        continue;
       }
       if (remap_observe_ && !fused_) {
         // RemapAndObserve on both backends (the CPU's: its checks, RemapTopK, Observe).
@@ -351,6 +372,16 @@ class Twin {
   // Observe without accepted counts (the engine's MTP contract).
   void NoAccepted() { no_accepted_ = true; }
 
+  // The engine's block table given at BeginStep from now on (StepBatch::block_table), and the
+  // Selects mostly without one: on the GPU each Observe publishes the next layer's selection
+  // and that layer's Select launches nothing.
+  void StepTable() {
+    step_table_ = true;
+    d_table2_ = std::make_unique<DevBuf>(table_.size() * 4);
+    EXPECT_EQ(cudaMemcpy(d_table2_->p, table_.data(), table_.size() * 4, cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+
   // Select(l) on both backends now, and their outputs compared.
   void SelectAndCompare(int l, int n, int rows, const std::string& what) {
     ASSERT_TRUE(cpu_.dp().Select(l, table_.data(), cpu_.view().max_blocks).ok());
@@ -430,6 +461,7 @@ class Twin {
   Geometry g_;
   uint64_t bytes_ = 0;
   std::unique_ptr<DevBuf> dev_, d_seq_, d_ctx_, d_q_, d_acc_, d_table_, d_logits_, d_idx_;
+  std::unique_ptr<DevBuf> d_table2_;  // StepTable: the same table at another address
   ArenaView dview_;
   std::unique_ptr<DataPlane> gpu_;
   std::vector<int32_t> table_;
@@ -441,6 +473,7 @@ class Twin {
   bool one_call_ = false;
   bool given_topk_ = false;
   bool remap_observe_ = false;
+  bool step_table_ = false;
   std::unique_ptr<FusedInputs> in_;
   ScoreFn score_ = Score;
 };
@@ -455,6 +488,7 @@ struct Scenario {
   bool one_call = false;         ///< fused: SelectIndexAndObserve instead of Select + that
   bool given_topk = false;       ///< RemapTopK: the probes count the engine's top-K
   bool remap_observe = false;    ///< unfused: RemapAndObserve (the remap in the Probe launch)
+  bool step_table = false;       ///< unfused: the block table given at BeginStep (publish ahead)
 };
 
 // max_slots 64 * 40 + 17 runs the word-access EMA kernel (EmaWordKernel) and slot-by-slot block
@@ -494,6 +528,7 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uin
   if (sc.fused) t.Fused(sc.one_call);
   if (sc.given_topk) t.GivenTopK();
   if (sc.remap_observe) t.RemapAndObserveMode();
+  if (sc.step_table) t.StepTable();
   int step_n = 0;  // entries of the current step
   if (mid_step) {
     t.AfterObserve([&](int step, int l) {
@@ -630,6 +665,31 @@ TEST_F(CudaTest, ParityRemapAndObserve) {
     RunScenarioWith(sc, 64 * 40 + 8, 0);
     RunScenarioWith(sc, 64 * 40 + 17, 0, 64, 0, true, false);  // mid-step events, Probe first
     RunScenarioWith(sc, 32 * 80 + 9, 0, 32);
+  }
+}
+
+// The engine's block table given at BeginStep (StepBatch::block_table): on the GPU each layer's
+// Observe publishes the next layer's selection and that Select launches nothing. Against the CPU
+// (which selects at Select from the step's table): the outputs after every Select, every
+// remapped index, and at the end every byte of the arena, statistics included. Observe and
+// RemapAndObserve, with accepted counts and without, the engine's top-K, Probe beside the EMA and
+// before it, 32-slot blocks, select-ahead groups, mid-step events (a layer selected again after
+// its Observe, a reset between a layer's Observe and the next Select), a Select given the same
+// table at another address, and a layer selected but not observed (its statistics counted at
+// the next Select).
+TEST_F(CudaTest, ParityStepTablePublishesAhead) {
+  for (Scenario sc :
+       {Scenario{StateDtype::kFp32, 1, 0.5, 0.1, 3}, Scenario{StateDtype::kBf16, 3, 0.6, 0.2, 2},
+        Scenario{StateDtype::kBf16, 2, 0.4, 0.05, 4, true}}) {
+    sc.step_table = true;
+    for (bool remap_observe : {false, true}) {
+      sc.remap_observe = remap_observe;
+      sc.given_topk = !remap_observe && sc.rows == 1;
+      RunScenarioWith(sc, 64 * 40 + 8, 0);
+      RunScenarioWith(sc, 64 * 40 + 17, 0, 64, 0, true, false);  // mid-step events, Probe first
+      RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 2, true);
+      RunScenarioWith(sc, 32 * 80 + 9, 0, 32);
+    }
   }
 }
 
@@ -1135,7 +1195,11 @@ TEST_F(CudaTest, BadBatchRecordsAnErrorAndRunsNoEntry) {
 // once in a CUDA graph and replayed for many steps, against the CPU reference run eagerly. Live
 // tuning without recapture: at step 15 a new target and exploration share, at step 25 per-layer
 // mode with a written budget table, on both backends; the same graph keeps replaying.
-TEST_F(CudaTest, GraphReplayMatchesEagerReference) {
+// With step_table the engine's block table is given at BeginStep: in the graph each Select but
+// layer 0's launches nothing (the previous layer's Observe published its selection), and the
+// logits are gathered through the outputs each Select left.
+void GraphReplayScenario(bool step_table) {
+  SCOPED_TRACE(step_table ? "the table given at BeginStep" : "no table");
   Geometry g;
   g.layers = 4;
   g.max_seqs = 4;
@@ -1150,14 +1214,18 @@ TEST_F(CudaTest, GraphReplayMatchesEagerReference) {
   for (int s = 0; s < 4; ++s) t.Reset(s, 77 + s);
   const int n = 4, rows = 2, L = 4;
   const int64_t N = g.max_slots, MB = t.cpu().view().max_blocks, stride = MB * 64;
-  DevBuf d_seq(n * 4), d_ctx(n * 4), d_q(n * 4), d_acc(n * 4);
+  DevBuf d_seq(n * 4), d_ctx(n * 4), d_q(n * 4), d_acc(n * 4), d_table(n * MB * 4);
+  std::vector<int32_t> table(static_cast<size_t>(n) * MB);
+  for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<int32_t>((i * 53) % 9973);
+  CUDA_OK(cudaMemcpy(d_table.p, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
   DevBuf d_dense(static_cast<size_t>(n) * L * rows * N * 4);
   DevBuf d_logits(static_cast<size_t>(n) * rows * stride * 4);
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaGraph_t graph;
   CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  const StepBatch dbatch{d_seq.as<int32_t>(), d_ctx.as<int32_t>(), d_q.as<int32_t>(), n, rows};
+  StepBatch dbatch{d_seq.as<int32_t>(), d_ctx.as<int32_t>(), d_q.as<int32_t>(), n, rows};
+  if (step_table) dbatch.block_table = d_table.as<int32_t>(), dbatch.table_stride = MB;
   ASSERT_TRUE(t.gpu().BeginStep(dbatch, stream).ok());
   for (int l = 0; l < L; ++l) {
     ASSERT_TRUE(t.gpu().Select(l, nullptr, 0, stream).ok());
@@ -1212,7 +1280,9 @@ TEST_F(CudaTest, GraphReplayMatchesEagerReference) {
     CUDA_OK(cudaStreamSynchronize(stream));
     // The reference, eagerly on the CPU with the same inputs.
     DataPlane& c = t.cpu().dp();
-    ASSERT_TRUE(c.BeginStep(StepBatch{seq.data(), ctx.data(), q.data(), n, rows}).ok());
+    StepBatch cbatch{seq.data(), ctx.data(), q.data(), n, rows};
+    if (step_table) cbatch.block_table = table.data(), cbatch.table_stride = MB;
+    ASSERT_TRUE(c.BeginStep(cbatch).ok());
     const ArenaView& cv = t.cpu().view();
     for (int l = 0; l < L; ++l) {
       ASSERT_TRUE(c.Select(l).ok());
@@ -1234,9 +1304,15 @@ TEST_F(CudaTest, GraphReplayMatchesEagerReference) {
     // The last layer's outputs after the replay equal the reference's.
     const auto count = ToHost(t.dview().union_count, n);
     const auto ids = ToHost(t.dview().union_ids, static_cast<size_t>(n) * MB);
+    const auto phys = ToHost(t.dview().phys, static_cast<size_t>(n) * MB);
     for (int e = 0; e < n; ++e) {
       ASSERT_EQ(count[e], cv.union_count[e]) << "step " << step;
-      for (int k = 0; k < count[e]; ++k) ASSERT_EQ(ids[e * MB + k], cv.union_ids[e * MB + k]);
+      for (int k = 0; k < count[e]; ++k) {
+        ASSERT_EQ(ids[e * MB + k], cv.union_ids[e * MB + k]);
+        if (step_table) {
+          ASSERT_EQ(phys[e * MB + k], cv.phys[e * MB + k]);
+        }
+      }
       kept_total[step] += count[e];
     }
     for (int e = 0; e < n; ++e) ctx[e] += std::max(1, acc[e]);
@@ -1251,6 +1327,11 @@ TEST_F(CudaTest, GraphReplayMatchesEagerReference) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
+}
+
+TEST_F(CudaTest, GraphReplayMatchesEagerReference) {
+  GraphReplayScenario(false);
+  GraphReplayScenario(true);
 }
 
 // The device narrows bf16 state with the hardware conversion (numerics.h); the host with the

@@ -189,8 +189,12 @@ class Gpu(unittest.TestCase):
         # Each opcheck runs its op several times (a new step each time for begin_step).
         for test in ("test_schema", "test_faketensor"):
             torch.library.opcheck(spind.ops.begin_step.default,
-                                  (s.handle, i(0), i(16 * B), i(16 * B - 1), 1, s.token),
+                                  (s.handle, i(0), i(16 * B), i(16 * B - 1), 1, None, s.token),
                                   test_utils=(test,))
+            torch.library.opcheck(spind.ops.begin_step.default,
+                                  (s.handle, i(0), i(16 * B), i(16 * B - 1), 1,
+                                   torch.arange(16, dtype=torch.int32, device=dev)[None],
+                                   s.token), test_utils=(test,))
             torch.library.opcheck(spind.ops.select.default,
                                   (s.handle, 0, None, s.union_count, s.union_ids, s.phys,
                                    s.compact_len, s.token), test_utils=(test,))

@@ -163,6 +163,29 @@ class LocalSession(unittest.TestCase):
             self.assertTrue(torch.equal(s.phys[0, :n], table[0, ids]))
             self.assertEqual(int(s.compact_len[0, 0]), n * B)
 
+    def test_the_block_table_given_at_begin_step_serves_every_select(self):
+        # begin_step(..., block_table): a select without a table uses it (the same compacted
+        # table as given to select); a table narrower than the session's blocks is refused at
+        # begin_step with its reason, and the step is not begun.
+        with spind.Session(2, 32 * B, topk=64, target_sparsity=0.5, exploration=0.0) as s:
+            s.reset_sequence(0, 1)
+            run_step(s, 32 * B, 2)
+            table = (torch.arange(32, dtype=torch.int32) * 7 + 100)[None]
+            with self.assertRaisesRegex(RuntimeError, "block table stride 31"):
+                s.begin_step(i32(0), i32(32 * B), i32(32 * B - 1), 1, table[:, :31].contiguous())
+            with self.assertRaisesRegex(RuntimeError, "block_table must be"):
+                s.begin_step(i32(0), i32(32 * B), i32(32 * B - 1), 1, table[0])
+            with self.assertRaisesRegex(RuntimeError, "without its Select|Select of the current"):
+                s.observe(0, torch.zeros(1, 32 * B))  # no step was begun by the refused calls
+            s.begin_step(i32(0), i32(32 * B), i32(32 * B - 1), 1, table)
+            for layer in range(2):
+                s.select(layer)
+                n = int(s.union_count[0])
+                self.assertEqual(n, 16)
+                ids = s.union_ids[0, :n].long()
+                self.assertTrue(torch.equal(s.phys[0, :n], table[0, ids]))
+                s.observe(layer, torch.zeros(1, 32 * B))
+
     def test_miss_target_mode(self):
         with spind.Session(2, 32 * B, topk=64, budget_mode="miss-target", miss_target=0.02,
                            probe_period=4) as s:

@@ -98,6 +98,7 @@ class RecordingSession:
 
     def begin_step(self, *args):
         self.calls.append(("begin_step",))
+        self.step_table = args[4] if len(args) > 4 else None  # the block table given, if any
         return self._s.begin_step(*args)
 
     def select(self, layer, block_table=None):
@@ -384,6 +385,9 @@ class StubDecode(unittest.TestCase):
                 expect += [("select", layer), ("remap_and_observe", layer, 2, ())]
             self.assertEqual(per_layer, expect)
             md, table, seq_lens = e.metadata[-1]
+            # The decode block table is given as the step begins (every layer selects through
+            # it; on the GPU each observe publishes the next layer's selection).
+            self.assertIs(rec.step_table, md.decode.block_table)
             for layer, (count, union) in enumerate((c, u) for _, c, u in rec.selections):
                 topk, q, w = out[layer]
                 logits, lens = dense_logits(e, layer, q, w, table, seq_lens, 1, len(ids))

@@ -298,6 +298,42 @@ TEST(Select, CompactedPhysicalTableAndRemap) {
   EXPECT_EQ(idx, (std::vector<int32_t>{128, 191, 320, 450, 576, 619, -1, -1}));
 }
 
+// The engine's table given at BeginStep (StepBatch::block_table) is what a Select without a
+// table of its own publishes through; a Select's own table still wins; a stride below the
+// session's max blocks is refused and the step is not begun (nothing changes).
+TEST(Select, TheStepsBlockTableServesEverySelectWithoutOne) {
+  TestArena t(Geo(64 * 10), Pol(0.6));
+  ASSERT_TRUE(t.dp().ResetSequence(0, 1).ok());
+  SetBlockScores(t, {0, 1, 9, 2, 3, 8, 1, 7, 0, 0}, 620);
+  const int32_t mb = static_cast<int32_t>(t.view().max_blocks);
+  std::vector<int32_t> table(mb), other(mb);
+  for (int j = 0; j < mb; ++j) table[j] = 1000 + 3 * j, other[j] = 7 * j;
+  OneSeqStep s{0, 620, 619};
+  StepBatch bad = s.batch();
+  bad.block_table = table.data();
+  bad.table_stride = mb - 1;
+  const absl::Status refused = t.dp().BeginStep(bad);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_NE(refused.message().find("stride"), std::string::npos) << refused;
+  EXPECT_EQ(t.view().seqs[0].steps, 0u) << "a refused step advances nothing";
+  StepBatch b = s.batch();
+  b.block_table = table.data();
+  b.table_stride = mb;
+  ASSERT_TRUE(t.dp().BeginStep(b).ok());
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  ASSERT_EQ(t.Selected(), (std::vector<int>{2, 5, 7, 9}));
+  const int32_t* phys = t.view().phys;
+  EXPECT_EQ(std::vector<int>(phys, phys + 4), (std::vector<int>{1006, 1015, 1021, 1027}));
+  ASSERT_TRUE(t.dp().Select(0, other.data(), mb).ok());
+  EXPECT_EQ(std::vector<int>(phys, phys + 4), (std::vector<int>{14, 35, 49, 63}));
+  // The next step without a table: a Select without one fills no physical table.
+  OneSeqStep s2{0, 621, 620};
+  ASSERT_TRUE(t.dp().BeginStep(s2.batch()).ok());
+  std::vector<int32_t> before(phys, phys + 4);
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  EXPECT_EQ(std::vector<int>(phys, phys + 4), std::vector<int>(before.begin(), before.end()));
+}
+
 TEST(Select, PaddingEntriesAreSkipped) {
   TestArena t(Geo(64 * 4, 64, 1, 3), Pol(0.5));
   ASSERT_TRUE(t.dp().ResetSequence(2, 1).ok());

@@ -39,6 +39,15 @@ struct StepBatch {
   const int32_t* q_pos = nullptr;    ///< slot of row 0's query key (row r: q_pos + r)
   int32_t n = 0;                     ///< entries, at most max_seqs
   int32_t rows = 1;                  ///< query rows this step, 1..max_rows (1 + MTP drafts)
+  /// Optional: the engine's block table for every layer of the step (entry e's at
+  /// block_table + e * table_stride, indexed by logical block; table_stride >= max blocks), when
+  /// it is known as the step begins (vLLM's is). A Select without a table of its own uses it.
+  /// Its contents must not change until the step's last Select. On the CUDA backend it lets
+  /// each layer's Observe publish the next layer's selection into the outputs while its EMA
+  /// runs, so that layer's Select launches nothing (docs/cuda-backend.md, "Publish ahead"):
+  /// with it, read a layer's outputs before that layer's Observe.
+  const int32_t* block_table = nullptr;
+  int64_t table_stride = 0;
 };
 
 /// Where the outputs of the last Select live (pointers into the arena). Entry e of the batch:
@@ -75,7 +84,8 @@ class DataPlane {
 
   /// Selects the blocks of layer `layer` for every entry of the current step. If
   /// `block_table` is given (entry e's table at block_table + e * table_stride, indexed by
-  /// logical block), also fills the compacted physical block table. The layer's budget and the
+  /// logical block), or else the step has one (StepBatch::block_table), also fills the
+  /// compacted physical block table. The layer's budget and the
   /// exploration share are those in force when the step's BeginStep ran (a policy or budget
   /// written during a step applies from the next one). The CUDA backend makes every layer's
   /// selection in BeginStep and Select publishes it; called after the layer's Observe in the
@@ -146,6 +156,10 @@ class DataPlane {
 /// not repeated, ctx_len and q_pos ranges. The CPU backend runs it; spind runs it on its host
 /// mirror before remote-mode steps on the CUDA backend, so both answer with the same statuses.
 absl::Status ValidateStepBatch(const ArenaView& a, const StepBatch& batch);
+
+/// The step's block table check (part of ValidateStepBatch; every backend's): a table's stride
+/// is at least the session's max blocks.
+absl::Status ValidateStepTable(const ArenaView& a, const StepBatch& batch);
 
 /// Observe's checks against the current step (host-readable batch, entries and compacted
 /// lengths): `accepted` within [0, rows] for every live entry, and a logits stride that covers
