@@ -379,10 +379,11 @@ __global__ void __launch_bounds__(kProbeThreads)
       if (lane == 0 && sel.count_select) CountSelectOf(d, layer, e, rows);
     }
   }
-  // Publish ahead: the next layer's selection into the outputs, entries g, g + G, ... (every
-  // kernel of this Observe reads the observed layer's record, not the outputs).
+  // Publish ahead: the next layer's selection into the outputs, entries G - 1 - g, 2G - 1 - g,
+  // ... (every kernel of this Observe reads the observed layer's record, not the outputs). From
+  // the grid's last CTA down: the probing entries' tasks below go to the first ones.
   if (validate && sel.publish_layer >= 0) {
-    for (int e = g; e < batch_n; e += G) {
+    for (int e = G - 1 - g; e < batch_n; e += G) {
       PublishAheadEntry(d, sel.publish_layer, sel.table, sel.table_stride, e, rows);
     }
   }
