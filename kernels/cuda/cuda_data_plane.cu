@@ -86,6 +86,8 @@ class CudaDataPlane final : public DataPlane {
     d_.union_ids = a_.union_ids;
     d_.phys = a_.phys;
     d_.compact_len = a_.compact_len;
+    d_.sel_ids = a_.union_ids;  // the published outputs (SelFor)
+    d_.sel_lens = a_.compact_len;
     d_.error = a_.error;
     d_.layers = static_cast<int32_t>(g.layers);
     d_.max_seqs = static_cast<int32_t>(g.max_seqs);
@@ -346,7 +348,8 @@ class CudaDataPlane final : public DataPlane {
     // call counted it already (the reference's rule).
     const bool probe = engine_topk && count > 0 && !probe_counted_;
     SPIN_RETURN_IF_ERROR(
-        CudaStatus(ck::LaunchRemap(d_, selected_layer_, idx, count, n_, rows_, probe, stream),
+        CudaStatus(ck::LaunchRemap(SelFor(selected_layer_, ahead_ >= 0), selected_layer_, idx,
+                                   count, n_, rows_, probe, stream),
                    "Remap launch"));
     if (probe) probe_counted_ = true;
     return absl::OkStatus();
@@ -384,8 +387,11 @@ class CudaDataPlane final : public DataPlane {
       sel.table_stride = step_table_stride_;
       sel.publish_layer = next;
     }
+    // The outputs hold another layer's selection while this call runs (it publishes the next
+    // one, or an earlier Observe of this selection did): read this one's from its record.
+    const Dev dv = SelFor(layer, sel.publish_layer >= 0 || ahead_ >= 0);
     ahead_ = -1;
-    const cudaError_t e = LaunchObserve(layer, logits, logits_stride, accepted, stream, remap,
+    const cudaError_t e = LaunchObserve(dv, layer, logits, logits_stride, accepted, stream, remap,
                                         !given && !probe_counted_, sel);
     SPIN_RETURN_IF_ERROR(CudaStatus(e, absl::StrCat(what, " launch").c_str()));
     if (sel.count_select) pending_counts_ = -1;
@@ -497,13 +503,13 @@ class CudaDataPlane final : public DataPlane {
   // bookkeeping runs beside the EMA launches (probe_beside_ema) or before them.
   // With `remap` (RemapAndObserve), the Probe launch also does the remap, first; `topk`: the
   // Probe launch computes the probing entries' top-K from the logits.
-  cudaError_t LaunchObserve(int32_t layer, const float* logits, int64_t logits_stride,
-                            const int32_t* accepted, cudaStream_t stream,
+  cudaError_t LaunchObserve(const Dev& dv, int32_t layer, const float* logits,
+                            int64_t logits_stride, const int32_t* accepted, cudaStream_t stream,
                             const ck::RemapWork& remap, bool topk, const ck::SelectWork& sel) {
     if (side_ == nullptr) {
-      SPIN_CUDA_RETURN_IF_ERROR(ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride,
+      SPIN_CUDA_RETURN_IF_ERROR(ck::LaunchProbe(dv, layer, n_, sms_, logits, logits_stride,
                                                 accepted, true, topk, remap, sel, stream));
-      return LaunchEmas(layer, logits, logits_stride, accepted, stream);
+      return LaunchEmas(dv, layer, logits, logits_stride, accepted, stream);
     }
     // The Probe launch and the EMA launches touch disjoint memory (Probe: fresh flags, errors,
     // probe candidates, curves and the probe counters, and with RemapAndObserve the engine's
@@ -515,31 +521,43 @@ class CudaDataPlane final : public DataPlane {
     // unjoined (a capture then fails when it ends).
     SPIN_CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_, stream));
     SPIN_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, fork_, 0));
-    const cudaError_t probe = ck::LaunchProbe(d_, layer, n_, sms_, logits, logits_stride, accepted,
+    const cudaError_t probe = ck::LaunchProbe(dv, layer, n_, sms_, logits, logits_stride, accepted,
                                               true, topk, remap, sel, side_);
     const cudaError_t joined = cudaEventRecord(join_, side_);
-    const cudaError_t ema = LaunchEmas(layer, logits, logits_stride, accepted, stream);
+    const cudaError_t ema = LaunchEmas(dv, layer, logits, logits_stride, accepted, stream);
     const cudaError_t wait = joined == cudaSuccess ? cudaStreamWaitEvent(stream, join_, 0) : joined;
     return probe != cudaSuccess ? probe : ema != cudaSuccess ? ema : wait;
   }
 
   // Observe's EMA launches: one per row, in row order (the prefix-valid replay), of the kernel for
   // the arena's state type and the logits' layout (after EmaWord or Ema, the V summaries).
-  cudaError_t LaunchEmas(int32_t layer, const float* logits, int64_t logits_stride,
-                         const int32_t* accepted, cudaStream_t stream) {
+  cudaError_t LaunchEmas(const Dev& dv, int32_t layer, const float* logits,
+                         int64_t logits_stride, const int32_t* accepted, cudaStream_t stream) {
     const int32_t rows = accepted ? rows_ : 1;
-    if (ck::EmaVecFits(d_, logits, logits_stride)) {
-      return ck::LaunchEmaVec(d_, layer, n_, rows, logits, logits_stride, accepted,
+    if (ck::EmaVecFits(dv, logits, logits_stride)) {
+      return ck::LaunchEmaVec(dv, layer, n_, rows, logits, logits_stride, accepted,
                               ema_vec_resident_, stream);
     }
-    if (ck::EmaWordFits(d_)) {
-      SPIN_CUDA_RETURN_IF_ERROR(ck::LaunchEmaWord(d_, layer, n_, rows, logits, logits_stride,
+    if (ck::EmaWordFits(dv)) {
+      SPIN_CUDA_RETURN_IF_ERROR(ck::LaunchEmaWord(dv, layer, n_, rows, logits, logits_stride,
                                                   accepted, ema_resident_, stream));
     } else {
       SPIN_CUDA_RETURN_IF_ERROR(
-          ck::LaunchEma(d_, layer, n_, rows, logits, logits_stride, accepted, stream));
+          ck::LaunchEma(dv, layer, n_, rows, logits, logits_stride, accepted, stream));
     }
-    return ck::LaunchVSummary(d_, layer, n_, stream);
+    return ck::LaunchVSummary(dv, layer, n_, stream);
+  }
+
+  // The kernels' view for a launch that reads `layer`'s selection: from the published outputs
+  // (where Select's Publish just wrote it, so in L2), or with `record` from the layer's
+  // select-ahead record (the outputs may hold the next layer's selection: publish ahead).
+  Dev SelFor(int32_t layer, bool record) const {
+    Dev d = d_;
+    if (record) {
+      d.sel_ids = d_.ahead_ids + d_.Ahead(layer, 0) * d_.max_blocks;
+      d.sel_lens = d_.ahead_len + d_.Ahead(layer, 0) * d_.max_rows;
+    }
+    return d;
   }
 
   // A launchless Select's statistics that no Observe has counted yet, counted now: before a call

@@ -50,6 +50,12 @@ struct Dev {
   int32_t* union_ids;
   int32_t* phys;
   int32_t* compact_len;
+  // Where Observe's kernels and Remap read the selected layer's union and row lengths (entry e
+  // at sel_ids + e * max_blocks, sel_lens + e * max_rows): the published outputs (union_ids,
+  // compact_len; in L2 after Select's Publish), or the layer's select-ahead record when the
+  // outputs may hold the next layer's selection (publish ahead). Set per launch by the host.
+  const int32_t* sel_ids;
+  const int32_t* sel_lens;
   uint32_t* error;
   // Private memory (allocated by the data plane). The step's selections are made ahead, when
   // the step begins, for groups of layers at once (CudaDataPlane::SelectAhead); "gl" is a

@@ -56,16 +56,15 @@ __device__ __forceinline__ void AddSelectCounts(LayerStats* st, int count, int w
   }
 }
 
-// The layer's selection of entry e as its select-ahead record holds it: the union's blocks and
-// the rows' compacted lengths (for a live entry, what Select publishes). Observe's kernels and
-// Remap read the record, not the published outputs: with the engine's table given at BeginStep,
-// Observe's Probe launch publishes the next layer's selection into the outputs while the EMA of
-// this one runs (PublishAheadEntry below).
-__device__ __forceinline__ const int32_t* SelIds(const Dev& d, int layer, int e) {
-  return d.ahead_ids + d.Ahead(layer, e) * d.max_blocks;
+// The selected layer's selection of entry e, as Observe's kernels and Remap read it: the union's
+// blocks and the rows' compacted lengths, from the published outputs or, when those may hold the
+// next layer's selection (Observe publishes it ahead with the engine's table given at BeginStep:
+// PublishAheadEntry below), from the layer's select-ahead record (Dev::sel_ids, sel_lens).
+__device__ __forceinline__ const int32_t* SelIds(const Dev& d, int e) {
+  return d.sel_ids + static_cast<int64_t>(e) * d.max_blocks;
 }
-__device__ __forceinline__ const int32_t* SelLens(const Dev& d, int layer, int e) {
-  return d.ahead_len + d.Ahead(layer, e) * d.max_rows;
+__device__ __forceinline__ const int32_t* SelLens(const Dev& d, int e) {
+  return d.sel_lens + static_cast<int64_t>(e) * d.max_rows;
 }
 
 // Programmatic dependent launch (Hopper; Launch below). Every per-step kernel starts with
@@ -106,16 +105,17 @@ __device__ inline void PublishAheadEntry(const Dev& d, int layer, const int32_t*
                                          int64_t table_stride, int e, int rows) {
   const int tid = static_cast<int>(threadIdx.x);
   const bool live = d.entries[e].seq >= 0;
-  const int count = live ? d.ahead_info[d.Ahead(layer, e)].x : 0;
+  const int64_t at = d.Ahead(layer, e);
+  const int count = live ? d.ahead_info[at].x : 0;
   if (tid < rows) {
     d.compact_len[static_cast<int64_t>(e) * d.max_rows + tid] =
-        live ? SelLens(d, layer, e)[tid] : 0;
+        live ? d.ahead_len[at * d.max_rows + tid] : 0;
   }
   if (tid == 0) {
     d.union_count[e] = count;
     if (e == 0) d.batch->selected_layer = layer;
   }
-  const int32_t* src = SelIds(d, layer, e);
+  const int32_t* src = d.ahead_ids + at * d.max_blocks;
   const int32_t* row_table = table + e * table_stride;
   int32_t* ids = d.union_ids + static_cast<int64_t>(e) * d.max_blocks;
   int32_t* phys = d.phys + static_cast<int64_t>(e) * d.max_blocks;
@@ -155,9 +155,9 @@ cudaError_t Launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_
 // holds row rr's compacted length of the entry (LaneRowLen: 0 past max_rows; rows <= kMaxRows
 // <= 32), and RowsFitWarp, called by every lane, is true when no row of the step is longer than
 // the logits stride (a longer row makes the whole entry unapplied; ProbeKernel records the error).
-__device__ __forceinline__ int LaneRowLen(const Dev& d, int layer, int e) {
+__device__ __forceinline__ int LaneRowLen(const Dev& d, int e) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
-  return lane < d.max_rows ? SelLens(d, layer, e)[lane] : 0;
+  return lane < d.max_rows ? SelLens(d, e)[lane] : 0;
 }
 __device__ __forceinline__ bool RowsFitWarp(int lane_len, int rows, int64_t stride) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
@@ -177,9 +177,9 @@ __device__ __forceinline__ bool RowLensFitStride(const int32_t* lens, int max_ro
   return fit;
 }
 // The same over the lengths of the layer's selection of entry e.
-__device__ __forceinline__ bool RowsFitStride(const Dev& d, int layer, int e, int rows,
+__device__ __forceinline__ bool RowsFitStride(const Dev& d, int e, int rows,
                                               int64_t stride, int r, int& len_r) {
-  return RowLensFitStride(SelLens(d, layer, e), d.max_rows, rows, stride, r, len_r);
+  return RowLensFitStride(SelLens(d, e), d.max_rows, rows, stride, r, len_r);
 }
 // Row r of entry e is applied: the entry is in the batch and not padding, its accepted count
 // (`acc`; 1, row 0 only, without an accepted array) is in [0, rows] and above r, and its rows fit
@@ -217,10 +217,10 @@ __device__ inline void RemapShare(const Dev& d, int layer, int32_t* idx, int cou
     const int e = static_cast<int>(x / (static_cast<int64_t>(rows) * count));
     const int r = static_cast<int>((x / count) % rows);
     const bool live = selected && d.entries[e].seq >= 0;
-    const int len = live ? SelLens(d, layer, e)[r] : 0;
+    const int len = live ? SelLens(d, e)[r] : 0;
     const int c = idx[x];
     const int slot =
-        (c < 0 || c >= len) ? -1 : SelIds(d, layer, e)[c / d.block] * d.block + c % d.block;
+        (c < 0 || c >= len) ? -1 : SelIds(d, e)[c / d.block] * d.block + c % d.block;
     idx[x] = slot;
     if (counting && r == 0 && live && d.probe_on[d.Ahead(layer, e)]) {
       if (x % count == 0) ++entries;

@@ -44,7 +44,7 @@ __device__ __forceinline__ EmaRow EmaRowOf(const Dev& d, int layer, int r, int64
   w.rows = d.batch->rows;
   w.en = d.entries[e];
   const int acc_in = accepted ? accepted[e] : 0;
-  const int lane_len = LaneRowLen(d, layer, e);
+  const int lane_len = LaneRowLen(d, e);
   const bool fit = RowsFitWarp(lane_len, w.rows, stride);
   w.alpha = d.policy->alpha;
   w.beta = d.policy->beta;
@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(kEmaThreads)
   const int len = w.len;
   const float alpha = w.alpha, beta = w.beta;
   const int b = d.block, shift = d.block_shift, q = en.q_pos + r;
-  const int32_t* ids = SelIds(d, layer, blockIdx.y);
+  const int32_t* ids = SelIds(d, blockIdx.y);
   const float* z = logits + (static_cast<int64_t>(blockIdx.y) * w.rows + r) * stride;
   T* v = reinterpret_cast<T*>(d.Record(en.seq, layer));
   T* dd = v + d.max_slots;
@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(kEmaThreads)
   const int len = w.len;
   const float alpha = w.alpha, beta = w.beta;
   const int b = d.block, q = en.q_pos + r;
-  const int32_t* ids = SelIds(d, layer, blockIdx.y);
+  const int32_t* ids = SelIds(d, blockIdx.y);
   const float* z = logits + (static_cast<int64_t>(blockIdx.y) * w.rows + r) * stride;
   T* v = reinterpret_cast<T*>(d.Record(en.seq, layer));
   T* dd = v + d.max_slots;
@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(kEmaThreads)
       const StepEntry en = d.entries[e];
       const int acc_in = accepted ? accepted[e] : 0;
       int len;
-      const bool fit = RowsFitStride(d, layer, e, rows, stride, r, len);
+      const bool fit = RowsFitStride(d, e, rows, stride, r, len);
       const bool ok = RowApplied(e, batch_n, en.seq, r, rows, accepted ? acc_in : 1, fit);
       cnt[u] = ok ? (len + 63) / 64 : 0;
       s_len[i] = len;
@@ -415,7 +415,7 @@ __global__ void __launch_bounds__(kEmaThreads)
         q = s_q[li];
       }
     }
-    const int32_t* ids = SelIds(d, layer, e);
+    const int32_t* ids = SelIds(d, e);
     const float* z = logits + (static_cast<int64_t>(e) * rows + r) * stride;
     T* v = reinterpret_cast<T*>(d.Record(seq, layer));
     T* dd = v + d.max_slots;
@@ -578,7 +578,7 @@ __global__ void __launch_bounds__(kEmaThreads) VSummaryKernel(Dev d, int layer) 
   if (en.seq < 0) return;
   const T* v = reinterpret_cast<const T*>(d.Record(en.seq, layer));
   float* vs = d.VSum(en.seq, layer);
-  const int32_t* ids = SelIds(d, layer, e);
+  const int32_t* ids = SelIds(d, e);
   const int count = d.ahead_info[d.Ahead(layer, e)].x;
   const int warps = kEmaThreads / 32;
   for (int k = blockIdx.x * warps + static_cast<int>(threadIdx.x) / 32; k < count;

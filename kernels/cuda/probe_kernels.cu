@@ -153,7 +153,7 @@ __device__ void ProbeTask(Dev d, int layer, const float* logits, int64_t stride,
   __shared__ int s_probe;
   __syncthreads();  // the previous task's readers of the shared state are done
   if (tid < 32) {
-    const bool fit = RowsFitWarp(LaneRowLen(d, layer, e), rows, stride);
+    const bool fit = RowsFitWarp(LaneRowLen(d, e), rows, stride);
     if (lane == 0) s_probe = fit ? 1 : 0;  // a row past the stride: no probe (recorded)
   }
   __syncthreads();
@@ -368,7 +368,7 @@ __global__ void __launch_bounds__(kProbeThreads)
     for (int e = g; e < batch_n; e += G) {
       const StepEntry en = d.entries[e];
       const int acc = accepted ? accepted[e] : 1;
-      const bool fit = RowsFitWarp(LaneRowLen(d, layer, e), rows, stride);
+      const bool fit = RowsFitWarp(LaneRowLen(d, e), rows, stride);
       if (lane == 0 && en.seq >= 0) {
         uint8_t* fresh = d.fresh + static_cast<int64_t>(en.seq) * d.layers + layer;
         if (accepted && (acc < 0 || acc > rows)) RecordError(d.error, kArenaBadAccepted);
