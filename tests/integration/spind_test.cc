@@ -452,6 +452,13 @@ TEST(Spind, RemoteRemapAndObserveChecksFirstThenObserves) {
   DataPlane& dp = **r;
   ASSERT_TRUE(dp.ResetSequence(0, 1).ok());
   const int32_t seq = 0, ctx = 1000, q = 999;
+  // The step's block table is checked as on every backend (a stride below the session's 64
+  // blocks is refused); spind fills no physical table in remote mode.
+  std::vector<int32_t> table(64, 0);
+  StepBatch narrow{&seq, &ctx, &q, 1, 1};
+  narrow.block_table = table.data();
+  narrow.table_stride = 63;
+  EXPECT_EQ(dp.BeginStep(narrow).code(), absl::StatusCode::kInvalidArgument);
   ASSERT_TRUE(dp.BeginStep(StepBatch{&seq, &ctx, &q, 1, 1}).ok());
   ASSERT_TRUE(dp.Select(0).ok());
   const int32_t clen = dp.outputs().compact_len[0];
