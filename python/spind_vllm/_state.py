@@ -237,6 +237,10 @@ class PluginState:
         nd = metadata.num_decodes
         if nd > self.max_seqs:
             return self._dense_step("more decode requests than session slots")
+        if dec.block_table.dim() != 2 or dec.block_table.shape[1] < self.session.phys.shape[1]:
+            # begin_step would refuse it (every layer selects through it): say why, once a step.
+            return self._dense_step("decode block table narrower than the session's blocks "
+                                    "(is the session's max_slots above max_model_len?)")
         seq, ctx, qpos = self._buffers
         seq.fill_(-1)
         ctx.fill_(1)

@@ -207,7 +207,7 @@ class StubEngine:
         ids = self.order
         qlens = [sched.num_scheduled_tokens[r] for r in ids]
         slots, positions, seq_lens = [], [], []
-        max_blocks = MAX_LEN // BLOCK
+        max_blocks = getattr(self, "table_blocks", MAX_LEN // BLOCK)
         table = torch.zeros(len(ids), max_blocks, dtype=torch.int32)
         for i, rid in enumerate(ids):
             r = self.reqs[rid]
@@ -347,6 +347,21 @@ class StubDecode(unittest.TestCase):
         for _ in range(steps):
             engine.step(engine.schedule(decode=ids))
         return ids
+
+    def test_stub_a_block_table_narrower_than_the_session_runs_dense_with_its_reason(self):
+        # The decode block table is given to begin_step (every layer selects through it); one
+        # narrower than the session's blocks would be refused there, so the step runs dense and
+        # says why, and nothing raises.
+        from vllm.model_executor.layers import sparse_attn_indexer as sai
+        e = StubEngine(env=LOCAL)
+        e.table_blocks = MAX_LEN // BLOCK - 1
+        before = sai.DENSE_CALLS[0]
+        self.run_engine(e, 2, prompt=(100, 60))
+        self.assertEqual(sai.DENSE_CALLS[0] - before, 3 * e.layers)
+        self.assertEqual(_state.STATE.counters["spin_calls"], 0)
+        reason = "decode block table narrower than the session's blocks"
+        self.assertTrue(any(k.startswith(reason) for k in _state.STATE.dense_reasons),
+                        _state.STATE.dense_reasons)
 
     def test_stub_prefill_and_mixed_batches_are_dense(self):
         from vllm.model_executor.layers import sparse_attn_indexer as sai
