@@ -215,7 +215,8 @@ class CudaDataPlane final : public DataPlane {
           absl::StrCat("sequence ", seq, " is out of range [0, ", a_.geometry.max_seqs, ")"));
     }
     // A Select's statistics are those of the entries as they are now; a selection published
-    // ahead holds the entry as it was (the next Select publishes again).
+    // ahead holds the entry as it was, so the next Select publishes again (the outputs still hold
+    // that other layer's selection until then: outputs_other_ stays).
     SPIN_RETURN_IF_ERROR(FlushSelectCounts(stream));
     ahead_ = -1;
     return CudaStatus(ck::LaunchReset(d_, seq, key, stream), "ResetSequence launch");
@@ -244,6 +245,7 @@ class CudaDataPlane final : public DataPlane {
     step_table_ = batch.block_table;
     step_table_stride_ = batch.block_table ? batch.table_stride : 0;
     ahead_ = -1;
+    outputs_other_ = false;
     observed_.assign(a_.geometry.layers, 0);
     // Every layer's selection of the step, made now: a layer's selection depends only on its
     // own state (which only its Observe changes), the step's entries and the policy, so the
@@ -278,13 +280,15 @@ class CudaDataPlane final : public DataPlane {
                  table_stride == step_table_stride_) {
         // The previous layer's Observe published this selection through the step's table:
         // nothing to launch; the statistics are counted by the layer's Observe (or the next
-        // call that launches).
+        // call that launches into the same capture, or none: FlushSelectCounts).
         pending_counts_ = layer;
+        pending_capture_ = CaptureOf(stream);
       } else {
         e = ck::LaunchPublish(d_, layer, n_, block_table, table_stride, true, stream);
       }
     }
     ahead_ = -1;
+    outputs_other_ = false;
     selected_layer_ = layer;
     selected_table_ = block_table;
     selected_table_stride_ = table_stride;
@@ -348,7 +352,7 @@ class CudaDataPlane final : public DataPlane {
     // call counted it already (the reference's rule).
     const bool probe = engine_topk && count > 0 && !probe_counted_;
     SPIN_RETURN_IF_ERROR(
-        CudaStatus(ck::LaunchRemap(SelFor(selected_layer_, ahead_ >= 0), selected_layer_, idx,
+        CudaStatus(ck::LaunchRemap(SelFor(selected_layer_, outputs_other_), selected_layer_, idx,
                                    count, n_, rows_, probe, stream),
                    "Remap launch"));
     if (probe) probe_counted_ = true;
@@ -379,7 +383,10 @@ class CudaDataPlane final : public DataPlane {
     // layer, this one) and, with the step's table, publishes the next layer's selection unless
     // that layer was observed in this step (then its Select selects again).
     ck::SelectWork sel;
-    sel.count_select = pending_counts_ == layer;
+    // Counted here when owed by this layer's Select in the same capture (or both eager);
+    // otherwise dropped (FlushSelectCounts).
+    const bool owed = pending_counts_ == layer;
+    sel.count_select = owed && pending_capture_ == CaptureOf(stream);
     const int32_t next = layer + 1;
     if (step_table_ != nullptr && static_cast<uint32_t>(next) < a_.geometry.layers &&
         !observed_[next]) {
@@ -389,12 +396,13 @@ class CudaDataPlane final : public DataPlane {
     }
     // The outputs hold another layer's selection while this call runs (it publishes the next
     // one, or an earlier Observe of this selection did): read this one's from its record.
-    const Dev dv = SelFor(layer, sel.publish_layer >= 0 || ahead_ >= 0);
+    const Dev dv = SelFor(layer, sel.publish_layer >= 0 || outputs_other_);
     ahead_ = -1;
+    if (sel.publish_layer >= 0) outputs_other_ = true;  // also if a launch below fails
+    if (owed) pending_counts_ = -1;
     const cudaError_t e = LaunchObserve(dv, layer, logits, logits_stride, accepted, stream, remap,
                                         !given && !probe_counted_, sel);
     SPIN_RETURN_IF_ERROR(CudaStatus(e, absl::StrCat(what, " launch").c_str()));
-    if (sel.count_select) pending_counts_ = -1;
     ahead_ = sel.publish_layer;
     probe_counted_ = true;  // a later Observe or RemapTopK of this selection counts nothing
     return absl::OkStatus();
@@ -420,7 +428,7 @@ class CudaDataPlane final : public DataPlane {
     const bool publish = block_table != nullptr;
     if (n_ == 0) {
       if (publish) {  // nothing to publish
-        selected_layer_ = layer, probe_counted_ = false, ahead_ = -1;
+        selected_layer_ = layer, probe_counted_ = false, ahead_ = -1, outputs_other_ = false;
         selected_table_ = block_table, selected_table_stride_ = table_stride;
       }
       return absl::OkStatus();
@@ -432,11 +440,12 @@ class CudaDataPlane final : public DataPlane {
     // IndexAndObserve reads the selection from the outputs: if an Observe since the layer's
     // Select published the next layer's there, publish this one again (its statistics are
     // counted already).
-    if (!publish && ahead_ >= 0) {
+    if (!publish && outputs_other_) {
       e = ck::LaunchPublish(d_, layer, n_, selected_table_, selected_table_stride_, false, stream);
       SPIN_RETURN_IF_ERROR(CudaStatus(e, "Publish launch"));
     }
     ahead_ = -1;
+    outputs_other_ = false;
     // Select's host side: a layer observed earlier in this step is selected again from the
     // state as it is now, as the reference does.
     if (publish && observed_[layer]) {
@@ -531,8 +540,8 @@ class CudaDataPlane final : public DataPlane {
 
   // Observe's EMA launches: one per row, in row order (the prefix-valid replay), of the kernel for
   // the arena's state type and the logits' layout (after EmaWord or Ema, the V summaries).
-  cudaError_t LaunchEmas(const Dev& dv, int32_t layer, const float* logits,
-                         int64_t logits_stride, const int32_t* accepted, cudaStream_t stream) {
+  cudaError_t LaunchEmas(const Dev& dv, int32_t layer, const float* logits, int64_t logits_stride,
+                         const int32_t* accepted, cudaStream_t stream) {
     const int32_t rows = accepted ? rows_ : 1;
     if (ck::EmaVecFits(dv, logits, logits_stride)) {
       return ck::LaunchEmaVec(dv, layer, n_, rows, logits, logits_stride, accepted,
@@ -562,11 +571,27 @@ class CudaDataPlane final : public DataPlane {
 
   // A launchless Select's statistics that no Observe has counted yet, counted now: before a call
   // that changes the step's entries or selections, or selects again.
+  // Under graph capture a count is launched only into the capture its Select was made in (or
+  // eagerly for an eager Select): a Select captured without its Observe, then counted outside
+  // the capture, would count once instead of at every replay, and an eager one counted inside a
+  // capture at every replay. Those counts are dropped instead (docs/cuda-backend.md).
   absl::Status FlushSelectCounts(cudaStream_t stream) {
     if (pending_counts_ < 0) return absl::OkStatus();
     const int32_t layer = pending_counts_;
     pending_counts_ = -1;
+    if (pending_capture_ != CaptureOf(stream)) return absl::OkStatus();
     return CudaStatus(ck::LaunchCountSelect(d_, layer, n_, stream), "Select statistics launch");
+  }
+
+  // The capture that launches on `stream` go into (its id + 1), or 0 when they run now.
+  static unsigned long long CaptureOf(cudaStream_t stream) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    if (cudaStreamGetCaptureInfo(stream, &status, &id) != cudaSuccess ||
+        status != cudaStreamCaptureStatusActive) {
+      return 0;
+    }
+    return id + 1;
   }
 
   absl::Status CheckLayer(int32_t layer) const {
@@ -590,13 +615,17 @@ class CudaDataPlane final : public DataPlane {
   bool probe_counted_ = false;
   std::vector<uint8_t> observed_;  // per layer: Observe ran in this step (since its selection)
   // Publish ahead (the engine's table given at BeginStep: StepBatch::block_table). ahead_: the
-  // layer whose selection an Observe published into the outputs before its Select (-1: the
-  // outputs hold the selected layer's); pending_counts_: a Select that launched nothing, whose
-  // statistics its layer's Observe counts (or FlushSelectCounts); selected_table_: the table
-  // the selected layer's outputs were published through.
+  // layer whose selection an Observe published into the outputs, which its Select may then
+  // leave (-1: none, or a reset made it stale); outputs_other_: the outputs hold a layer's
+  // selection other than the selected layer's (its kernels then read the record);
+  // pending_counts_: a Select that launched nothing, whose statistics its layer's Observe
+  // counts (or FlushSelectCounts); selected_table_: the table the selected layer's outputs were
+  // published through.
   const int32_t* step_table_ = nullptr;
   int64_t step_table_stride_ = 0;
   int32_t ahead_ = -1, pending_counts_ = -1;
+  unsigned long long pending_capture_ = 0;  // CaptureOf the stream of the pending Select
+  bool outputs_other_ = false;  // the outputs hold another layer's selection than the selected
   const int32_t* selected_table_ = nullptr;
   int64_t selected_table_stride_ = 0;
   int32_t group_ = 1;         // layers per select-ahead group

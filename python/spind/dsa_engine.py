@@ -19,9 +19,9 @@ each (row r of a request at context c attends c + r slots; its own key is slot c
 Two modes share everything but the selection:
 - dense: the indexer over each row's full block table;
 - spin: a spind.Session (local by default, or attached to spind) picks blocks: begin_step once
-  per step; per layer select(layer, block_table), the indexer over s.phys with s.compact_len,
-  top-k over the compacted slots, s.remap_and_observe(layer, topk, logits): the remap to
-  logical slots (on probe steps the miss curves count that top-K) and the observation with no
+  per step (with the block table); per layer select(layer), the indexer over s.phys with
+  s.compact_len, top-k over the compacted slots, s.remap_and_observe(layer, topk, logits): the
+  remap to logical slots (on probe steps the miss curves count that top-K) and the observation with no
   accepted count (the engine contract: acceptance is known only after sampling), then
   the attention over the remapped logical slots.
 
@@ -517,11 +517,13 @@ class DsaEngine:
                               s.compact_len, lg, width // PAGE, self.n, self.kernel)
             out = self.topk_out["spin"][layer]
             self._topk(lg, s.compact_len.view(-1), out)
+            # The outputs are read before the layer's observe: with the table given at
+            # begin_step, the observe publishes the next layer's selection into them.
+            if full and not wide:
+                torch.amax(s.compact_len.view(-1), dim=0, out=self._widest_step[layer])
             # The remap (on probe steps the curves count this top-K) and the observation (no
             # accepted count: acceptance is not known yet) in one call.
             s.remap_and_observe(layer, out, lg)
-            if full and not wide:
-                torch.amax(s.compact_len.view(-1), dim=0, out=self._widest_step[layer])
             if full:
                 self._attend("spin", layer)
         if full and not wide:

@@ -4,6 +4,7 @@
 // instead under SPIN_REQUIRE_GPU=1, require_gpu.h).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -262,6 +263,7 @@ class Twin {
                                           stride_, no_accepted_ ? nullptr : d_acc_->as<int32_t>())
                         .ok());
         ASSERT_EQ(ToHost(d_idx_->as<int32_t>(), idx.size()), idx) << "remap, step " << step;
+        ASSERT_NO_FATAL_FAILURE(ResetThenRemap(seq, n, rows, step, l));
         if (after_observe_) after_observe_(step, l);
         continue;
       }
@@ -296,6 +298,7 @@ class Twin {
       if (remap_after) {
         ASSERT_NO_FATAL_FAILURE(RemapBoth(n, rows, step));
       }
+      ASSERT_NO_FATAL_FAILURE(ResetThenRemap(seq, n, rows, step, l));
       if (after_observe_) after_observe_(step, l);
     }
     CUDA_OK(cudaDeviceSynchronize());
@@ -314,6 +317,20 @@ class Twin {
       ASSERT_TRUE(gpu_->Remap(d_idx_->as<int32_t>(), kTopK).ok());
     }
     ASSERT_EQ(ToHost(d_idx_->as<int32_t>(), idx.size()), idx) << "remap, step " << step;
+  }
+
+  // With the step's table, every sixth step after layer 0's Observe (which published layer 1's
+  // selection into the outputs): a reset of a slot outside the batch (layer 1's Select must then
+  // publish again, while the outputs still hold its selection), then a Remap of layer 0's
+  // indices, which must map through layer 0's selection.
+  void ResetThenRemap(const std::vector<int32_t>& seq, int n, int rows, int step, int l) {
+    if (!step_table_ || l != 0 || step % 6 != 5) return;
+    for (int s = static_cast<int>(g_.max_seqs) - 1; s >= 0; --s) {
+      if (std::find(seq.begin(), seq.end(), s) != seq.end()) continue;
+      ASSERT_NO_FATAL_FAILURE(Reset(s, 7000 + step));
+      ASSERT_NO_FATAL_FAILURE(RemapBoth(n, rows, step));
+      return;
+    }
   }
 
   // Random compacted indices (some out of range) for n x rows rows of kTopK, also copied to
