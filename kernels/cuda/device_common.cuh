@@ -177,8 +177,8 @@ __device__ __forceinline__ bool RowLensFitStride(const int32_t* lens, int max_ro
   return fit;
 }
 // The same over the lengths of the layer's selection of entry e.
-__device__ __forceinline__ bool RowsFitStride(const Dev& d, int e, int rows,
-                                              int64_t stride, int r, int& len_r) {
+__device__ __forceinline__ bool RowsFitStride(const Dev& d, int e, int rows, int64_t stride, int r,
+                                              int& len_r) {
   return RowLensFitStride(SelLens(d, e), d.max_rows, rows, stride, r, len_r);
 }
 // Row r of entry e is applied: the entry is in the batch and not padding, its accepted count
@@ -219,8 +219,7 @@ __device__ inline void RemapShare(const Dev& d, int layer, int32_t* idx, int cou
     const bool live = selected && d.entries[e].seq >= 0;
     const int len = live ? SelLens(d, e)[r] : 0;
     const int c = idx[x];
-    const int slot =
-        (c < 0 || c >= len) ? -1 : SelIds(d, e)[c / d.block] * d.block + c % d.block;
+    const int slot = (c < 0 || c >= len) ? -1 : SelIds(d, e)[c / d.block] * d.block + c % d.block;
     idx[x] = slot;
     if (counting && r == 0 && live && d.probe_on[d.Ahead(layer, e)]) {
       if (x % count == 0) ++entries;
