@@ -16,8 +16,8 @@ uint64_t AlignUp(uint64_t x) { return (x + kArenaAlign - 1) / kArenaAlign * kAre
 // Section offsets and the total size, computed one way for InitArena, ViewArena and ArenaBytes.
 struct Layout {
   uint64_t off_policy, off_sparsity, off_stats, off_curves, off_seqs, off_fresh, off_state,
-      off_vsum, off_dmax, off_batch, off_union_count, off_union, off_phys, off_compact_len,
-      off_scratch, off_mask, off_error, total;
+      off_vsum, off_batch, off_union_count, off_union, off_phys, off_compact_len, off_scratch,
+      off_mask, off_error, total;
 };
 
 Layout ComputeLayout(const Geometry& g) {
@@ -38,8 +38,6 @@ Layout ComputeLayout(const Geometry& g) {
   l.off_fresh = take(S * L);
   l.off_state = take(S * L * 2 * N * StateBytes(g.dtype));
   l.off_vsum = take(S * L * MB * sizeof(float));
-  const uint64_t C = DChunkEntries(g.dtype);
-  l.off_dmax = take(S * L * ((N + C - 1) / C) * StateBytes(g.dtype));
   l.off_batch = take(sizeof(BatchHeader) + S * sizeof(StepEntry));
   l.off_union_count = take(S * sizeof(int32_t));
   l.off_union = take(S * MB * sizeof(int32_t));
@@ -129,7 +127,6 @@ ArenaView MakeView(void* base, const ArenaHeader& h, const Geometry& g) {
   v.fresh = b + h.off_fresh;
   v.state = b + h.off_state;
   v.vsum = reinterpret_cast<float*>(b + h.off_vsum);
-  v.dmax = b + h.off_dmax;
   v.batch = reinterpret_cast<BatchHeader*>(b + h.off_batch);
   v.entries = reinterpret_cast<StepEntry*>(v.batch + 1);
   v.union_count = reinterpret_cast<int32_t*>(b + h.off_union_count);
@@ -167,7 +164,6 @@ void FillHeader(ArenaHeader* h, const Geometry& g, uint64_t seed) {
   h->off_fresh = l.off_fresh;
   h->off_state = l.off_state;
   h->off_vsum = l.off_vsum;
-  h->off_dmax = l.off_dmax;
   h->off_batch = l.off_batch;
   h->off_union_count = l.off_union_count;
   h->off_union = l.off_union;
@@ -197,16 +193,14 @@ absl::StatusOr<ArenaView> InitArena(void* base, uint64_t bytes, const Geometry& 
   ArenaView v = MakeView(base, *static_cast<ArenaHeader*>(base), g);
   // Unset state is NaN: 0xFFFFFFFF is a quiet NaN for fp32 and a pair of bf16 NaNs for bf16,
   // but use the canonical patterns so a reader sees exactly one unset value per dtype.
-  // The D chunk maxima start (and on this backend stay) NaN, "not known".
-  const auto fill_unset = [&g](uint8_t* at, uint64_t elems) {
-    if (g.dtype == StateDtype::kFp32) {
-      std::fill_n(reinterpret_cast<float*>(at), elems, NAN);
-    } else {
-      std::fill_n(reinterpret_cast<uint16_t*>(at), elems, kBf16Unset);
-    }
-  };
-  fill_unset(v.state, 2ull * g.max_seqs * g.layers * g.max_slots);
-  fill_unset(v.dmax, static_cast<uint64_t>(g.max_seqs) * g.layers * v.DMaxChunks());
+  const uint64_t elems = 2ull * g.max_seqs * g.layers * g.max_slots;
+  if (g.dtype == StateDtype::kFp32) {
+    auto* p = reinterpret_cast<float*>(v.state);
+    for (uint64_t i = 0; i < elems; ++i) p[i] = NAN;
+  } else {
+    auto* p = reinterpret_cast<uint16_t*>(v.state);
+    for (uint64_t i = 0; i < elems; ++i) p[i] = kBf16Unset;
+  }
   std::fill_n(v.vsum, static_cast<uint64_t>(g.max_seqs) * g.layers * v.max_blocks, NAN);
   std::memset(v.fresh, 1, static_cast<size_t>(g.max_seqs) * g.layers);
   v.batch->selected_layer = -1;

@@ -80,7 +80,6 @@ class CudaDataPlane final : public DataPlane {
     d_.fresh = a_.fresh;
     d_.state = a_.state;
     d_.vsum = a_.vsum;
-    d_.dmax = a_.dmax;
     d_.batch = a_.batch;
     d_.entries = a_.entries;
     d_.union_count = a_.union_count;
@@ -104,7 +103,6 @@ class CudaDataPlane final : public DataPlane {
     }
     d_.seed = header_.seed;
     d_.record_elems = 2ull * g.max_slots;
-    d_.dmax_chunks = a_.DMaxChunks();
     void* p = nullptr;
     auto alloc = [&](size_t bytes, void** out) -> absl::Status {
       if (bytes == 0) bytes = 256;
@@ -680,8 +678,7 @@ absl::StatusOr<ArenaView> InitDeviceArena(void* device_base, uint64_t bytes, con
         cudaMemcpyAsync(v.batch, &bh, sizeof(bh), cudaMemcpyHostToDevice, stream));
     SPIN_CUDA_RETURN_IF_ERROR(ck::LaunchFillUnset(
         v.state, 2ull * g.max_seqs * g.layers * g.max_slots, static_cast<int>(StateBytes(g.dtype)),
-        v.vsum, static_cast<uint64_t>(g.max_seqs) * g.layers * v.max_blocks, v.dmax,
-        static_cast<uint64_t>(g.max_seqs) * g.layers * v.DMaxChunks(), stream));
+        v.vsum, static_cast<uint64_t>(g.max_seqs) * g.layers * v.max_blocks, stream));
     return cudaStreamSynchronize(stream);
   };
   SPIN_RETURN_IF_ERROR(CudaStatus(write(), "InitDeviceArena"));

@@ -43,8 +43,7 @@ struct Dev {
   SeqRecord* seqs;
   uint8_t* fresh;
   uint8_t* state;
-  float* vsum;    // block summaries of V (arena.h)
-  uint8_t* dmax;  // D chunk maxima (arena.h, off_dmax): dmax_chunks state entries per record
+  float* vsum;  // block summaries of V (arena.h)
   BatchHeader* batch;
   StepEntry* entries;
   int32_t* union_count;
@@ -86,15 +85,9 @@ struct Dev {
   int32_t block_shift;  // log2(block) when it is a power of two, else -1
   uint64_t seed;
   uint64_t record_elems;  // 2 * max_slots
-  uint64_t dmax_chunks;   // ceil(max_slots / (16 / dtype_bytes))
 
   SPIN_HD uint8_t* Record(int seq, int layer) const {
     return state + (static_cast<uint64_t>(seq) * layers + layer) * record_elems * dtype_bytes;
-  }
-  // The D chunk maxima of (seq, layer): chunk k is D entries [k c, (k + 1) c), c = 16 /
-  // dtype_bytes; its entry is the largest set entry (-inf if none) or NaN, not known.
-  SPIN_HD uint8_t* DMax(int seq, int layer) const {
-    return dmax + (static_cast<uint64_t>(seq) * layers + layer) * dmax_chunks * dtype_bytes;
   }
   SPIN_HD float* VSum(int seq, int layer) const {
     return vsum + (static_cast<int64_t>(seq) * layers + layer) * max_blocks;

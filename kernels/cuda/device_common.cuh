@@ -27,34 +27,6 @@ __device__ __forceinline__ uint32_t FloatKey(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// The largest non-NaN entry of a 16-byte chunk of state (NaN if all are): NaN-ignoring max.
-__device__ __forceinline__ float ChunkMax(uint4 w, const float*) {
-  return fmaxf(fmaxf(__uint_as_float(w.x), __uint_as_float(w.y)),
-               fmaxf(__uint_as_float(w.z), __uint_as_float(w.w)));
-}
-__device__ __forceinline__ float ChunkMax(uint4 w, const uint16_t*) {
-  const auto as2 = [](uint32_t x) { return *reinterpret_cast<const __nv_bfloat162*>(&x); };
-  const __nv_bfloat162 m = __hmax2(__hmax2(as2(w.x), as2(w.y)), __hmax2(as2(w.z), as2(w.w)));
-  return fmaxf(__low2float(m), __high2float(m));
-}
-
-// D chunk maxima (arena.h, off_dmax; docs/cuda-backend.md, "D chunk maxima"). The entry of a
-// chunk its writer owns whole: the largest set entry, -inf if none (ChunkMax's NaN); exact in
-// the state type, since it is one of the chunk's entries. kDMaxUnknown: the entry of a chunk a
-// kernel wrote only part of (or a reset): the reader then reads the chunk itself.
-template <typename T>
-__device__ __forceinline__ void StoreDMax(T* dmax, int64_t k, float chunk_max) {
-  StoreT(dmax, k, chunk_max == chunk_max ? chunk_max : -INFINITY);
-}
-template <typename T>
-__device__ __forceinline__ void StoreDMaxUnknown(T* dmax, int64_t k) {
-  if constexpr (sizeof(T) == 4) {
-    reinterpret_cast<float*>(dmax)[k] = __int_as_float(0x7FC00000);
-  } else {
-    reinterpret_cast<uint16_t*>(dmax)[k] = kBf16Unset;
-  }
-}
-
 __device__ inline void RecordError(uint32_t* error, uint32_t code) { atomicCAS(error, 0u, code); }
 
 // Adds one thread's share of an EMA's counts (observed scores, non-finite scores skipped) to a

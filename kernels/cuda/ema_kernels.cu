@@ -518,24 +518,17 @@ __global__ void __launch_bounds__(kEmaThreads)
 #pragma unroll
       for (int w = 0; w < kVWords; ++w) vp[w] = vw[w];
     }
-    // With each chunk its D chunk maximum: the value where this lane group owns the chunk (it
-    // lies inside [jlo, jhi], which no other segment of the row writes), not known where the
-    // range covers part of it (the rest may be another segment's, written by another warp).
-    T* dm = reinterpret_cast<T*>(d.DMax(seq, layer));
 #pragma unroll
     for (int w = 0; w < kDWords; ++w) {
       const int c = s8 + 8 * w;
       if (c >= nch) continue;
       const int j0 = cb + c * kChunk;
       if (j0 >= jlo && j0 + kChunk - 1 <= jhi) {
-        const uint4 chunk = *reinterpret_cast<const uint4*>(win + c * kChunk);
-        *reinterpret_cast<uint4*>(dd + j0) = chunk;
-        StoreDMax(dm, j0 / kChunk, ChunkMax(chunk, dd));
+        *reinterpret_cast<uint4*>(dd + j0) = *reinterpret_cast<const uint4*>(win + c * kChunk);
       } else {
         for (int k = 0; k < kChunk; ++k) {
           if (j0 + k >= jlo && j0 + k <= jhi) B::Store(dd + (j0 + k), win[c * kChunk + k]);
         }
-        StoreDMaxUnknown(dm, j0 / kChunk);
       }
     }
     // The block's V summary from its updated entries below max_slots (every lane of the group
@@ -574,9 +567,7 @@ __global__ void __launch_bounds__(kEmaThreads)
 
 // After EmaWordKernel / EmaKernel (EmaVecKernel keeps the summaries itself): the V summary of
 // every block of each entry's union, one warp per block. Entries the EMA did not apply keep
-// their V, so recomputing theirs changes nothing. Those kernels do not keep the D chunk maxima:
-// every chunk that a row of the step could have written for the block (D offsets q + r - i of
-// its slots i <= q + r, rows r < the step's rows) is made not known.
+// their V, so recomputing theirs changes nothing.
 template <typename T>
 __global__ void __launch_bounds__(kEmaThreads) VSummaryKernel(Dev d, int layer) {
   StepKernelEntry();
@@ -609,14 +600,6 @@ __global__ void __launch_bounds__(kEmaThreads) VSummaryKernel(Dev d, int layer) 
       unset |= __shfl_xor_sync(0xFFFFFFFFu, unset, o);
     }
     if (lane == 0) vs[ids[k]] = unset ? __int_as_float(0x7FC00000) : (m == 0.0f ? 0.0f : m);
-    const int chunk = 16 / static_cast<int>(sizeof(T));
-    const int top = min(en.q_pos + d.batch->rows - 1 - lo, d.max_slots - 1);  // largest offset
-    if (top >= 0) {
-      T* dm = reinterpret_cast<T*>(d.DMax(en.seq, layer));
-      for (int c = max(en.q_pos - (hi - 1), 0) / chunk + lane; c <= top / chunk; c += 32) {
-        StoreDMaxUnknown(dm, c);
-      }
-    }
   }
 }
 

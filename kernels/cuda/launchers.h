@@ -40,8 +40,7 @@ cudaError_t LaunchBeginStep(const Dev& d, const int32_t* seq, const int32_t* ctx
 // A new arena's unset values: `state_elems` state entries of `state_bytes` bytes each at `state`,
 // then `vsum_elems` floats at `vsum`.
 cudaError_t LaunchFillUnset(uint8_t* state, uint64_t state_elems, int state_bytes, float* vsum,
-                            uint64_t vsum_elems, uint8_t* dmax, uint64_t dmax_elems,
-                            cudaStream_t stream);
+                            uint64_t vsum_elems, cudaStream_t stream);
 
 // ---- select_kernels.cu
 

@@ -100,7 +100,6 @@ struct EmaTarget {
   int max_slots = 0;
   T* v = nullptr;
   T* dd = nullptr;
-  T* dm = nullptr;  // the D chunk maxima (arena.h, off_dmax)
   float* vsum = nullptr;
   float alpha = 0, beta = 0;
 };
@@ -166,27 +165,22 @@ __device__ __forceinline__ void PageEma(const EmaTarget<T>& x, int sg, int block
   const int cnt = min(kPageSlots, len - sg * kPageSlots);
   const int last = block * kPageSlots + kPageSlots - 1;
   unsigned key = 0, unset = 0;
-  const bool whole = cnt == kPageSlots && HasD(x, last);  // warp-uniform
-  float dnow[2];  // whole pages: the lane's two D entries as stored
-  if (whole) {
+  if (cnt == kPageSlots && HasD(x, last)) {  // warp-uniform
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       const int i = block * kPageSlots + 2 * lane + k;
       const float zk = k == 0 ? z.x : z.y;
       float cur = B::Get(st.v[k]);
-      auto nd = st.dv[k];
       if (isfinite(zk)) {
         ++obs;
         const float bz = ScaledScore(zk, x.beta);
         const auto nv = B::Put(EmaUpdateScaled(cur, zk, x.alpha, bz));
         B::Store(x.v + i, nv);
         cur = B::Get(nv);
-        nd = B::Put(EmaUpdateScaled(B::Get(st.dv[k]), zk, x.alpha, bz));
-        B::Store(x.dd + (x.q - i), nd);
+        B::Store(x.dd + (x.q - i), B::Put(EmaUpdateScaled(B::Get(st.dv[k]), zk, x.alpha, bz)));
       } else {
         ++bad;
       }
-      dnow[k] = B::Get(nd);
       SummaryKey(cur, key, unset);
     }
   } else {
@@ -211,47 +205,6 @@ __device__ __forceinline__ void PageEma(const EmaTarget<T>& x, int sg, int block
         }
       }
       SummaryKey(cur, key, unset);
-    }
-  }
-  // The D chunk maxima of the chunks the page's D range covers (docs/cuda-backend.md, "D chunk
-  // maxima"). A whole page's range is [jhi - 63, jhi], jhi = q - base, lane l holding entries
-  // jhi - 2 l (k = 0) and jhi - 2 l - 1 (k = 1): a chunk's entries are the k = 0 entries of a
-  // run of consecutive lanes and the k = 1 entries of the same lanes and of the lane before the
-  // run (when that lane's pair is split across two chunks). The run's maximum is gathered in its
-  // first lane, which stores it where the chunk lies inside the range (no other page's range
-  // covers part of it) and stores not known where it does not (the rest belongs to a
-  // neighbouring block, written by another CTA). Other pages (a row's last, the query's) make
-  // every chunk their range covers not known, each marked by its top entry or the range's top.
-  {
-    constexpr int kC = 16 / static_cast<int>(sizeof(T));
-    constexpr unsigned kAll = 0xFFFFFFFFu;
-    if (whole) {
-      const int jhi = x.q - block * kPageSlots, jlo = jhi - (kPageSlots - 1);
-      const int o0 = jhi - 2 * lane, c0 = o0 / kC, c1 = (o0 - 1) / kC;  // o0 - 1 >= jlo >= 0
-      float m = c0 == c1 ? fmaxf(dnow[0], dnow[1]) : dnow[0];
-      const float carry = __shfl_up_sync(kAll, c0 == c1 ? NAN : dnow[1], 1);
-      if (lane > 0) m = fmaxf(m, carry);  // the lane before's split entry is in chunk c0
-#pragma unroll
-      for (int sh = 1; sh < 8; sh <<= 1) {  // runs span at most 5 lanes
-        const float other = __shfl_down_sync(kAll, m, sh);
-        if (lane + sh < 32 && (o0 - 2 * sh) / kC == c0) m = fmaxf(m, other);
-      }
-      if (lane == 0 || (o0 + 2) / kC != c0) {
-        if (c0 * kC >= jlo && c0 * kC + kC - 1 <= jhi) {
-          cuda_kernels::StoreDMax(x.dm, c0, m);
-        } else {
-          cuda_kernels::StoreDMaxUnknown(x.dm, c0);
-        }
-      }
-      if (lane == 31 && c1 != c0) cuda_kernels::StoreDMaxUnknown(x.dm, c1);  // below the range
-    } else {
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        const int kr = 2 * lane + k, o = x.q - (block * kPageSlots + kr);
-        if (kr < cnt && HasD(x, block * kPageSlots + kr) && ((o & (kC - 1)) == kC - 1 || kr == 0)) {
-          cuda_kernels::StoreDMaxUnknown(x.dm, o / kC);
-        }
-      }
     }
   }
   key = __reduce_max_sync(0xFFFFFFFFu, key);
@@ -466,7 +419,6 @@ __global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
         x.max_slots = d.max_slots;
         x.v = reinterpret_cast<T*>(d.Record(en.seq, f.layer));
         x.dd = x.v + d.max_slots;
-        x.dm = reinterpret_cast<T*>(d.DMax(en.seq, f.layer));
         x.vsum = d.VSum(en.seq, f.layer);
         x.alpha = d.policy->alpha;
         x.beta = d.policy->beta;

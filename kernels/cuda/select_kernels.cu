@@ -91,38 +91,31 @@ __device__ __forceinline__ uint4 MergeTail(uint4 head, uint4 tail, int bits) {
   return make_uint4((head.x & m[0]) | (tail.x & ~m[0]), (head.y & m[1]) | (tail.y & ~m[1]),
                     (head.z & m[2]) | (tail.z & ~m[2]), (head.w & m[3]) | (tail.w & ~m[3]));
 }
-// The chunks wholly inside the window are read from the D chunk maxima `dm` (one state entry per
-// chunk instead of 16 bytes; docs/cuda-backend.md, "D chunk maxima"), and from D itself only
-// where the maximum is not known (NaN). Lane 0's merged head and tail chunk is always read from
-// D: the window covers only part of each.
+__device__ __forceinline__ float ChunkMax(uint4 w, const float*) {
+  return fmaxf(fmaxf(__uint_as_float(w.x), __uint_as_float(w.y)),
+               fmaxf(__uint_as_float(w.z), __uint_as_float(w.w)));
+}
+__device__ __forceinline__ float ChunkMax(uint4 w, const uint16_t*) {
+  const auto as2 = [](uint32_t x) { return *reinterpret_cast<const __nv_bfloat162*>(&x); };
+  const __nv_bfloat162 m = __hmax2(__hmax2(as2(w.x), as2(w.y)), __hmax2(as2(w.z), as2(w.w)));
+  return fmaxf(__low2float(m), __high2float(m));
+}
 template <typename T, int kLanes>
-__device__ __forceinline__ float WindowMax(const T* dst, const T* dm, int wlo, int sub) {
+__device__ __forceinline__ float WindowMax(const T* dst, int wlo, int sub) {
   constexpr int kC = 16 / static_cast<int>(sizeof(T));  // entries per chunk
   constexpr int kPer = 64 / kC / kLanes;                // whole chunks per lane
   static_assert(kPer >= 1 && kPer * kC * kLanes == 64, "lanes per block");
   const int c0 = wlo / kC, sh = wlo - c0 * kC;
   const uint4* chunk = reinterpret_cast<const uint4*>(dst) + c0;
-  const bool merged = sub == 0 && sh > 0;  // lane 0's first chunk: the head and tail, from D
-  float m[kPer];
-  uint4 head = make_uint4(0, 0, 0, 0), tail = head;
+  uint4 w[kPer];
 #pragma unroll
-  for (int p = 0; p < kPer; ++p) m[p] = LoadT(dm, c0 + sub + kLanes * p);
-  if (merged) {
-    head = chunk[0];
-    tail = chunk[64 / kC];
-  }
-  float best = -INFINITY;
+  for (int p = 0; p < kPer; ++p) w[p] = chunk[sub + kLanes * p];
+  if (sub == 0 && sh > 0)
+    w[0] = MergeTail(w[0], chunk[64 / kC], sh * 8 * static_cast<int>(sizeof(T)));
+  float best = ChunkMax(w[0], dst);
 #pragma unroll
-  for (int p = 0; p < kPer; ++p) {
-    float x = m[p];
-    if (p == 0 && merged) {
-      x = ChunkMax(MergeTail(head, tail, sh * 8 * static_cast<int>(sizeof(T))), dst);
-    } else if (x != x) {  // not known: the chunk itself
-      x = ChunkMax(chunk[sub + kLanes * p], dst);
-    }
-    best = fmaxf(best, x);
-  }
-  return best;  // -inf: every entry unset
+  for (int p = 1; p < kPer; ++p) best = fmaxf(best, ChunkMax(w[p], dst));
+  return best == best ? best : -INFINITY;  // NaN: every entry unset
 }
 
 // ScoresKernel for b = 64 (the engine's block): the same scores with far fewer instructions for
@@ -163,7 +156,6 @@ __global__ void __launch_bounds__(kScoreThreads) Scores64Kernel(Dev d, int l0, i
   const T* rec = reinterpret_cast<const T*>(d.Record(en.seq, layer));
   const T* dst = rec + d.max_slots;
   const float* vsum = d.VSum(en.seq, layer);
-  const T* dm = reinterpret_cast<const T*>(d.DMax(en.seq, layer));
   float* out = d.Scores(layer, gl, e, r);
   const bool chunked = d.max_slots % 8 == 0;
   const int g = static_cast<int>(threadIdx.x) / kScore64Lanes;
@@ -179,7 +171,7 @@ __global__ void __launch_bounds__(kScoreThreads) Scores64Kernel(Dev d, int l0, i
       float wmax = -INFINITY;
       if (hi - lo == 64 && hi - 1 <= q && chunked) {
         vs = vsum[j];
-        wmax = WindowMax<T, kScore64Lanes>(dst, dm, q - hi + 1, sub);  // loads go out with vs's
+        wmax = WindowMax<T, kScore64Lanes>(dst, q - hi + 1, sub);  // loads go out with vs's
         by_sum = vs == vs;
       }
       if (by_sum) {

@@ -13,18 +13,14 @@ namespace spin::cuda_kernels {
 namespace {
 
 __global__ void ResetKernel(Dev d, int seq, uint64_t key) {
-  // The sequence's state and D chunk maxima (its layers' records are consecutive): unset, and
-  // not known (NaN; the maxima of an unset D could also be -inf).
-  for (int part = 0; part < 2; ++part) {
-    const uint64_t elems = (part == 0 ? d.record_elems : d.dmax_chunks) * d.layers;
-    uint8_t* base = part == 0 ? d.Record(seq, 0) : d.DMax(seq, 0);
-    for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < elems;
-         i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
-      if (d.dtype_bytes == 4) {
-        reinterpret_cast<float*>(base)[i] = __int_as_float(0x7FC00000);
-      } else {
-        reinterpret_cast<uint16_t*>(base)[i] = kBf16Unset;
-      }
+  const uint64_t elems = d.record_elems * d.layers;
+  uint8_t* base = d.Record(seq, 0);
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < elems;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    if (d.dtype_bytes == 4) {
+      reinterpret_cast<float*>(base)[i] = __int_as_float(0x7FC00000);
+    } else {
+      reinterpret_cast<uint16_t*>(base)[i] = kBf16Unset;
     }
   }
   float* vs = d.VSum(seq, 0);  // the sequence's layers are consecutive
@@ -165,10 +161,8 @@ cudaError_t LaunchBeginStep(const Dev& d, const int32_t* seq, const int32_t* ctx
 }
 
 cudaError_t LaunchFillUnset(uint8_t* state, uint64_t state_elems, int state_bytes, float* vsum,
-                            uint64_t vsum_elems, uint8_t* dmax, uint64_t dmax_elems,
-                            cudaStream_t stream) {
+                            uint64_t vsum_elems, cudaStream_t stream) {
   FillUnsetKernel<<<1024, 256, 0, stream>>>(state, state_elems, state_bytes);
-  FillUnsetKernel<<<256, 256, 0, stream>>>(dmax, dmax_elems, state_bytes);  // not known (NaN)
   FillUnsetKernel<<<256, 256, 0, stream>>>(reinterpret_cast<uint8_t*>(vsum), vsum_elems, 4);
   return cudaGetLastError();
 }

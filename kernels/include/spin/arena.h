@@ -16,7 +16,7 @@ namespace spin {
 /// "SPIN" in little-endian byte order.
 inline constexpr uint32_t kArenaMagic = 0x4E495053u;
 /// Bumped on any change of the bytes below.
-inline constexpr uint32_t kArenaLayoutVersion = 4;
+inline constexpr uint32_t kArenaLayoutVersion = 3;
 /// Section alignment inside the arena.
 inline constexpr uint64_t kArenaAlign = 256;
 /// Keep fractions of the probe-step miss curve: 5%, 10%, ..., 100%.
@@ -35,8 +35,6 @@ enum class StateDtype : uint32_t { kFp32 = 1, kBf16 = 2 };
 
 /// Bytes of one state element.
 inline constexpr uint32_t StateBytes(StateDtype d) { return d == StateDtype::kBf16 ? 2 : 4; }
-/// Entries of D per chunk of the D chunk maxima (off_dmax): one aligned 16-byte word of state.
-inline constexpr uint32_t DChunkEntries(StateDtype d) { return 16 / StateBytes(d); }
 
 /// Budget mode of a session (per-layer budgets come from the daemon's probe thread).
 /// kMissTarget: per-layer budgets too, each layer at the highest sparsity whose predicted miss
@@ -154,13 +152,6 @@ struct ArenaHeader {
   /// V by every backend (reset, and observe for the blocks of its union), so block scores can
   /// take the vertical term of a block wholly inside the row from one value.
   uint64_t off_vsum;
-  /// State dtype [S][L][ceil(N / c)], c = DChunkEntries (8 for bf16, 4 for fp32): per chunk k
-  /// of D (entries [k c, (k + 1) c)), either the largest of its entries that are set (-inf if
-  /// none) or NaN, "not known". A cache of D that only the CUDA backend keeps and reads
-  /// (docs/cuda-backend.md, "D chunk maxima"): its kernels write the value where one of them
-  /// owns the whole chunk, NaN where it wrote part of one; NaN is always a correct entry, and
-  /// the CPU backend leaves every entry NaN.
-  uint64_t off_dmax;
   uint64_t off_batch;        ///< BatchHeader, then StepEntry[S]
   uint64_t off_union_count;  ///< int32[S]: selected blocks of batch entry e (union over rows)
   uint64_t off_union;        ///< int32[S][max_blocks]: selected logical block ids, ascending
@@ -196,7 +187,6 @@ struct ArenaView {
   uint8_t* fresh = nullptr;
   uint8_t* state = nullptr;
   float* vsum = nullptr;
-  uint8_t* dmax = nullptr;
   BatchHeader* batch = nullptr;
   StepEntry* entries = nullptr;
   int32_t* union_count = nullptr;
@@ -214,16 +204,6 @@ struct ArenaView {
   /// Start of V for (seq, layer); D follows after max_slots elements.
   uint8_t* StateRecord(int seq, int layer) const {
     return state + (static_cast<uint64_t>(seq) * geometry.layers + layer) * StateRecordBytes();
-  }
-  /// Chunks of D per (sequence, layer) record of the D chunk maxima.
-  uint64_t DMaxChunks() const {
-    const uint32_t c = DChunkEntries(geometry.dtype);
-    return (static_cast<uint64_t>(geometry.max_slots) + c - 1) / c;
-  }
-  /// The D chunk maxima of (seq, layer): DMaxChunks() entries of the state dtype.
-  uint8_t* DMaxRecord(int seq, int layer) const {
-    return dmax + (static_cast<uint64_t>(seq) * geometry.layers + layer) * DMaxChunks() *
-                      StateBytes(geometry.dtype);
   }
   /// The block summaries of V for (seq, layer): max_blocks floats.
   float* VSummaries(int seq, int layer) const {
