@@ -604,17 +604,25 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
                                                   static_cast<int64_t>(topk_n));
       CHECK_CUDA(cudaGetLastError());
     };
+    // With `ahead`, as vLLM runs it: one block table for every layer (given at BeginStep), each
+    // layer's indexer over its own KV cache. Layer l's pages are layer 0's ids offset by
+    // l * B * P (the identity table above), so its indexer gets layer 0's ids and a KV base
+    // moved by that many pages: it reads the same bytes as the other graphs' layer l. (Reading
+    // layer 0's KV at every layer, as this graph did before, let the indexer run from L2 at
+    // small batches: docs/lab/cuda-backend-history.md, "The benchmark's table graph".)
     auto remap_step = [&](bool given, bool joint = false, bool ahead = false) {
       StepBatch b = batch;
       if (ahead) b.block_table = layer_table(0), b.table_stride = P;  // one table, every layer
       CHECK_OK(dp.BeginStep(b, stream));
       for (int l = 0; l < Ls; ++l) {
+        PagedIndexerArgs s = sparse;
         if (ahead) {
           CHECK_OK(dp.Select(l, nullptr, 0, stream));
+          s.kv = kv + static_cast<size_t>(l % L) * B * P * kPageBytes;
         } else {
           CHECK_OK(dp.Select(l, layer_table(l % L), P, stream));
         }
-        CHECK_OK(LaunchPagedIndexer(sparse, stream));
+        CHECK_OK(LaunchPagedIndexer(s, stream));
         copy_topk();
         if (joint) {
           CHECK_OK(dp.RemapAndObserve(l, topk_buf, K, logits, N, nullptr, stream));
