@@ -86,13 +86,17 @@ __device__ __forceinline__ int BlocksOf(const Dev& d, int n) {
   return d.block_shift >= 0 ? (n + d.block - 1) >> d.block_shift : (n + d.block - 1) / d.block;
 }
 
-// Select's statistics of (layer, entry e), counted as PublishKernel counts them: nothing for
-// padding.
+// Select's statistics of (layer, entry `en`, not padding) from its select-ahead record's
+// {union count, dense}: PublishKernel's, and CountSelectOf's for a Select that launched nothing.
+__device__ __forceinline__ void AddSelectCountsOf(const Dev& d, int layer, const StepEntry& en,
+                                                  int2 info, int rows) {
+  AddSelectCounts(d.stats + layer, info.x, BlocksOf(d, en.ctx_len + rows - 1), info.y != 0);
+}
+// The same for entry e, loading the entry and the record: nothing for padding.
 __device__ __forceinline__ void CountSelectOf(const Dev& d, int layer, int e, int rows) {
   const StepEntry en = d.entries[e];
   if (en.seq < 0) return;
-  const int2 info = d.ahead_info[d.Ahead(layer, e)];
-  AddSelectCounts(d.stats + layer, info.x, BlocksOf(d, en.ctx_len + rows - 1), info.y != 0);
+  AddSelectCountsOf(d, layer, en, d.ahead_info[d.Ahead(layer, e)], rows);
 }
 
 // Select's publishing of (layer, entry e < the batch's n) by the calling CTA (every thread calls

@@ -477,15 +477,11 @@ __global__ void __launch_bounds__(kPublishThreads)
   int32_t* clen = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
   const bool live = en.seq >= 0;
   const int count = live ? info.x : 0;
-  const bool dense = info.y != 0;
   if (blockIdx.x == 0) {
     if (static_cast<int>(threadIdx.x) < rows) clen[threadIdx.x] = live ? lane_len : 0;
     if (threadIdx.x == 0) {
       d.union_count[e] = count;
-      if (live && count_stats) {
-        const int widest = BlocksOf(d, en.ctx_len + rows - 1);
-        AddSelectCounts(d.stats + layer, count, widest, dense);
-      }
+      if (live && count_stats) AddSelectCountsOf(d, layer, en, info, rows);
     }
   }
   if (!live) return;
