@@ -517,13 +517,20 @@ struct Scenario {
 // ahead_group > 0 selects that many layers per select-ahead grid (else all 3 at once); with
 // mid_step, events inside steps: after layer 0's Observe a new policy is written (it applies
 // from the next step), layer 0 is selected again (from its updated state) and, at step 7, a
-// sequence of the batch is reset (it is padding for the rest of the step).
+// sequence of the batch is reset (it is padding for the rest of the step). `observe`: how
+// Observe launches its Probe work (CudaDataPlaneOptions): in the EMA's launch where the batch
+// and layout allow it (the default; every batch here has at most 6 entries, so whenever the
+// EMA is EmaVecKernel), beside the EMA, or before it.
+enum class ObserveLaunch { kOne, kBeside, kBefore };
 void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uint32_t block = 64,
-                     int ahead_group = 0, bool mid_step = false, bool probe_beside_ema = true) {
+                     int ahead_group = 0, bool mid_step = false,
+                     ObserveLaunch observe = ObserveLaunch::kOne) {
   SCOPED_TRACE(::testing::Message()
                << "max_slots " << max_slots << ", stride pad " << stride_pad << ", block " << block
                << ", ahead group " << ahead_group << (mid_step ? ", mid-step events" : "")
-               << (probe_beside_ema ? "" : ", Probe before the EMA"));
+               << (observe == ObserveLaunch::kBeside   ? ", Probe beside the EMA"
+                   : observe == ObserveLaunch::kBefore ? ", Probe before the EMA"
+                                                       : ""));
   Geometry g;
   g.layers = 3;
   g.max_seqs = 6;
@@ -539,7 +546,8 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uin
   p.probe_period = sc.period;
   CudaDataPlaneOptions options;
   options.ahead_group_layers = ahead_group;
-  options.probe_beside_ema = probe_beside_ema;
+  options.probe_in_ema_launch = observe == ObserveLaunch::kOne;
+  options.probe_beside_ema = observe != ObserveLaunch::kBefore;
   Twin t(g, p, 99, stride_pad, options);
   if (sc.engine_contract) t.NoAccepted();
   if (sc.fused) t.Fused(sc.one_call);
@@ -587,7 +595,8 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uin
 void RunScenario(const Scenario& sc) {
   RunScenarioWith(sc, 64 * 40 + 17, 0);
   RunScenarioWith(sc, 64 * 40 + 8, 0);
-  RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, false, false);  // Probe, then the EMA
+  RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, false, ObserveLaunch::kBeside);
+  RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, false, ObserveLaunch::kBefore);
   RunScenarioWith(sc, 64 * 40 + 8, 1);
   RunScenarioWith(sc, 32 * 80 + 9, 0, 32);
   RunScenarioWith(sc, 128 * 20 + 40, 0, 128);
@@ -655,7 +664,8 @@ TEST_F(CudaTest, ParityProbeCountsTheEngineTopK) {
                       Scenario{StateDtype::kBf16, 3, 0.6, 0.2, 2, true}}) {
     sc.given_topk = true;
     RunScenarioWith(sc, 64 * 40 + 8, 0);
-    RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true, false);  // mid-step events, Probe first
+    RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true, ObserveLaunch::kBefore);  // mid-step events
+    RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true, ObserveLaunch::kBeside);
     RunScenarioWith(sc, 32 * 80 + 9, 0, 32);
   }
   if (!Sm90()) return;
@@ -680,7 +690,8 @@ TEST_F(CudaTest, ParityRemapAndObserve) {
         Scenario{StateDtype::kBf16, 2, 0.4, 0.05, 4, true}}) {
     sc.remap_observe = true;
     RunScenarioWith(sc, 64 * 40 + 8, 0);
-    RunScenarioWith(sc, 64 * 40 + 17, 0, 64, 0, true, false);  // mid-step events, Probe first
+    RunScenarioWith(sc, 64 * 40 + 17, 0, 64, 0, true, ObserveLaunch::kBefore);  // mid-step events
+    RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true, ObserveLaunch::kBeside);
     RunScenarioWith(sc, 32 * 80 + 9, 0, 32);
   }
 }
@@ -703,7 +714,8 @@ TEST_F(CudaTest, ParityStepTablePublishesAhead) {
       sc.remap_observe = remap_observe;
       sc.given_topk = !remap_observe && sc.rows == 1;
       RunScenarioWith(sc, 64 * 40 + 8, 0);
-      RunScenarioWith(sc, 64 * 40 + 17, 0, 64, 0, true, false);  // mid-step events, Probe first
+      RunScenarioWith(sc, 64 * 40 + 17, 0, 64, 0, true, ObserveLaunch::kBefore);  // mid-step
+      RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true, ObserveLaunch::kBeside);
       RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 2, true);
       RunScenarioWith(sc, 32 * 80 + 9, 0, 32);
     }
