@@ -257,7 +257,7 @@ struct Result {
   double OnePdlSpin() const { return one_pdl_us - (plain_pdl_us - select_us); }
   // The unfused step with Observe's Probe launch before the EMA on the caller's stream
   // (CudaDataPlaneOptions::probe_in_ema_launch = probe_beside_ema = false) instead of inside the
-  // EMA's launch (batches up to 16) or beside it.
+  // EMA's launch (batches up to 4) or beside it.
   double spin_seq_us = 0;
   // The step as an engine runs it with the top-K remapped: each layer writes a fixed top-K into
   // the engine's buffer (WriteTopKKernel; copy_us: those kernels alone), then Remap (the probe's
@@ -770,7 +770,7 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
   md +=
       "Fused mode against unfused, side by side in each row (wgmma indexer, 5 pages in flight; "
       "us per layer of a 61-layer step under CUDA graphs). Unfused: Select, the indexer over "
-      "SPIN's compacted table, then Observe (up to batch 16 the Probe work inside the EMA's "
+      "SPIN's compacted table, then Observe (up to batch 4 the Probe work inside the EMA's "
       "launch, above it Probe beside the EMA; in the column 'Probe before the EMA', a data plane "
       "with CudaDataPlaneOptions::probe_in_ema_launch = probe_beside_ema = false). Fused: Select, "
       "then IndexAndObserve "

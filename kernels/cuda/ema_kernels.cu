@@ -327,7 +327,9 @@ struct EmaVecShared {
   int start[MaxEntries + 1], len[MaxEntries], q[MaxEntries], seq[MaxEntries];
 };
 
-template <typename T, int NT, int MaxEntries>
+// kSpread: warp w of CTA c takes run w * ctas + c (the grid's busy warps spread over all its
+// CTAs, a few per multiprocessor, when the runs are fewer than the warps); else run c * warps + w.
+template <typename T, int NT, int MaxEntries, bool kSpread = false>
 __device__ __forceinline__ void EmaVecWork(const Dev& d, int layer, int r, const float* logits,
                                            int64_t stride, const int32_t* accepted, int listed,
                                            int cta, int ctas, bool flat, int e_row,
@@ -396,7 +398,7 @@ __device__ __forceinline__ void EmaVecWork(const Dev& d, int layer, int r, const
   // This warp's run [lo, hi) of the list: a multiple of four segments.
   const int warps = ctas * kWarps;
   const int per = (total + 4 * warps - 1) / (4 * warps) * 4;
-  const int lo = (cta * kWarps + warp) * per;
+  const int lo = (kSpread ? warp * ctas + cta : cta * kWarps + warp) * per;
   const int hi = min(lo + per, total);
   const int gq = lane / 8, t0 = 8 * (lane % 8), s8 = lane % 8;
   E* win = s_d[warp][gq];
@@ -623,7 +625,7 @@ __global__ void __launch_bounds__(kProbeThreads)
               g, probe_ctas, sm.probe);
     return;
   }
-  EmaVecWork<T, kProbeThreads, kObserveOneLaunchMaxEntries>(
+  EmaVecWork<T, kProbeThreads, kObserveOneLaunchMaxEntries, true>(
       d, layer, 0, logits, stride, accepted, listed, g - probe_ctas,
       static_cast<int>(gridDim.x) - probe_ctas, true, 0, sm.ema);
 }
@@ -744,12 +746,12 @@ cudaError_t LaunchObserveVec(const Dev& d, int layer, int n, int rows, int sms, 
                              int64_t stride, const int32_t* accepted, int resident,
                              int observe_resident, bool topk, const RemapWork& remap,
                              const SelectWork& sel, cudaStream_t stream) {
-  // ProbeKernel's grid (one CTA per multiprocessor, at most kMaxProbeShares per entry), then
-  // EmaVecKernel's persistent grid in CTAs of kProbeThreads threads: a warp's round of four
-  // segments per block of every entry when the whole context is kept, and no more CTAs than are
-  // resident beside the Probe CTAs.
+  // ProbeKernel's grid (one CTA per multiprocessor, at most kMaxProbeShares per entry), then as
+  // many CTAs as EmaVecKernel's grid would have (a warp's round of four segments per block of
+  // every entry when the whole context is kept, eight warps a CTA), but no more than are resident
+  // beside the Probe CTAs; the busy warps are spread over them (kSpread).
   const int probe_ctas = std::min(sms, kMaxProbeShares * n);
-  const int64_t warp_rounds = CeilDiv(d.max_blocks, (kProbeThreads / 32) * 4);
+  const int64_t warp_rounds = CeilDiv(d.max_blocks, (kEmaThreads / 32) * 4);
   const int ema_ctas = static_cast<int>(std::clamp<int64_t>(
       std::min<int64_t>(warp_rounds * n, observe_resident - probe_ctas), 1, 65535 - probe_ctas));
   SPIN_CUDA_RETURN_IF_ERROR(

@@ -518,17 +518,18 @@ struct Scenario {
 // mid_step, events inside steps: after layer 0's Observe a new policy is written (it applies
 // from the next step), layer 0 is selected again (from its updated state) and, at step 7, a
 // sequence of the batch is reset (it is padding for the rest of the step). `observe`: how
-// Observe launches its Probe work (CudaDataPlaneOptions): in the EMA's launch where the batch
-// and layout allow it (the default; every batch here has at most 6 entries, so whenever the
-// EMA is EmaVecKernel), beside the EMA, or before it.
-enum class ObserveLaunch { kOne, kBeside, kBefore };
+// Observe launches its Probe work (CudaDataPlaneOptions): beside the EMA (batches of 6 entries,
+// probe_in_ema_launch off), before it, or in the EMA's launch (kOne: the default options, on
+// batches of the first 4 entries, which the one launch takes when the EMA is EmaVecKernel,
+// kObserveOneLaunchMaxEntries).
+enum class ObserveLaunch { kBeside, kBefore, kOne };
 void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uint32_t block = 64,
                      int ahead_group = 0, bool mid_step = false,
-                     ObserveLaunch observe = ObserveLaunch::kOne) {
+                     ObserveLaunch observe = ObserveLaunch::kBeside) {
   SCOPED_TRACE(::testing::Message()
                << "max_slots " << max_slots << ", stride pad " << stride_pad << ", block " << block
                << ", ahead group " << ahead_group << (mid_step ? ", mid-step events" : "")
-               << (observe == ObserveLaunch::kBeside   ? ", Probe beside the EMA"
+               << (observe == ObserveLaunch::kOne      ? ", batches of 4, Probe in the EMA's launch"
                    : observe == ObserveLaunch::kBefore ? ", Probe before the EMA"
                                                        : ""));
   Geometry g;
@@ -546,7 +547,7 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uin
   p.probe_period = sc.period;
   CudaDataPlaneOptions options;
   options.ahead_group_layers = ahead_group;
-  options.probe_in_ema_launch = observe == ObserveLaunch::kOne;
+  options.probe_in_ema_launch = observe == ObserveLaunch::kOne;  // (true by default)
   options.probe_beside_ema = observe != ObserveLaunch::kBefore;
   Twin t(g, p, 99, stride_pad, options);
   if (sc.engine_contract) t.NoAccepted();
@@ -577,6 +578,7 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uin
     if (step == 12) t.Reset(3, 555);  // a sequence slot reused mid-run
     std::vector<int32_t> seq = {0, 2, -1, 1, 3, 4}, c, q, acc;
     if (step % 5 == 4) seq[5] = 5;
+    if (observe == ObserveLaunch::kOne) seq.resize(4);
     for (int32_t s : seq) {
       const int cc = s < 0 ? 0 : ctx[s];
       c.push_back(cc);
@@ -595,7 +597,7 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uin
 void RunScenario(const Scenario& sc) {
   RunScenarioWith(sc, 64 * 40 + 17, 0);
   RunScenarioWith(sc, 64 * 40 + 8, 0);
-  RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, false, ObserveLaunch::kBeside);
+  RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, false, ObserveLaunch::kOne);
   RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, false, ObserveLaunch::kBefore);
   RunScenarioWith(sc, 64 * 40 + 8, 1);
   RunScenarioWith(sc, 32 * 80 + 9, 0, 32);
@@ -665,7 +667,7 @@ TEST_F(CudaTest, ParityProbeCountsTheEngineTopK) {
     sc.given_topk = true;
     RunScenarioWith(sc, 64 * 40 + 8, 0);
     RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true, ObserveLaunch::kBefore);  // mid-step events
-    RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true, ObserveLaunch::kBeside);
+    RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true, ObserveLaunch::kOne);
     RunScenarioWith(sc, 32 * 80 + 9, 0, 32);
   }
   if (!Sm90()) return;
@@ -691,7 +693,7 @@ TEST_F(CudaTest, ParityRemapAndObserve) {
     sc.remap_observe = true;
     RunScenarioWith(sc, 64 * 40 + 8, 0);
     RunScenarioWith(sc, 64 * 40 + 17, 0, 64, 0, true, ObserveLaunch::kBefore);  // mid-step events
-    RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true, ObserveLaunch::kBeside);
+    RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true, ObserveLaunch::kOne);
     RunScenarioWith(sc, 32 * 80 + 9, 0, 32);
   }
 }
@@ -715,7 +717,7 @@ TEST_F(CudaTest, ParityStepTablePublishesAhead) {
       sc.given_topk = !remap_observe && sc.rows == 1;
       RunScenarioWith(sc, 64 * 40 + 8, 0);
       RunScenarioWith(sc, 64 * 40 + 17, 0, 64, 0, true, ObserveLaunch::kBefore);  // mid-step
-      RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true, ObserveLaunch::kBeside);
+      RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true, ObserveLaunch::kOne);
       RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 2, true);
       RunScenarioWith(sc, 32 * 80 + 9, 0, 32);
     }
