@@ -360,7 +360,31 @@ __device__ __forceinline__ void EmaVecWork(const Dev& d, int layer, int r, const
   const int ne = flat ? min(listed, MaxEntries) : 1;
   // The entries' segments: none unless the row is applied (padding, r >= accepted, accepted
   // out of range, or a stride below one of the entry's compacted rows: not applied).
-  {
+  if constexpr (MaxEntries <= 32) {
+    // Few entries (ObserveVecKernel): warp 0 lists them, one per lane, with a warp scan.
+    if (warp == 0) {
+      int c = 0;
+      if (lane < ne) {
+        const int e = e0 + lane;
+        const StepEntry en = d.entries[e];
+        const int acc_in = accepted ? accepted[e] : 0;
+        int len;
+        const bool fit = RowsFitStride(d, e, rows, stride, r, len);
+        const bool ok = RowApplied(e, batch_n, en.seq, r, rows, accepted ? acc_in : 1, fit);
+        c = ok ? (len + 63) / 64 : 0;
+        s_len[lane] = len;
+        s_q[lane] = en.q_pos + r;
+        s_seq[lane] = en.seq;
+      }
+      int incl = c;
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(kAll, incl, o);
+        if (lane >= o) incl += v;
+      }
+      if (lane < ne) s_start[lane] = incl - c;
+      if (lane == 31) s_start[ne] = incl;  // lanes from ne on add nothing
+    }
+  } else {
     int cnt[kPerThread];
 #pragma unroll
     for (int u = 0; u < kPerThread; ++u) {

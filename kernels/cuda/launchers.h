@@ -136,7 +136,7 @@ cudaError_t LaunchEma(const Dev& d, int layer, int n, int rows, const float* log
 // `remap`, `sel` as there, on at most `sms` CTAs) and the others EmaVecKernel's row 0; then
 // EmaVecKernel's launches of rows 1.. (`rows` > 1 with an accepted array). `resident`:
 // EmaVecKernel's CTAs resident at once; `observe_resident`: ObserveVecKernel's.
-inline constexpr int kObserveOneLaunchMaxEntries = 4;
+inline constexpr int kObserveOneLaunchMaxEntries = 8;
 cudaError_t ObserveVecBlocksPerSm(const Dev& d, int* per_sm);
 cudaError_t LaunchObserveVec(const Dev& d, int layer, int n, int rows, int sms, const float* logits,
                              int64_t stride, const int32_t* accepted, int resident,
