@@ -256,8 +256,7 @@ struct Result {
   double one_pdl_us = 0, plain_pdl_us = 0, dense_pdl_us = 0;
   double OnePdlSpin() const { return one_pdl_us - (plain_pdl_us - select_us); }
   // The unfused step with Observe's Probe launch before the EMA on the caller's stream
-  // (CudaDataPlaneOptions::probe_in_ema_launch = probe_beside_ema = false) instead of inside the
-  // EMA's launch (batches up to 4) or beside it.
+  // (CudaDataPlaneOptions::probe_beside_ema = false) instead of beside it.
   double spin_seq_us = 0;
   // The step as an engine runs it with the top-K remapped: each layer writes a fixed top-K into
   // the engine's buffer (WriteTopKKernel; copy_us: those kernels alone), then Remap (the probe's
@@ -576,7 +575,6 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
         dense_graph(dense_args(IndexerKernel::kWgmma, plan.wg_stages, true));
     // A second data plane over the same arena whose Observe runs Probe before the EMA.
     CudaDataPlaneOptions seq_options;
-    seq_options.probe_in_ema_launch = false;
     seq_options.probe_beside_ema = false;
     auto seq_dp = MakeCudaDataPlane(*view, seq_options);
     CHECK_OK(seq_dp.status());
@@ -770,9 +768,8 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
   md +=
       "Fused mode against unfused, side by side in each row (wgmma indexer, 5 pages in flight; "
       "us per layer of a 61-layer step under CUDA graphs). Unfused: Select, the indexer over "
-      "SPIN's compacted table, then Observe (up to batch 4 the Probe work inside the EMA's "
-      "launch, above it Probe beside the EMA; in the column 'Probe before the EMA', a data plane "
-      "with CudaDataPlaneOptions::probe_in_ema_launch = probe_beside_ema = false). Fused: Select, "
+      "SPIN's compacted table, then Observe (Probe beside the EMA; in the column 'Probe before "
+      "the EMA', a data plane with CudaDataPlaneOptions::probe_beside_ema = false). Fused: Select, "
       "then IndexAndObserve "
       "(the indexer with the row-0 EMA beside it, then Probe). One call: SelectIndexAndObserve "
       "(the same kernel also publishes the selection; Select launches nothing), its rows chunked "

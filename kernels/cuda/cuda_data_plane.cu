@@ -182,9 +182,6 @@ class CudaDataPlane final : public DataPlane {
     e = ck::EmaVecBlocksPerSm(d_, &per_sm);
     SPIN_RETURN_IF_ERROR(CudaStatus(e, "EMA occupancy"));
     ema_vec_resident_ = std::max(1, sms * per_sm);
-    e = ck::ObserveVecBlocksPerSm(d_, &per_sm);
-    SPIN_RETURN_IF_ERROR(CudaStatus(e, "Observe occupancy"));
-    observe_vec_resident_ = std::max(1, sms * per_sm);
     // Observe's second stream (the Probe launch beside the EMA), and its fork and join events.
     if (options_.probe_beside_ema) {
       e = cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking);
@@ -511,21 +508,13 @@ class CudaDataPlane final : public DataPlane {
   // Observe's launches: the entries' bookkeeping (validation, fresh flag, probe miss curve) and
   // one EMA launch per row, in row order (the prefix-valid replay), of the kernel for the arena's
   // state type and the logits' layout (after EmaWord or Ema, the V summaries). Without an
-  // accepted array only row 0 is applied (the engine contract), so only its launch is made. For
-  // a batch of at most kObserveOneLaunchMaxEntries entries in the engine's layout the bookkeeping
-  // and row 0's EMA are one launch (probe_in_ema_launch); else the bookkeeping runs beside the
-  // EMA launches (probe_beside_ema) or before them.
+  // accepted array only row 0 is applied (the engine contract), so only its launch is made. The
+  // bookkeeping runs beside the EMA launches (probe_beside_ema) or before them.
   // With `remap` (RemapAndObserve), the Probe launch also does the remap, first; `topk`: the
   // Probe launch computes the probing entries' top-K from the logits.
   cudaError_t LaunchObserve(const Dev& dv, int32_t layer, const float* logits,
                             int64_t logits_stride, const int32_t* accepted, cudaStream_t stream,
                             const ck::RemapWork& remap, bool topk, const ck::SelectWork& sel) {
-    if (options_.probe_in_ema_launch && n_ <= ck::kObserveOneLaunchMaxEntries &&
-        ck::EmaVecFits(dv, logits, logits_stride)) {
-      return ck::LaunchObserveVec(dv, layer, n_, accepted ? rows_ : 1, sms_, logits, logits_stride,
-                                  accepted, ema_vec_resident_, observe_vec_resident_, topk, remap,
-                                  sel, stream);
-    }
     if (side_ == nullptr) {
       SPIN_CUDA_RETURN_IF_ERROR(ck::LaunchProbe(dv, layer, n_, sms_, logits, logits_stride,
                                                 accepted, true, topk, remap, sel, stream));
@@ -639,12 +628,11 @@ class CudaDataPlane final : public DataPlane {
   bool outputs_other_ = false;  // the outputs hold another layer's selection than the selected
   const int32_t* selected_table_ = nullptr;
   int64_t selected_table_stride_ = 0;
-  int32_t group_ = 1;             // layers per select-ahead group
-  int ema_resident_ = 1;          // EmaWordKernel CTAs resident on the device at once
-  int sms_ = 1;                   // multiprocessors of the device (ProbeKernel's grid)
-  int rank_threads_ = 1024;       // ProbeRankKernel's CTA size
-  int ema_vec_resident_ = 1;      // EmaVecKernel CTAs resident on the device at once
-  int observe_vec_resident_ = 1;  // ObserveVecKernel CTAs resident on the device at once
+  int32_t group_ = 1;         // layers per select-ahead group
+  int ema_resident_ = 1;      // EmaWordKernel CTAs resident on the device at once
+  int sms_ = 1;               // multiprocessors of the device (ProbeKernel's grid)
+  int rank_threads_ = 1024;   // ProbeRankKernel's CTA size
+  int ema_vec_resident_ = 1;  // EmaVecKernel CTAs resident on the device at once
   // Observe's second stream and its fork/join events (CudaDataPlaneOptions::probe_beside_ema).
   cudaStream_t side_ = nullptr;
   cudaEvent_t fork_ = nullptr, join_ = nullptr;

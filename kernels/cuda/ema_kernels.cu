@@ -11,7 +11,6 @@
 #include "device_common.cuh"
 #include "ema_state.cuh"
 #include "launchers.h"
-#include "probe_work.cuh"
 #include "spin/arena.h"
 #include "spin/numerics.h"
 
@@ -56,10 +55,9 @@ __device__ __forceinline__ EmaRow EmaRowOf(const Dev& d, int layer, int r, int64
 
 // The CTA's observed and non-finite counts: warp sums, then one global atomic per CTA and
 // counter (none when zero). Every thread of the CTA calls it.
-template <int NT = kEmaThreads>
 __device__ __forceinline__ void AddEmaCounts(const Dev& d, int layer, unsigned obs, unsigned bad) {
   constexpr unsigned kAll = 0xFFFFFFFFu;
-  constexpr int kWarps = NT / 32;
+  constexpr int kWarps = kEmaThreads / 32;
   __shared__ unsigned s_obs[kWarps], s_bad[kWarps];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   obs = __reduce_add_sync(kAll, obs);
@@ -309,86 +307,43 @@ constexpr int kEmaFlatMaxEntries = 512;
 // rows differ in length (mixed contexts, or the dense rows of probing sequences) costs what its
 // segments cost, not its longest row times the batch. With flat = 0 (batches above
 // kEmaFlatMaxEntries) the list is the one entry blockIdx.y, shared out over gridDim.x CTAs.
-//
-// EmaVecWork is the body, for CTAs of NT threads listing up to MaxEntries entries: CTA `cta` of
-// the `ctas` that share the work. EmaVecKernel runs it on its whole grid; ObserveVecKernel
-// (below) on the CTAs of its launch that do not run Observe's Probe work.
-template <typename T, int NT, int MaxEntries>
-struct EmaVecShared {
-  using E = typename StateBits<T>::E;
-  static constexpr int kChunk = 16 / static_cast<int>(sizeof(T));  // entries per 16-byte chunk
-  static constexpr int kMaxChunks = 64 / kChunk + 1;               // chunks covering 64 entries
-  static constexpr int kWin = kMaxChunks * kChunk;
-  using Scan = cub::BlockScan<int, NT>;
-  __align__(16) E d[NT / 32][4][kWin];  // each warp's four D windows
-  typename Scan::TempStorage scan;
-  // Per listed entry i: its first segment in the list (start[ne] = all of them), its row's
-  // compacted length, its query slot and its sequence.
-  int start[MaxEntries + 1], len[MaxEntries], q[MaxEntries], seq[MaxEntries];
-};
-
-// kSpread: warp w of CTA c takes run w * ctas + c (the grid's busy warps spread over all its
-// CTAs, a few per multiprocessor, when the runs are fewer than the warps); else run c * warps + w.
-template <typename T, int NT, int MaxEntries, bool kSpread = false>
-__device__ __forceinline__ void EmaVecWork(const Dev& d, int layer, int r, const float* logits,
-                                           int64_t stride, const int32_t* accepted, int listed,
-                                           int cta, int ctas, bool flat, int e_row,
-                                           EmaVecShared<T, NT, MaxEntries>& sm) {
-  using Sh = EmaVecShared<T, NT, MaxEntries>;
+template <typename T>
+__global__ void __launch_bounds__(kEmaThreads)
+    EmaVecKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
+                 const int32_t* accepted, int listed) {
+  StepKernelEntry();
   using B = StateBits<T>;
   using E = typename B::E;
-  constexpr int kWarps = NT / 32;
+  constexpr int kWarps = kEmaThreads / 32;
   constexpr unsigned kAll = 0xFFFFFFFFu;
-  constexpr int kChunk = Sh::kChunk;
-  constexpr int kVWords = 8 / kChunk;                // 16-byte V words per lane
-  constexpr int kDWords = (Sh::kMaxChunks + 7) / 8;  // D chunks per lane
-  constexpr int kPerThread = (MaxEntries + NT - 1) / NT;
-  using Scan = typename Sh::Scan;
-  auto& s_d = sm.d;
-  auto& s_scan = sm.scan;
-  int* s_start = sm.start;
-  int* s_len = sm.len;
-  int* s_q = sm.q;
-  int* s_seq = sm.seq;
+  constexpr int kChunk = 16 / static_cast<int>(sizeof(T));  // entries per 16-byte chunk
+  constexpr int kVWords = 8 / kChunk;                       // 16-byte V words per lane
+  constexpr int kMaxChunks = 64 / kChunk + 1;               // chunks covering 64 entries
+  constexpr int kDWords = (kMaxChunks + 7) / 8;             // D chunks per lane
+  constexpr int kWin = kMaxChunks * kChunk;
+  constexpr int kPerThread = kEmaFlatMaxEntries / kEmaThreads;
+  using Scan = cub::BlockScan<int, kEmaThreads>;
+  __shared__ __align__(16) E s_d[kWarps][4][kWin];
+  __shared__ typename Scan::TempStorage s_scan;
+  // Per listed entry i: its first segment in the list (s_start[ne] = all of them), its row's
+  // compacted length, its query slot and its sequence.
+  __shared__ int s_start[kEmaFlatMaxEntries + 1], s_len[kEmaFlatMaxEntries];
+  __shared__ int s_q[kEmaFlatMaxEntries], s_seq[kEmaFlatMaxEntries];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   // Every load of the plan is issued at once: none waits for another (`listed` is the batch
   // size the grid was made for, so the entries' loads need not wait for the batch header).
   const float alpha = d.policy->alpha, beta = d.policy->beta;
   const int batch_n = d.batch->n, rows = d.batch->rows;
-  // flat: the CTAs share out every entry's segments; else only those of entry e_row.
-  const int e0 = flat ? 0 : e_row;
-  const int ne = flat ? min(listed, MaxEntries) : 1;
+  const bool flat = gridDim.y == 1;  // the launch gives a row per entry above kEmaFlatMaxEntries
+  const int e0 = flat ? 0 : static_cast<int>(blockIdx.y);
+  const int ne = flat ? min(listed, kEmaFlatMaxEntries) : 1;
   // The entries' segments: none unless the row is applied (padding, r >= accepted, accepted
   // out of range, or a stride below one of the entry's compacted rows: not applied).
-  if constexpr (MaxEntries <= 32) {
-    // Few entries (ObserveVecKernel): warp 0 lists them, one per lane, with a warp scan.
-    if (warp == 0) {
-      int c = 0;
-      if (lane < ne) {
-        const int e = e0 + lane;
-        const StepEntry en = d.entries[e];
-        const int acc_in = accepted ? accepted[e] : 0;
-        int len;
-        const bool fit = RowsFitStride(d, e, rows, stride, r, len);
-        const bool ok = RowApplied(e, batch_n, en.seq, r, rows, accepted ? acc_in : 1, fit);
-        c = ok ? (len + 63) / 64 : 0;
-        s_len[lane] = len;
-        s_q[lane] = en.q_pos + r;
-        s_seq[lane] = en.seq;
-      }
-      int incl = c;
-      for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(kAll, incl, o);
-        if (lane >= o) incl += v;
-      }
-      if (lane < ne) s_start[lane] = incl - c;
-      if (lane == 31) s_start[ne] = incl;  // lanes from ne on add nothing
-    }
-  } else {
+  {
     int cnt[kPerThread];
 #pragma unroll
     for (int u = 0; u < kPerThread; ++u) {
-      const int i = static_cast<int>(threadIdx.x) + u * NT;  // striped: every warp loads
+      const int i = static_cast<int>(threadIdx.x) + u * kEmaThreads;  // striped: every warp loads
       cnt[u] = 0;
       if (i >= ne) continue;
       const int e = e0 + i;
@@ -402,15 +357,15 @@ __device__ __forceinline__ void EmaVecWork(const Dev& d, int layer, int r, const
       s_q[i] = en.q_pos + r;
       s_seq[i] = en.seq;
     }
-    // One block scan per NT entries (the second only for a batch above that).
+    // One block scan per kEmaThreads entries (the second only for a batch above that).
     int total = 0;
 #pragma unroll
     for (int u = 0; u < kPerThread; ++u) {
-      if (u * NT >= ne) break;     // uniform over the CTA
-      if (u > 0) __syncthreads();  // the scan's storage is reused
+      if (u * kEmaThreads >= ne) break;  // uniform over the CTA
+      if (u > 0) __syncthreads();        // the scan's storage is reused
       int start, sum;
       Scan(s_scan).ExclusiveSum(cnt[u], start, sum);
-      const int i = static_cast<int>(threadIdx.x) + u * NT;
+      const int i = static_cast<int>(threadIdx.x) + u * kEmaThreads;
       if (i < ne) s_start[i] = total + start;
       total += sum;
     }
@@ -420,9 +375,9 @@ __device__ __forceinline__ void EmaVecWork(const Dev& d, int layer, int r, const
   const int total = s_start[ne];
   if (total == 0) return;  // uniform over the CTA
   // This warp's run [lo, hi) of the list: a multiple of four segments.
-  const int warps = ctas * kWarps;
+  const int warps = static_cast<int>(gridDim.x) * kWarps;
   const int per = (total + 4 * warps - 1) / (4 * warps) * 4;
-  const int lo = (kSpread ? warp * ctas + cta : cta * kWarps + warp) * per;
+  const int lo = (static_cast<int>(blockIdx.x) * kWarps + warp) * per;
   const int hi = min(lo + per, total);
   const int gq = lane / 8, t0 = 8 * (lane % 8), s8 = lane % 8;
   E* win = s_d[warp][gq];
@@ -607,51 +562,7 @@ __device__ __forceinline__ void EmaVecWork(const Dev& d, int layer, int r, const
       vsum_row[base / 64] = unset ? __int_as_float(0x7FC00000) : (m == 0.0f ? 0.0f : m);
     }
   }
-  AddEmaCounts<NT>(d, layer, obs, bad);
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kEmaThreads)
-    EmaVecKernel(Dev d, int layer, int r, const float* logits, int64_t stride,
-                 const int32_t* accepted, int listed) {
-  StepKernelEntry();
-  __shared__ EmaVecShared<T, kEmaThreads, kEmaFlatMaxEntries> sm;
-  // A grid of one row shares out every entry's segments; above kEmaFlatMaxEntries entries the
-  // launch gives a grid row per entry.
-  EmaVecWork<T, kEmaThreads, kEmaFlatMaxEntries>(
-      d, layer, r, logits, stride, accepted, listed, static_cast<int>(blockIdx.x),
-      static_cast<int>(gridDim.x), gridDim.y == 1, static_cast<int>(blockIdx.y), sm);
-}
-
-// Observe of row 0 as one launch for a batch of at most kObserveOneLaunchMaxEntries entries:
-// the first `probe_ctas` CTAs do ProbeKernel's work (ProbeWork, probe_work.cuh: validation,
-// fresh flags, the Select statistics and publish ahead, RemapAndObserve's remap, the probing
-// entries' top-K) and the others EmaVecKernel's row 0 (EmaVecWork), in CTAs of kProbeThreads
-// threads. The two touch disjoint memory (as when Probe runs beside the EMA on a second stream,
-// cuda_data_plane.cu), so sharing one grid gives the same results; a small batch then waits for
-// one graph node per layer instead of two branches joined. The Probe CTAs come first, so they are
-// placed first; the two kinds of CTA overlay their shared state.
-template <typename T>
-union ObserveVecShared {
-  EmaVecShared<T, kProbeThreads, kObserveOneLaunchMaxEntries> ema;
-  ProbeShared probe;
-};
-template <typename T>
-__global__ void __launch_bounds__(kProbeThreads)
-    ObserveVecKernel(Dev d, int layer, const float* logits, int64_t stride, const int32_t* accepted,
-                     int listed, int probe_ctas, int topk, int32_t* remap_idx, int remap_count,
-                     int remap_probe, SelectWork sel) {
-  StepKernelEntry();
-  __shared__ ObserveVecShared<T> sm;
-  const int g = static_cast<int>(blockIdx.x);
-  if (g < probe_ctas) {
-    ProbeWork(d, layer, logits, stride, accepted, 1, topk, remap_idx, remap_count, remap_probe, sel,
-              g, probe_ctas, sm.probe);
-    return;
-  }
-  EmaVecWork<T, kProbeThreads, kObserveOneLaunchMaxEntries, true>(
-      d, layer, 0, logits, stride, accepted, listed, g - probe_ctas,
-      static_cast<int>(gridDim.x) - probe_ctas, true, 0, sm.ema);
+  AddEmaCounts(d, layer, obs, bad);
 }
 
 // After EmaWordKernel / EmaKernel (EmaVecKernel keeps the summaries itself): the V summary of
@@ -707,28 +618,6 @@ cudaError_t EmaPerRow(EmaFn fp32, EmaFn bf16, int64_t chunks, const Dev& d, int 
   return cudaSuccess;
 }
 
-// EmaVecKernel's launches of rows [r0, rows), in row order.
-cudaError_t LaunchEmaVecRows(const Dev& d, int layer, int n, int r0, int rows, const float* logits,
-                             int64_t stride, const int32_t* accepted, int resident,
-                             cudaStream_t stream) {
-  // Persistent as EmaWord's, a warp taking four segments (blocks) per round: the resident CTAs
-  // share out the segments of every entry, or above kEmaFlatMaxEntries those of one entry per
-  // grid row.
-  const int64_t warp_rounds = CeilDiv(d.max_blocks, (kEmaThreads / 32) * 4);
-  const int flat = n <= kEmaFlatMaxEntries ? 1 : 0;
-  const dim3 grid(
-      static_cast<unsigned>(std::clamp<int64_t>(flat ? std::min<int64_t>(resident, warp_rounds * n)
-                                                     : std::min<int64_t>(warp_rounds, resident / n),
-                                                1, 65535)),
-      static_cast<unsigned>(flat ? 1 : n));
-  for (int r = r0; r < rows; ++r) {
-    SPIN_CUDA_RETURN_IF_ERROR(
-        Launch(d.dtype_bytes == 4 ? EmaVecKernel<float> : EmaVecKernel<uint16_t>, grid, kEmaThreads,
-               stream, d, layer, r, logits, stride, accepted, n));
-  }
-  return cudaSuccess;
-}
-
 }  // namespace
 
 cudaError_t EmaWordBlocksPerSm(const Dev& d, int* per_sm) {
@@ -753,38 +642,25 @@ bool EmaVecFits(const Dev& d, const float* logits, int64_t stride) {
 
 bool EmaWordFits(const Dev& d) { return d.block % 2 == 0 && d.block >= kEmaSegSlots; }
 
-cudaError_t ObserveVecBlocksPerSm(const Dev& d, int* per_sm) {
-  return d.dtype_bytes == 4 ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                                  per_sm, ObserveVecKernel<float>, kProbeThreads, 0)
-                            : cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                                  per_sm, ObserveVecKernel<uint16_t>, kProbeThreads, 0);
-}
-
 cudaError_t LaunchEmaVec(const Dev& d, int layer, int n, int rows, const float* logits,
                          int64_t stride, const int32_t* accepted, int resident,
                          cudaStream_t stream) {
-  return LaunchEmaVecRows(d, layer, n, 0, rows, logits, stride, accepted, resident, stream);
-}
-
-cudaError_t LaunchObserveVec(const Dev& d, int layer, int n, int rows, int sms, const float* logits,
-                             int64_t stride, const int32_t* accepted, int resident,
-                             int observe_resident, bool topk, const RemapWork& remap,
-                             const SelectWork& sel, cudaStream_t stream) {
-  // ProbeKernel's grid (one CTA per multiprocessor, at most kMaxProbeShares per entry), then as
-  // many CTAs as EmaVecKernel's grid would have (a warp's round of four segments per block of
-  // every entry when the whole context is kept, eight warps a CTA), but no more than are resident
-  // beside the Probe CTAs; the busy warps are spread over them (kSpread).
-  const int probe_ctas = std::min(sms, kMaxProbeShares * n);
+  // Persistent as EmaWord's, a warp taking four segments (blocks) per round: the resident CTAs
+  // share out the segments of every entry, or above kEmaFlatMaxEntries those of one entry per
+  // grid row.
   const int64_t warp_rounds = CeilDiv(d.max_blocks, (kEmaThreads / 32) * 4);
-  const int ema_ctas = static_cast<int>(std::clamp<int64_t>(
-      std::min<int64_t>(warp_rounds * n, observe_resident - probe_ctas), 1, 65535 - probe_ctas));
-  SPIN_CUDA_RETURN_IF_ERROR(
-      Launch(d.dtype_bytes == 4 ? ObserveVecKernel<float> : ObserveVecKernel<uint16_t>,
-             dim3(static_cast<unsigned>(probe_ctas + ema_ctas)), kProbeThreads, stream, d, layer,
-             logits, stride, accepted, n, probe_ctas, topk ? 1 : 0, remap.idx, remap.count,
-             remap.probe ? 1 : 0, sel));
-  // Rows 1.. (accepted given) as Observe launches them, after row 0.
-  return LaunchEmaVecRows(d, layer, n, 1, rows, logits, stride, accepted, resident, stream);
+  const int flat = n <= kEmaFlatMaxEntries ? 1 : 0;
+  const dim3 grid(
+      static_cast<unsigned>(std::clamp<int64_t>(flat ? std::min<int64_t>(resident, warp_rounds * n)
+                                                     : std::min<int64_t>(warp_rounds, resident / n),
+                                                1, 65535)),
+      static_cast<unsigned>(flat ? 1 : n));
+  for (int r = 0; r < rows; ++r) {
+    SPIN_CUDA_RETURN_IF_ERROR(
+        Launch(d.dtype_bytes == 4 ? EmaVecKernel<float> : EmaVecKernel<uint16_t>, grid, kEmaThreads,
+               stream, d, layer, r, logits, stride, accepted, n));
+  }
+  return cudaSuccess;
 }
 
 cudaError_t LaunchEmaWord(const Dev& d, int layer, int n, int rows, const float* logits,

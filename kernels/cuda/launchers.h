@@ -131,18 +131,6 @@ cudaError_t LaunchEmaWord(const Dev& d, int layer, int n, int rows, const float*
 cudaError_t LaunchEma(const Dev& d, int layer, int n, int rows, const float* logits, int64_t stride,
                       const int32_t* accepted, cudaStream_t stream);
 
-// Observe as one launch for a batch of at most kObserveOneLaunchMaxEntries entries when
-// EmaVecFits: ObserveVecKernel, whose first CTAs do LaunchProbe's work (validate = true; `topk`,
-// `remap`, `sel` as there, on at most `sms` CTAs) and the others EmaVecKernel's row 0; then
-// EmaVecKernel's launches of rows 1.. (`rows` > 1 with an accepted array). `resident`:
-// EmaVecKernel's CTAs resident at once; `observe_resident`: ObserveVecKernel's.
-inline constexpr int kObserveOneLaunchMaxEntries = 8;
-cudaError_t ObserveVecBlocksPerSm(const Dev& d, int* per_sm);
-cudaError_t LaunchObserveVec(const Dev& d, int layer, int n, int rows, int sms, const float* logits,
-                             int64_t stride, const int32_t* accepted, int resident,
-                             int observe_resident, bool topk, const RemapWork& remap,
-                             const SelectWork& sel, cudaStream_t stream);
-
 // The V summaries of the blocks of every entry's union, after LaunchEmaWord or LaunchEma.
 cudaError_t LaunchVSummary(const Dev& d, int layer, int n, cudaStream_t stream);
 

@@ -517,21 +517,13 @@ struct Scenario {
 // ahead_group > 0 selects that many layers per select-ahead grid (else all 3 at once); with
 // mid_step, events inside steps: after layer 0's Observe a new policy is written (it applies
 // from the next step), layer 0 is selected again (from its updated state) and, at step 7, a
-// sequence of the batch is reset (it is padding for the rest of the step). `observe`: how
-// Observe launches its Probe work (CudaDataPlaneOptions): beside the EMA (batches of 6 entries,
-// probe_in_ema_launch off), before it, or in the EMA's launch (kOne: the default options, on
-// batches of the first 4 entries, which the one launch takes when the EMA is EmaVecKernel,
-// kObserveOneLaunchMaxEntries).
-enum class ObserveLaunch { kBeside, kBefore, kOne };
+// sequence of the batch is reset (it is padding for the rest of the step).
 void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uint32_t block = 64,
-                     int ahead_group = 0, bool mid_step = false,
-                     ObserveLaunch observe = ObserveLaunch::kBeside) {
+                     int ahead_group = 0, bool mid_step = false, bool probe_beside_ema = true) {
   SCOPED_TRACE(::testing::Message()
                << "max_slots " << max_slots << ", stride pad " << stride_pad << ", block " << block
                << ", ahead group " << ahead_group << (mid_step ? ", mid-step events" : "")
-               << (observe == ObserveLaunch::kOne      ? ", batches of 4, Probe in the EMA's launch"
-                   : observe == ObserveLaunch::kBefore ? ", Probe before the EMA"
-                                                       : ""));
+               << (probe_beside_ema ? "" : ", Probe before the EMA"));
   Geometry g;
   g.layers = 3;
   g.max_seqs = 6;
@@ -547,8 +539,7 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uin
   p.probe_period = sc.period;
   CudaDataPlaneOptions options;
   options.ahead_group_layers = ahead_group;
-  options.probe_in_ema_launch = observe == ObserveLaunch::kOne;  // (true by default)
-  options.probe_beside_ema = observe != ObserveLaunch::kBefore;
+  options.probe_beside_ema = probe_beside_ema;
   Twin t(g, p, 99, stride_pad, options);
   if (sc.engine_contract) t.NoAccepted();
   if (sc.fused) t.Fused(sc.one_call);
@@ -578,7 +569,6 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uin
     if (step == 12) t.Reset(3, 555);  // a sequence slot reused mid-run
     std::vector<int32_t> seq = {0, 2, -1, 1, 3, 4}, c, q, acc;
     if (step % 5 == 4) seq[5] = 5;
-    if (observe == ObserveLaunch::kOne) seq.resize(4);
     for (int32_t s : seq) {
       const int cc = s < 0 ? 0 : ctx[s];
       c.push_back(cc);
@@ -597,8 +587,7 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uin
 void RunScenario(const Scenario& sc) {
   RunScenarioWith(sc, 64 * 40 + 17, 0);
   RunScenarioWith(sc, 64 * 40 + 8, 0);
-  RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, false, ObserveLaunch::kOne);
-  RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, false, ObserveLaunch::kBefore);
+  RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, false, false);  // Probe, then the EMA
   RunScenarioWith(sc, 64 * 40 + 8, 1);
   RunScenarioWith(sc, 32 * 80 + 9, 0, 32);
   RunScenarioWith(sc, 128 * 20 + 40, 0, 128);
@@ -666,8 +655,7 @@ TEST_F(CudaTest, ParityProbeCountsTheEngineTopK) {
                       Scenario{StateDtype::kBf16, 3, 0.6, 0.2, 2, true}}) {
     sc.given_topk = true;
     RunScenarioWith(sc, 64 * 40 + 8, 0);
-    RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true, ObserveLaunch::kBefore);  // mid-step events
-    RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true, ObserveLaunch::kOne);
+    RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true, false);  // mid-step events, Probe first
     RunScenarioWith(sc, 32 * 80 + 9, 0, 32);
   }
   if (!Sm90()) return;
@@ -692,8 +680,7 @@ TEST_F(CudaTest, ParityRemapAndObserve) {
         Scenario{StateDtype::kBf16, 2, 0.4, 0.05, 4, true}}) {
     sc.remap_observe = true;
     RunScenarioWith(sc, 64 * 40 + 8, 0);
-    RunScenarioWith(sc, 64 * 40 + 17, 0, 64, 0, true, ObserveLaunch::kBefore);  // mid-step events
-    RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true, ObserveLaunch::kOne);
+    RunScenarioWith(sc, 64 * 40 + 17, 0, 64, 0, true, false);  // mid-step events, Probe first
     RunScenarioWith(sc, 32 * 80 + 9, 0, 32);
   }
 }
@@ -716,8 +703,7 @@ TEST_F(CudaTest, ParityStepTablePublishesAhead) {
       sc.remap_observe = remap_observe;
       sc.given_topk = !remap_observe && sc.rows == 1;
       RunScenarioWith(sc, 64 * 40 + 8, 0);
-      RunScenarioWith(sc, 64 * 40 + 17, 0, 64, 0, true, ObserveLaunch::kBefore);  // mid-step
-      RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 0, true, ObserveLaunch::kOne);
+      RunScenarioWith(sc, 64 * 40 + 17, 0, 64, 0, true, false);  // mid-step events, Probe first
       RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 2, true);
       RunScenarioWith(sc, 32 * 80 + 9, 0, 32);
     }

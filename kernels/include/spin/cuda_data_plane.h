@@ -42,12 +42,6 @@ struct CudaDataPlaneOptions {
   /// graph two parallel branches, so a small batch waits for one kernel's latency instead of
   /// two). false: Probe then the EMA, on the caller's stream. The results are the same.
   bool probe_beside_ema = true;
-  /// For a batch of at most 4 entries whose EMA is the 16-byte kernel (blocks of 64 slots, the
-  /// engine's layout), Observe's Probe work and row 0's EMA run as one kernel launch, the Probe
-  /// work on CTAs of their own: one graph node per layer instead of two branches joined. Takes
-  /// precedence over probe_beside_ema there; false: as probe_beside_ema says. The results are
-  /// the same.
-  bool probe_in_ema_launch = true;
 };
 
 /// A CUDA data plane over a device arena. The view's pointers are device pointers; `view.header`
