@@ -129,26 +129,37 @@ absl::Status RemoteDataPlane::Remap(int32_t* idx, int32_t count, cudaStream_t) {
   return local_->Remap(idx, count);
 }
 
-absl::Status RemoteDataPlane::RemapAndObserve(int32_t layer, int32_t* idx, int32_t count,
-                                              const float* logits, int64_t stride,
-                                              const int32_t* accepted, cudaStream_t stream) {
+absl::Status RemoteDataPlane::CheckObserve(const char* what, int32_t layer, const float* logits,
+                                           int64_t stride, const int32_t* accepted) const {
   if (layer < 0 || static_cast<uint32_t>(layer) >= mirror_.geometry.layers) {
     return absl::OutOfRangeError(
         absl::StrCat("layer ", layer, " is out of range [0, ", mirror_.geometry.layers, ")"));
   }
   if (mirror_.batch->selected_layer != layer) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "RemapAndObserve of layer ", layer,
+        what, " of layer ", layer,
         " without its Select in this step (last: ", mirror_.batch->selected_layer, ")"));
   }
+  return ValidateObserveInputs(mirror_, logits, stride, accepted);
+}
+
+absl::Status RemoteDataPlane::RemapAndObserve(int32_t layer, int32_t* idx, int32_t count,
+                                              const float* logits, int64_t stride,
+                                              const int32_t* accepted, cudaStream_t) {
+  SPIN_RETURN_IF_ERROR(CheckObserve("RemapAndObserve", layer, logits, stride, accepted));
   SPIN_RETURN_IF_ERROR(ValidateTopKBuffer(idx, count));
-  SPIN_RETURN_IF_ERROR(ValidateObserveInputs(mirror_, logits, stride, accepted));
   SPIN_RETURN_IF_ERROR(local_->Remap(idx, count));
-  return Observe(layer, logits, stride, accepted, stream);
+  return SendScores(layer, logits, stride, accepted);
 }
 
 absl::Status RemoteDataPlane::Observe(int32_t layer, const float* logits, int64_t stride,
                                       const int32_t* accepted, cudaStream_t) {
+  SPIN_RETURN_IF_ERROR(CheckObserve("Observe", layer, logits, stride, accepted));
+  return SendScores(layer, logits, stride, accepted);
+}
+
+absl::Status RemoteDataPlane::SendScores(int32_t layer, const float* logits, int64_t stride,
+                                         const int32_t* accepted) {
   pb::ObserveScoresRequest req;
   *req.mutable_session() = Ref();
   req.set_layer(layer);

@@ -30,11 +30,14 @@ class RemoteDataPlane final : public DataPlane {
   absl::Status Select(int32_t layer, const int32_t* block_table = nullptr, int64_t table_stride = 0,
                       cudaStream_t stream = nullptr) override;
   absl::Status Remap(int32_t* idx, int32_t count, cudaStream_t stream = nullptr) override;
+  /// Checks every argument on the mirror first (layer, selection, logits buffer and stride,
+  /// accepted counts): the logits are read for the request only once they are known to cover
+  /// every compacted row. Then ObserveScores.
   absl::Status Observe(int32_t layer, const float* logits, int64_t logits_stride,
                        const int32_t* accepted = nullptr, cudaStream_t stream = nullptr) override;
-  /// Checks every argument on the mirror first (layer, selection, top-K buffer, logits stride,
-  /// accepted counts), then the local remap and ObserveScores; only a failed RPC leaves the
-  /// top-K mapped. The top-K is computed by spind (it is sent the logits, not the top-K).
+  /// Observe's checks and the top-K buffer's first, then the local remap and ObserveScores; only
+  /// a failed RPC leaves the top-K mapped. The top-K is computed by spind (it is sent the
+  /// logits, not the top-K).
   absl::Status RemapAndObserve(int32_t layer, int32_t* idx, int32_t count, const float* logits,
                                int64_t logits_stride, const int32_t* accepted = nullptr,
                                cudaStream_t stream = nullptr) override;
@@ -42,6 +45,12 @@ class RemoteDataPlane final : public DataPlane {
  private:
   RemoteDataPlane() = default;
   absl::Status RefreshStats();
+  // Observe's checks on the mirror (`what` names the call).
+  absl::Status CheckObserve(const char* what, int32_t layer, const float* logits,
+                            int64_t logits_stride, const int32_t* accepted) const;
+  // ObserveScores of checked arguments.
+  absl::Status SendScores(int32_t layer, const float* logits, int64_t logits_stride,
+                          const int32_t* accepted);
   spin::v1::SessionRef Ref() const;
 
   spin::v1::Spin::Stub* stub_ = nullptr;

@@ -541,6 +541,13 @@ absl::Status ValidateStepBatch(const ArenaView& a, const StepBatch& batch) {
   return absl::OkStatus();
 }
 
+absl::Status LogitsRequired(int32_t entries, int64_t logits_stride) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("logits are required: a step of ", entries,
+                   " entries (padding included) needs a logits buffer and a stride >= 0 (got ",
+                   logits_stride, ")"));
+}
+
 absl::Status ValidateTopKBuffer(const int32_t* idx, int32_t count) {
   if (count < 0 || (count > 0 && idx == nullptr)) {
     return absl::InvalidArgumentError(absl::StrCat("bad top-K buffer (count ", count, ")"));
@@ -551,6 +558,11 @@ absl::Status ValidateTopKBuffer(const int32_t* idx, int32_t count) {
 absl::Status ValidateObserveInputs(const ArenaView& a, const float* logits, int64_t logits_stride,
                                    const int32_t* accepted) {
   const int32_t rows = a.batch->rows;
+  // As the CUDA backend, which cannot tell on the host whether an entry is padding: any step
+  // with entries needs a buffer, even one of padding only (where nothing is read).
+  if (a.batch->n > 0 && (logits == nullptr || logits_stride < 0)) {
+    return LogitsRequired(a.batch->n, logits_stride);
+  }
   int32_t widest = 0;
   for (int32_t e = 0; e < a.batch->n; ++e) {
     if (a.entries[e].seq < 0) continue;

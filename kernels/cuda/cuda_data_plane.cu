@@ -373,9 +373,7 @@ class CudaDataPlane final : public DataPlane {
     }
     SPIN_RETURN_IF_ERROR(ValidateTopKBuffer(idx, count));
     if (n_ == 0) return absl::OkStatus();
-    if (logits == nullptr || logits_stride < 0) {
-      return absl::InvalidArgumentError("logits are required");
-    }
+    if (logits == nullptr || logits_stride < 0) return LogitsRequired(n_, logits_stride);
     const bool given = count > 0 && !probe_counted_;
     observed_[layer] = 1;
     const ck::RemapWork remap{count > 0 ? idx : nullptr, count, given};

@@ -710,6 +710,41 @@ TEST_F(CudaTest, ParityStepTablePublishesAhead) {
   }
 }
 
+// A step of padding entries only still needs a logits buffer, on both backends alike (the CUDA
+// data plane cannot tell on the host that nothing will be read): refused with the same status,
+// the arenas unchanged; with a buffer and stride 0 both accept it and still equal each other.
+TEST_F(CudaTest, APaddingOnlyStepNeedsLogitsOnBothBackends) {
+  Geometry g;
+  g.layers = 1;
+  g.max_seqs = 2;
+  g.max_slots = 512;
+  g.topk = 64;
+  Twin t(g, Policy{}, 1);
+  t.Reset(0, 1);
+  const int32_t seq[2] = {-1, -1}, ctx[2] = {0, 0}, qp[2] = {0, 0};
+  DevBuf s(8), c(8), q(8), z(16);
+  CUDA_OK(cudaMemcpy(s.p, seq, 8, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(c.p, ctx, 8, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(q.p, qp, 8, cudaMemcpyHostToDevice));
+  ASSERT_TRUE(t.cpu().dp().BeginStep(StepBatch{seq, ctx, qp, 2, 1}).ok());
+  ASSERT_TRUE(
+      t.gpu().BeginStep(StepBatch{s.as<int32_t>(), c.as<int32_t>(), q.as<int32_t>(), 2, 1}).ok());
+  ASSERT_TRUE(t.cpu().dp().Select(0).ok());
+  ASSERT_TRUE(t.gpu().Select(0).ok());
+  for (int64_t stride : {0, -1}) {
+    const absl::Status on_cpu = t.cpu().dp().Observe(0, nullptr, stride);
+    const absl::Status on_gpu = t.gpu().Observe(0, nullptr, stride);
+    EXPECT_EQ(on_cpu.code(), absl::StatusCode::kInvalidArgument) << on_cpu;
+    EXPECT_EQ(on_gpu, on_cpu);
+  }
+  const float none = 0.0f;
+  EXPECT_EQ(t.cpu().dp().Observe(0, &none, -1), t.gpu().Observe(0, z.as<float>(), -1));
+  t.ExpectSameArena("after the refused Observes");
+  EXPECT_TRUE(t.cpu().dp().Observe(0, &none, 0).ok());
+  EXPECT_TRUE(t.gpu().Observe(0, z.as<float>(), 0).ok());
+  t.ExpectSameArena("after the padding-only Observe");
+}
+
 // Bad arguments to SelectIndexAndObserve are refused before anything runs: no block table, a
 // stride below max blocks, a layer out of range, missing indexer inputs; the arena is unchanged
 // and the data plane still takes the step's calls.

@@ -433,9 +433,10 @@ TEST(Spind, LocalDataPlaneOnTheSharedArenaEqualsOfflineReplay) {
   EXPECT_TRUE((*session)->Detach().ok());
 }
 
-// The remote data plane's RemapAndObserve checks every argument on its mirror before anything
-// runs (the top-K buffer untouched, nothing sent), then remaps locally and sends the logits.
-TEST(Spind, RemoteRemapAndObserveChecksFirstThenObserves) {
+// The remote data plane's Observe and RemapAndObserve check every argument on its mirror before
+// anything runs (the top-K buffer untouched, nothing sent; a stride below a compacted row would
+// have read past the caller's buffer), then RemapAndObserve remaps locally and sends the logits.
+TEST(Spind, RemoteObserveAndRemapAndObserveCheckFirstThenObserve) {
   Daemon d;
   ASSERT_TRUE(d.ready());
   client::AttachOptions o;
@@ -478,7 +479,15 @@ TEST(Spind, RemoteRemapAndObserveChecksFirstThenObserves) {
   const int32_t bad_accepted = 2;
   EXPECT_EQ(dp.RemapAndObserve(0, idx.data(), 128, logits.data(), clen, &bad_accepted).code(),
             absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(dp.RemapAndObserve(0, idx.data(), 128, nullptr, clen).code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(idx, topk);
+  EXPECT_EQ(dp.Observe(2, logits.data(), clen).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(dp.Observe(1, logits.data(), clen).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(dp.Observe(0, logits.data(), clen - 1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(dp.Observe(0, nullptr, clen).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(dp.Observe(0, logits.data(), clen, &bad_accepted).code(),
+            absl::StatusCode::kInvalidArgument);
   pb::GetStatsRequest gs;
   gs.mutable_session()->set_session_id((*s)->id());
   gs.mutable_session()->set_token((*s)->token());

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -419,6 +420,8 @@ TEST(Observe, RejectedCallsChangeNothing) {
   std::vector<float> z(2 * 2 * 128, 1.0f);
   EXPECT_EQ(t.dp().Observe(1, z.data(), 128).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(t.dp().Observe(0, z.data(), 50).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.dp().Observe(0, nullptr, 128).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.dp().Observe(0, z.data(), -1).code(), absl::StatusCode::kInvalidArgument);
   int32_t bad_acc[2] = {1, 2};  // rows = 1
   EXPECT_EQ(t.dp().Observe(0, z.data(), 128, bad_acc).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(same());
@@ -446,6 +449,25 @@ TEST(Observe, RejectedCallsChangeNothing) {
   EXPECT_EQ(u.dp().BeginStep(StepBatch{s2, c2, q2, 2, 1}).code(),
             absl::StatusCode::kFailedPrecondition);  // sequence 1 never opened
   EXPECT_TRUE(u.Snapshot() == ub);
+}
+
+// A step of padding entries only still needs a logits buffer (the CUDA backend cannot tell on the
+// host that nothing will be read; both backends refuse alike, cuda_parity_test.cc): refused, and
+// nothing changes; with a buffer and stride 0 it is accepted and changes nothing.
+TEST(Observe, APaddingOnlyStepStillNeedsLogits) {
+  TestArena t(Geo(256, 64, 1, 2), Pol(0.5));
+  ASSERT_TRUE(t.dp().ResetSequence(0, 1).ok());
+  int32_t seq[2] = {-1, -1}, ctx[2] = {0, 0}, q[2] = {0, 0};
+  ASSERT_TRUE(t.dp().BeginStep(StepBatch{seq, ctx, q, 2, 1}).ok());
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  const std::vector<uint8_t> before = t.Snapshot();
+  const absl::Status s = t.dp().Observe(0, nullptr, 0);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("logits are required: a step of 2 entries"), std::string::npos) << s;
+  EXPECT_TRUE(t.Snapshot() == before);
+  const float none = 0.0f;
+  EXPECT_TRUE(t.dp().Observe(0, &none, 0).ok());
+  EXPECT_TRUE(t.Snapshot() == before);
 }
 
 TEST(Observe, SequencesAreIsolated) {

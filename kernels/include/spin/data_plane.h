@@ -161,12 +161,17 @@ absl::Status ValidateStepBatch(const ArenaView& a, const StepBatch& batch);
 /// is at least the session's max blocks.
 absl::Status ValidateStepTable(const ArenaView& a, const StepBatch& batch);
 
-/// Observe's checks against the current step (host-readable batch, entries and compacted
-/// lengths): `accepted` within [0, rows] for every live entry, and a logits stride that covers
-/// the widest compacted row.
 /// Remap's check of its top-K buffer (every backend's): a count >= 0, and a buffer when count > 0.
 absl::Status ValidateTopKBuffer(const int32_t* idx, int32_t count);
 
+/// Observe's refusal of a step of `entries` > 0 entries given no logits buffer or a negative
+/// stride (every backend's; a step of padding only included, though nothing is read there).
+absl::Status LogitsRequired(int32_t entries, int64_t logits_stride);
+
+/// Observe's checks against the current step (host-readable batch, entries and compacted
+/// lengths): a logits buffer and a stride >= 0 for a step with entries (LogitsRequired),
+/// `accepted` within [0, rows] for every live entry, and a logits stride that covers the widest
+/// compacted row.
 absl::Status ValidateObserveInputs(const ArenaView& a, const float* logits, int64_t logits_stride,
                                    const int32_t* accepted);
 
