@@ -64,9 +64,10 @@ absl::Status RemoteDataPlane::ResetSequence(int32_t seq, uint64_t key, cudaStrea
 }
 
 absl::Status RemoteDataPlane::BeginStep(const StepBatch& batch, cudaStream_t) {
-  // The step's table is checked like every backend's; spind fills no physical table for a
-  // remote-mode engine (Select's tables are not sent), so it is not used further.
-  SPIN_RETURN_IF_ERROR(ValidateStepTable(mirror_, batch));
+  // The batch's shape is checked like every backend's before it is copied (spind checks the
+  // entries when the step reaches it, at the first Select). spind fills no physical table for a
+  // remote-mode engine (Select's tables are not sent), so the table is not used further.
+  SPIN_RETURN_IF_ERROR(ValidateStepShape(mirror_, batch));
   seq_.assign(batch.seq, batch.seq + batch.n);
   ctx_.assign(batch.ctx_len, batch.ctx_len + batch.n);
   q_.assign(batch.q_pos, batch.q_pos + batch.n);
@@ -108,8 +109,22 @@ absl::Status RemoteDataPlane::Select(int32_t layer, const int32_t*, int64_t, cud
       Call([this](auto* c, const auto& q, auto* p) { return stub_->PredictMasks(c, q, p); }, req,
            &resp, "PredictMasks"));
   pending_begin_ = false;
-  // Mirror the step and its outputs.
+  // Mirror the step and its outputs, once they are known to fit the mirror (a data plane made
+  // with another geometry than the session's would write past its arrays).
   const int32_t n = resp.masks_size();
+  const Geometry& g = mirror_.geometry;
+  for (int32_t e = 0; e < n; ++e) {
+    const pb::EntryMask& m = resp.masks(e);
+    if (static_cast<uint32_t>(n) > g.max_seqs ||
+        static_cast<uint32_t>(m.blocks_size()) > mirror_.max_blocks ||
+        static_cast<uint32_t>(m.compact_len_size()) > g.max_rows) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "spind's selection (", n, " entries; entry ", e, ": ", m.blocks_size(), " blocks, ",
+          m.compact_len_size(), " rows) does not fit this data plane's geometry (", g.max_seqs,
+          " sequences, ", mirror_.max_blocks, " blocks, ", g.max_rows,
+          " rows): create it with the session's geometry"));
+    }
+  }
   mirror_.batch->n = n;
   mirror_.batch->rows = rows_;
   mirror_.batch->selected_layer = layer;

@@ -494,7 +494,7 @@ absl::Status ValidateStepTable(const ArenaView& a, const StepBatch& batch) {
   return absl::OkStatus();
 }
 
-absl::Status ValidateStepBatch(const ArenaView& a, const StepBatch& batch) {
+absl::Status ValidateStepShape(const ArenaView& a, const StepBatch& batch) {
   const Geometry& g = a.geometry;
   if (batch.n < 0 || static_cast<uint32_t>(batch.n) > g.max_seqs) {
     return absl::InvalidArgumentError(
@@ -507,7 +507,12 @@ absl::Status ValidateStepBatch(const ArenaView& a, const StepBatch& batch) {
   if (batch.n > 0 && (!batch.seq || !batch.ctx_len || !batch.q_pos)) {
     return absl::InvalidArgumentError("batch arrays seq, ctx_len and q_pos are required");
   }
-  SPIN_RETURN_IF_ERROR(ValidateStepTable(a, batch));
+  return ValidateStepTable(a, batch);
+}
+
+absl::Status ValidateStepBatch(const ArenaView& a, const StepBatch& batch) {
+  const Geometry& g = a.geometry;
+  SPIN_RETURN_IF_ERROR(ValidateStepShape(a, batch));
   // Validate everything before touching the arena: a bad entry changes nothing.
   std::vector<uint8_t> seen(g.max_seqs, 0);
   const int64_t last_row = batch.rows - 1;

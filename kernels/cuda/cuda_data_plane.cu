@@ -223,19 +223,8 @@ class CudaDataPlane final : public DataPlane {
   }
 
   absl::Status BeginStep(const StepBatch& batch, cudaStream_t stream) override {
-    const Geometry& g = a_.geometry;
-    if (batch.n < 0 || static_cast<uint32_t>(batch.n) > g.max_seqs) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("batch of ", batch.n, " entries is out of range [0, ", g.max_seqs, "]"));
-    }
-    if (batch.rows < 1 || static_cast<uint32_t>(batch.rows) > g.max_rows) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("rows ", batch.rows, " is out of range [1, ", g.max_rows, "]"));
-    }
-    if (batch.n > 0 && (!batch.seq || !batch.ctx_len || !batch.q_pos)) {
-      return absl::InvalidArgumentError("batch arrays seq, ctx_len and q_pos are required");
-    }
-    SPIN_RETURN_IF_ERROR(ValidateStepTable(a_, batch));
+    // The entries themselves are checked on the device (docs/cuda-backend.md).
+    SPIN_RETURN_IF_ERROR(ValidateStepShape(a_, batch));
     SPIN_RETURN_IF_ERROR(FlushSelectCounts(stream));
     cudaError_t e =
         ck::LaunchBeginStep(d_, batch.seq, batch.ctx_len, batch.q_pos, batch.n, batch.rows, stream);

@@ -501,6 +501,43 @@ TEST(Spind, RemoteObserveAndRemapAndObserveCheckFirstThenObserve) {
   EXPECT_EQ(st.layers(0).observed(), static_cast<uint64_t>(clen));
 }
 
+// The remote data plane checks a step's shape before copying it (a negative count or missing
+// arrays would have been read), and refuses a selection from spind that does not fit the
+// geometry it was made with (it would have written past its mirror) instead of mirroring it.
+TEST(Spind, RemoteDataPlaneChecksTheStepAndTheRepliesAgainstItsGeometry) {
+  Daemon d;
+  ASSERT_TRUE(d.ready());
+  client::AttachOptions o;
+  o.geometry.layers = 2;
+  o.geometry.max_seqs = 2;
+  o.geometry.max_slots = 4096;
+  o.geometry.topk = 128;
+  o.client_name = "remote";
+  o.fetch_arena = false;
+  auto s = client::Session::Attach("unix://" + d.socket(), o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  Geometry small = o.geometry;
+  small.max_slots = 512;  // 8 blocks, where the session has 64
+  auto r = client::RemoteDataPlane::Create(&(*s)->stub(), (*s)->id(), (*s)->token(), small);
+  ASSERT_TRUE(r.ok()) << r.status();
+  DataPlane& dp = **r;
+  ASSERT_TRUE(dp.ResetSequence(0, 1).ok());
+  const int32_t seq = 0, ctx = 1000, q = 999;
+  EXPECT_EQ(dp.BeginStep(StepBatch{&seq, &ctx, &q, -1, 1}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(dp.BeginStep(StepBatch{&seq, &ctx, &q, 3, 1}).code(),
+            absl::StatusCode::kInvalidArgument);  // more than max_seqs
+  EXPECT_EQ(dp.BeginStep(StepBatch{nullptr, &ctx, &q, 1, 1}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(dp.BeginStep(StepBatch{&seq, &ctx, &q, 1, 0}).code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(dp.BeginStep(StepBatch{&seq, &ctx, &q, 1, 1}).ok());
+  const absl::Status sel = dp.Select(0);  // a fresh pair: 16 dense blocks
+  EXPECT_EQ(sel.code(), absl::StatusCode::kFailedPrecondition) << sel;
+  EXPECT_NE(sel.message().find("create it with the session's geometry"), std::string::npos) << sel;
+  EXPECT_EQ(dp.outputs().union_count[0], 0);  // nothing mirrored
+}
+
 // Engines that crash (SIGKILL) lose their sessions after the grace period: no fd or memory
 // growth in the daemon over 50 crashes.
 TEST(Spind, KilledClientsSessionIsReclaimed) {

@@ -157,6 +157,11 @@ class DataPlane {
 /// mirror before remote-mode steps on the CUDA backend, so both answer with the same statuses.
 absl::Status ValidateStepBatch(const ArenaView& a, const StepBatch& batch);
 
+/// The part of ValidateStepBatch that needs no sequence records or entry values (every
+/// backend's, and the remote data plane's before it copies the batch): batch size and rows in
+/// range, the arrays given when there are entries, and the block table's stride.
+absl::Status ValidateStepShape(const ArenaView& a, const StepBatch& batch);
+
 /// The step's block table check (part of ValidateStepBatch; every backend's): a table's stride
 /// is at least the session's max blocks.
 absl::Status ValidateStepTable(const ArenaView& a, const StepBatch& batch);
