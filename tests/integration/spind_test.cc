@@ -433,12 +433,8 @@ TEST(Spind, LocalDataPlaneOnTheSharedArenaEqualsOfflineReplay) {
   EXPECT_TRUE((*session)->Detach().ok());
 }
 
-// The remote data plane's Observe and RemapAndObserve check every argument on its mirror before
-// anything runs (the top-K buffer untouched, nothing sent; a stride below a compacted row would
-// have read past the caller's buffer), then RemapAndObserve remaps locally and sends the logits.
-TEST(Spind, RemoteObserveAndRemapAndObserveCheckFirstThenObserve) {
-  Daemon d;
-  ASSERT_TRUE(d.ready());
+// A remote-mode session (no arena fetched) of 2 layers, 2 sequences and 4096 slots.
+client::AttachOptions RemoteOptions() {
   client::AttachOptions o;
   o.geometry.layers = 2;
   o.geometry.max_seqs = 2;
@@ -446,6 +442,16 @@ TEST(Spind, RemoteObserveAndRemapAndObserveCheckFirstThenObserve) {
   o.geometry.topk = 128;
   o.client_name = "remote";
   o.fetch_arena = false;
+  return o;
+}
+
+// The remote data plane's Observe and RemapAndObserve check every argument on its mirror before
+// anything runs (the top-K buffer untouched, nothing sent; a stride below a compacted row would
+// have read past the caller's buffer), then RemapAndObserve remaps locally and sends the logits.
+TEST(Spind, RemoteObserveAndRemapAndObserveCheckFirstThenObserve) {
+  Daemon d;
+  ASSERT_TRUE(d.ready());
+  const client::AttachOptions o = RemoteOptions();
   auto s = client::Session::Attach("unix://" + d.socket(), o);
   ASSERT_TRUE(s.ok()) << s.status();
   auto r = client::RemoteDataPlane::Create(&(*s)->stub(), (*s)->id(), (*s)->token(), o.geometry);
@@ -507,13 +513,7 @@ TEST(Spind, RemoteObserveAndRemapAndObserveCheckFirstThenObserve) {
 TEST(Spind, RemoteDataPlaneChecksTheStepAndTheRepliesAgainstItsGeometry) {
   Daemon d;
   ASSERT_TRUE(d.ready());
-  client::AttachOptions o;
-  o.geometry.layers = 2;
-  o.geometry.max_seqs = 2;
-  o.geometry.max_slots = 4096;
-  o.geometry.topk = 128;
-  o.client_name = "remote";
-  o.fetch_arena = false;
+  const client::AttachOptions o = RemoteOptions();
   auto s = client::Session::Attach("unix://" + d.socket(), o);
   ASSERT_TRUE(s.ok()) << s.status();
   Geometry small = o.geometry;
