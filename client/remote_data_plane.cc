@@ -113,16 +113,20 @@ absl::Status RemoteDataPlane::Select(int32_t layer, const int32_t*, int64_t, cud
   // with another geometry than the session's would write past its arrays).
   const int32_t n = resp.masks_size();
   const Geometry& g = mirror_.geometry;
+  if (static_cast<uint32_t>(n) > g.max_seqs) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("spind's selection has ", n, " entries; this data plane's geometry holds ",
+                     g.max_seqs, ": create it with the session's geometry"));
+  }
   for (int32_t e = 0; e < n; ++e) {
     const pb::EntryMask& m = resp.masks(e);
-    if (static_cast<uint32_t>(n) > g.max_seqs ||
-        static_cast<uint32_t>(m.blocks_size()) > mirror_.max_blocks ||
+    if (static_cast<uint32_t>(m.blocks_size()) > mirror_.max_blocks ||
         static_cast<uint32_t>(m.compact_len_size()) > g.max_rows) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "spind's selection (", n, " entries; entry ", e, ": ", m.blocks_size(), " blocks, ",
-          m.compact_len_size(), " rows) does not fit this data plane's geometry (", g.max_seqs,
-          " sequences, ", mirror_.max_blocks, " blocks, ", g.max_rows,
-          " rows): create it with the session's geometry"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("spind's selection of entry ", e, " (", m.blocks_size(), " blocks, ",
+                       m.compact_len_size(), " rows) does not fit this data plane's geometry (",
+                       mirror_.max_blocks, " blocks, ", g.max_rows,
+                       " rows): create it with the session's geometry"));
     }
   }
   mirror_.batch->n = n;
@@ -144,24 +148,11 @@ absl::Status RemoteDataPlane::Remap(int32_t* idx, int32_t count, cudaStream_t) {
   return local_->Remap(idx, count);
 }
 
-absl::Status RemoteDataPlane::CheckObserve(const char* what, int32_t layer, const float* logits,
-                                           int64_t stride, const int32_t* accepted) const {
-  if (layer < 0 || static_cast<uint32_t>(layer) >= mirror_.geometry.layers) {
-    return absl::OutOfRangeError(
-        absl::StrCat("layer ", layer, " is out of range [0, ", mirror_.geometry.layers, ")"));
-  }
-  if (mirror_.batch->selected_layer != layer) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        what, " of layer ", layer,
-        " without its Select in this step (last: ", mirror_.batch->selected_layer, ")"));
-  }
-  return ValidateObserveInputs(mirror_, logits, stride, accepted);
-}
-
 absl::Status RemoteDataPlane::RemapAndObserve(int32_t layer, int32_t* idx, int32_t count,
                                               const float* logits, int64_t stride,
                                               const int32_t* accepted, cudaStream_t) {
-  SPIN_RETURN_IF_ERROR(CheckObserve("RemapAndObserve", layer, logits, stride, accepted));
+  SPIN_RETURN_IF_ERROR(
+      ValidateObserveCall(mirror_, "RemapAndObserve", layer, logits, stride, accepted));
   SPIN_RETURN_IF_ERROR(ValidateTopKBuffer(idx, count));
   SPIN_RETURN_IF_ERROR(local_->Remap(idx, count));
   return SendScores(layer, logits, stride, accepted);
@@ -169,7 +160,7 @@ absl::Status RemoteDataPlane::RemapAndObserve(int32_t layer, int32_t* idx, int32
 
 absl::Status RemoteDataPlane::Observe(int32_t layer, const float* logits, int64_t stride,
                                       const int32_t* accepted, cudaStream_t) {
-  SPIN_RETURN_IF_ERROR(CheckObserve("Observe", layer, logits, stride, accepted));
+  SPIN_RETURN_IF_ERROR(ValidateObserveCall(mirror_, "Observe", layer, logits, stride, accepted));
   return SendScores(layer, logits, stride, accepted);
 }
 

@@ -45,9 +45,6 @@ class RemoteDataPlane final : public DataPlane {
  private:
   RemoteDataPlane() = default;
   absl::Status RefreshStats();
-  // Observe's checks on the mirror (`what` names the call).
-  absl::Status CheckObserve(const char* what, int32_t layer, const float* logits,
-                            int64_t logits_stride, const int32_t* accepted) const;
   // ObserveScores of checked arguments.
   absl::Status SendScores(int32_t layer, const float* logits, int64_t logits_stride,
                           const int32_t* accepted);

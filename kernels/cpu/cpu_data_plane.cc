@@ -15,6 +15,14 @@
 namespace spin {
 namespace {
 
+absl::Status ValidateLayer(const ArenaView& a, int32_t layer) {
+  if (layer < 0 || static_cast<uint32_t>(layer) >= a.geometry.layers) {
+    return absl::OutOfRangeError(
+        absl::StrCat("layer ", layer, " is out of range [0, ", a.geometry.layers, ")"));
+  }
+  return absl::OkStatus();
+}
+
 inline float Load(const float* p, int64_t i) { return p[i]; }
 inline float Load(const uint16_t* p, int64_t i) { return Bf16ToFloat(p[i]); }
 inline void Store(float* p, int64_t i, float v) { p[i] = v; }
@@ -197,7 +205,8 @@ class CpuDataPlane final : public DataPlane {
                                int64_t logits_stride, const int32_t* accepted,
                                cudaStream_t stream) override {
     // Both calls' checks first: a refusal changes nothing.
-    SPIN_RETURN_IF_ERROR(CheckObserve("RemapAndObserve", layer, logits, logits_stride, accepted));
+    SPIN_RETURN_IF_ERROR(
+        ValidateObserveCall(a_, "RemapAndObserve", layer, logits, logits_stride, accepted));
     SPIN_RETURN_IF_ERROR(ValidateTopKBuffer(idx, count));
     SPIN_RETURN_IF_ERROR(RemapTopK(idx, count, stream));
     return Observe(layer, logits, logits_stride, accepted, stream);
@@ -205,7 +214,8 @@ class CpuDataPlane final : public DataPlane {
 
   absl::Status Observe(int32_t layer, const float* logits, int64_t logits_stride,
                        const int32_t* accepted, cudaStream_t) override {
-    SPIN_RETURN_IF_ERROR(CheckObserve("Observe", layer, logits, logits_stride, accepted));
+    SPIN_RETURN_IF_ERROR(
+        ValidateObserveCall(a_, "Observe", layer, logits, logits_stride, accepted));
     if (a_.geometry.dtype == StateDtype::kFp32) {
       ObserveAll<float>(layer, logits, logits_stride, accepted);
     } else {
@@ -216,25 +226,7 @@ class CpuDataPlane final : public DataPlane {
   }
 
  private:
-  // Observe's checks (`what` names the call): the layer, its Select in this step, the inputs.
-  absl::Status CheckObserve(const char* what, int32_t layer, const float* logits,
-                            int64_t logits_stride, const int32_t* accepted) const {
-    SPIN_RETURN_IF_ERROR(CheckLayer(layer));
-    if (a_.batch->selected_layer != layer) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(what, " of layer ", layer,
-                       " without its Select in this step (last: ", a_.batch->selected_layer, ")"));
-    }
-    return ValidateObserveInputs(a_, logits, logits_stride, accepted);
-  }
-
-  absl::Status CheckLayer(int32_t layer) const {
-    if (layer < 0 || static_cast<uint32_t>(layer) >= a_.geometry.layers) {
-      return absl::OutOfRangeError(
-          absl::StrCat("layer ", layer, " is out of range [0, ", a_.geometry.layers, ")"));
-    }
-    return absl::OkStatus();
-  }
+  absl::Status CheckLayer(int32_t layer) const { return ValidateLayer(a_, layer); }
 
   int32_t CompactLen(int32_t e, int32_t r) const {
     return a_.compact_len[static_cast<int64_t>(e) * a_.geometry.max_rows + r];
@@ -558,6 +550,18 @@ absl::Status ValidateTopKBuffer(const int32_t* idx, int32_t count) {
     return absl::InvalidArgumentError(absl::StrCat("bad top-K buffer (count ", count, ")"));
   }
   return absl::OkStatus();
+}
+
+absl::Status ValidateObserveCall(const ArenaView& a, const char* what, int32_t layer,
+                                 const float* logits, int64_t logits_stride,
+                                 const int32_t* accepted) {
+  SPIN_RETURN_IF_ERROR(ValidateLayer(a, layer));
+  if (a.batch->selected_layer != layer) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, " of layer ", layer,
+                     " without its Select in this step (last: ", a.batch->selected_layer, ")"));
+  }
+  return ValidateObserveInputs(a, logits, logits_stride, accepted);
 }
 
 absl::Status ValidateObserveInputs(const ArenaView& a, const float* logits, int64_t logits_stride,

@@ -42,6 +42,28 @@ struct DevBuf {
   }
 };
 
+// A one-layer geometry of two sequences of 512 slots, and a step of two entries on it: the
+// host arrays copied to the device (kept alive with the object), as the CUDA BeginStep reads them.
+Geometry TwoSequences() {
+  Geometry g;
+  g.layers = 1;
+  g.max_seqs = 2;
+  g.max_slots = 512;
+  g.topk = 64;
+  return g;
+}
+struct DevStep {
+  DevBuf s{8}, c{8}, q{8};
+  DevStep(const int32_t (&seq)[2], const int32_t (&ctx)[2], const int32_t (&qp)[2]) {
+    EXPECT_EQ(cudaMemcpy(s.p, seq, 8, cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(c.p, ctx, 8, cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(q.p, qp, 8, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  StepBatch batch() const {
+    return StepBatch{s.as<int32_t>(), c.as<int32_t>(), q.as<int32_t>(), 2, 1};
+  }
+};
+
 template <typename T>
 std::vector<T> ToHost(const T* dev, size_t n) {
   std::vector<T> out(n);
@@ -714,21 +736,13 @@ TEST_F(CudaTest, ParityStepTablePublishesAhead) {
 // data plane cannot tell on the host that nothing will be read): refused with the same status,
 // the arenas unchanged; with a buffer and stride 0 both accept it and still equal each other.
 TEST_F(CudaTest, APaddingOnlyStepNeedsLogitsOnBothBackends) {
-  Geometry g;
-  g.layers = 1;
-  g.max_seqs = 2;
-  g.max_slots = 512;
-  g.topk = 64;
-  Twin t(g, Policy{}, 1);
+  Twin t(TwoSequences(), Policy{}, 1);
   t.Reset(0, 1);
   const int32_t seq[2] = {-1, -1}, ctx[2] = {0, 0}, qp[2] = {0, 0};
-  DevBuf s(8), c(8), q(8), z(16);
-  CUDA_OK(cudaMemcpy(s.p, seq, 8, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(c.p, ctx, 8, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(q.p, qp, 8, cudaMemcpyHostToDevice));
+  const DevStep step(seq, ctx, qp);
+  DevBuf z(16);
   ASSERT_TRUE(t.cpu().dp().BeginStep(StepBatch{seq, ctx, qp, 2, 1}).ok());
-  ASSERT_TRUE(
-      t.gpu().BeginStep(StepBatch{s.as<int32_t>(), c.as<int32_t>(), q.as<int32_t>(), 2, 1}).ok());
+  ASSERT_TRUE(t.gpu().BeginStep(step.batch()).ok());
   ASSERT_TRUE(t.cpu().dp().Select(0).ok());
   ASSERT_TRUE(t.gpu().Select(0).ok());
   for (int64_t stride : {0, -1}) {
@@ -1197,20 +1211,12 @@ TEST_F(CudaTest, BeginStepOverMoreThan1024EntriesAndDuplicates) {
 }
 
 TEST_F(CudaTest, BadBatchRecordsAnErrorAndRunsNoEntry) {
-  Geometry g;
-  g.layers = 1;
-  g.max_seqs = 2;
-  g.max_slots = 512;
-  g.topk = 64;
+  const Geometry g = TwoSequences();
   Twin t(g, Policy{}, 1);
   t.Reset(0, 1);
-  DevBuf s(8), c(8), q(8);
   const int32_t seq[2] = {0, 1}, ctx[2] = {100, 100}, qp[2] = {99, 99};  // sequence 1 not open
-  CUDA_OK(cudaMemcpy(s.p, seq, 8, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(c.p, ctx, 8, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(q.p, qp, 8, cudaMemcpyHostToDevice));
-  ASSERT_TRUE(
-      t.gpu().BeginStep(StepBatch{s.as<int32_t>(), c.as<int32_t>(), q.as<int32_t>(), 2, 1}).ok());
+  const DevStep step(seq, ctx, qp);
+  ASSERT_TRUE(t.gpu().BeginStep(step.batch()).ok());
   auto err = ReadDeviceError(t.dview());
   ASSERT_TRUE(err.ok());
   EXPECT_EQ(*err, kArenaBadBatch);

@@ -180,6 +180,13 @@ absl::Status LogitsRequired(int32_t entries, int64_t logits_stride);
 absl::Status ValidateObserveInputs(const ArenaView& a, const float* logits, int64_t logits_stride,
                                    const int32_t* accepted);
 
+/// Observe's (and RemapAndObserve's) whole host check, `what` naming the call: the layer in
+/// range, selected in this step, then ValidateObserveInputs. The CPU backend's, and the remote
+/// data plane's on its mirror.
+absl::Status ValidateObserveCall(const ArenaView& a, const char* what, int32_t layer,
+                                 const float* logits, int64_t logits_stride,
+                                 const int32_t* accepted);
+
 /// The CPU reference backend over an arena in host memory.
 std::unique_ptr<DataPlane> MakeCpuDataPlane(const ArenaView& arena);
 
