@@ -270,6 +270,10 @@ struct Result {
   // the others its replays raised the RemapAndObserve and one-call columns by 3-11 us at
   // 64 x 128K (docs/lab/cuda-backend-history.md, "The benchmark's table graph").
   double remap_ahead_us = 0, remap_joint_pair_us = 0;
+  // The table-at-BeginStep step again with the EMA deferred (CudaDataPlaneOptions::defer_ema:
+  // each layer's EMA on the data plane's second stream, joined by the next layer's Observe; the
+  // layers' logits in two buffers taken in turn), timed with the pair above.
+  double remap_defer_us = 0;
   double RemapSpin(double step_us) const { return step_us - copy_us - (plain_us - select_us); }
   double OneRemapSpin(double step_us) const {
     return step_us - copy_us - (plain_pdl_us - select_us);
@@ -511,6 +515,9 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
   std::vector<Timed> timed;  // the fused plan's graphs, timed with the step's below
   std::vector<cudaGraphExec_t> fused_graphs;  // destroyed after
   std::unique_ptr<DataPlane> seq_plane;       // the fused plan's second data plane
+  std::unique_ptr<DataPlane> defer_plane;     // and its third (the EMA deferred)
+  float* logits_odd = nullptr;                // the odd layers' logits in the deferred step
+  cudaGraphExec_t g_remap_defer = nullptr;
   // The table-at-BeginStep graph and RemapAndObserve's, timed as a pair after the others.
   cudaGraphExec_t g_remap_ahead = nullptr, g_pair_joint = nullptr;
   if (plan.fused && r.used == IndexerKernel::kWgmma) {
@@ -644,8 +651,32 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
         CHECK_OK(given ? dp.RemapTopK(topk_buf, K, stream) : dp.Remap(topk_buf, K, stream));
       }
     };
+    // vLLM's path (the table at BeginStep, RemapAndObserve) with the EMA deferred, on a third
+    // data plane over the same arena: a layer's logits must stay unwritten until the next
+    // layer's Observe, so the layers take two buffers in turn.
+    CudaDataPlaneOptions defer_options;
+    defer_options.defer_ema = true;
+    auto defer_dp = MakeCudaDataPlane(*view, defer_options);
+    CHECK_OK(defer_dp.status());
+    defer_plane = std::move(*defer_dp);
+    CHECK_CUDA(cudaMalloc(&logits_odd, static_cast<size_t>(B) * N * 4));
+    auto defer_step = [&] {
+      StepBatch b = batch;
+      b.block_table = layer_table(0), b.table_stride = P;
+      CHECK_OK(defer_plane->BeginStep(b, stream));
+      for (int l = 0; l < Ls; ++l) {
+        PagedIndexerArgs s = sparse;
+        s.kv = kv + static_cast<size_t>(l % L) * B * P * kPageBytes;
+        s.logits = l % 2 ? logits_odd : logits;
+        CHECK_OK(defer_plane->Select(l, nullptr, 0, stream));
+        CHECK_OK(LaunchPagedIndexer(s, stream));
+        copy_topk();
+        CHECK_OK(defer_plane->RemapAndObserve(l, topk_buf, K, s.logits, N, nullptr, stream));
+      }
+    };
     for (bool given : {false, true}) remap_step(given), one_remap_step(given);
     remap_step(true, true);
+    defer_step();
     CHECK_CUDA(cudaStreamSynchronize(stream));
     cudaGraphExec_t g_copy = Capture(stream, [&] {
       for (int l = 0; l < Ls; ++l) copy_topk();
@@ -654,13 +685,14 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
     cudaGraphExec_t g_remap_topk = Capture(stream, [&] { remap_step(true); });
     cudaGraphExec_t g_remap_joint = Capture(stream, [&] { remap_step(true, true); });
     g_remap_ahead = Capture(stream, [&] { remap_step(true, true, true); });  // timed apart
+    g_remap_defer = Capture(stream, defer_step);                             // with it
     g_pair_joint = g_remap_joint;
     cudaGraphExec_t g_one_remap = Capture(stream, [&] { one_remap_step(false); });
     cudaGraphExec_t g_one_topk = Capture(stream, [&] { one_remap_step(true); });
-    fused_graphs = {g_fused,       g_plain,      g_one,        g_one_spread, g_plain_spread,
-                    g_one_pdl,     g_plain_pdl,  g_dense,      g_dense_pdl,  g_spin_seq,
-                    g_copy,        g_remap,      g_remap_topk, g_one_remap,  g_one_topk,
-                    g_remap_joint, g_remap_ahead};
+    fused_graphs = {g_fused,       g_plain,       g_one,        g_one_spread, g_plain_spread,
+                    g_one_pdl,     g_plain_pdl,   g_dense,      g_dense_pdl,  g_spin_seq,
+                    g_copy,        g_remap,       g_remap_topk, g_one_remap,  g_one_topk,
+                    g_remap_joint, g_remap_ahead, g_remap_defer};
     timed = {{g_fused, &r.fused_us, double(Ls)},
              {g_plain, &r.plain_us, double(Ls)},
              {g_one, &r.one_us, double(Ls)},
@@ -710,11 +742,14 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
   TimeInterleaved(timed, stream, reps, plan.rounds);
   if (g_remap_ahead != nullptr) {
     TimeInterleaved({{g_pair_joint, &r.remap_joint_pair_us, double(Ls)},
-                     {g_remap_ahead, &r.remap_ahead_us, double(Ls)}},
+                     {g_remap_ahead, &r.remap_ahead_us, double(Ls)},
+                     {g_remap_defer, &r.remap_defer_us, double(Ls)}},
                     stream, reps, plan.rounds);
   }
   for (cudaGraphExec_t e : fused_graphs) cudaGraphExecDestroy(e);
   seq_plane.reset();
+  defer_plane.reset();
+  CHECK_CUDA(cudaFree(logits_odd));
   CHECK_CUDA(cudaFree(topk_fixed));
   CHECK_CUDA(cudaFree(topk_buf));
   // The EMA's bytes alone, per layer (each layer its own state), over the last Select's union.
@@ -820,8 +855,10 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
       "launch; with the table at BeginStep: the same, the engine's block table given to BeginStep "
       "(StepBatch::block_table; one table for every layer), so each Observe publishes the next "
       "layer's selection and that Select launches nothing (its graph is timed after the others, "
-      "interleaved with RemapAndObserve's graph alone: among them its replays raised other "
-      "columns). SPIN = the step "
+      "interleaved with RemapAndObserve's graph and the next: among them its replays raised "
+      "other columns); EMA deferred: the same on a data plane with "
+      "CudaDataPlaneOptions::defer_ema, each layer's EMA on a second stream joined by the next "
+      "layer's Observe (the layers' logits in two buffers taken in turn). SPIN = the step "
       "less the copy kernels alone (copy us, per layer) less the plain sparse indexer's own time; "
       "one "
       "call: spread, programmatic launches, against the plain indexer launched so.\n\n"
@@ -830,9 +867,10 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
       "sparse/dense | unfused, RemapAndObserve SPIN/dense | unfused, RemapAndObserve "
       "sparse/dense | unfused, RemapAndObserve timed with the next column SPIN/dense | unfused, "
       "RemapAndObserve, table at BeginStep SPIN/dense | unfused, "
-      "RemapAndObserve, table at BeginStep sparse/dense | one call + Remap SPIN/dense | one call + "
+      "RemapAndObserve, table at BeginStep sparse/dense | the same, EMA deferred SPIN/dense | "
+      "the same, EMA deferred sparse/dense | one call + Remap SPIN/dense | one call + "
       "RemapTopK SPIN/dense | one call + RemapTopK sparse/dense |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   char line[512];
   Measure(points[0], bw, plan, stream, reps);  // dropped: the clocks settle
   for (const Point& pt : points) {
@@ -858,7 +896,7 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
     std::snprintf(
         line, sizeof(line),
         "| %d | %dK | %.1f | %s | %s | %u | %.1f | %.1f | %.3f | %.3f | %.3f | %.3f | "
-        "%.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f |\n",
+        "%.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f |\n",
         pt.batch, pt.slots >> 10, pt.rho, pt.dtype == StateDtype::kFp32 ? "fp32" : "bf16",
         pt.contexts == kRagged  ? "ragged"
         : pt.contexts == kMixed ? "mixed"
@@ -867,7 +905,8 @@ int FusedTable(double bw, bool wgmma_runs, const std::string& out_path, bool qui
         r.RemapSpin(r.remap_topk_us) / r.dense_us, (r.remap_topk_us - r.copy_us) / r.dense_us,
         r.RemapSpin(r.remap_joint_us) / r.dense_us, (r.remap_joint_us - r.copy_us) / r.dense_us,
         r.RemapSpin(r.remap_joint_pair_us) / r.dense_us, r.RemapSpin(r.remap_ahead_us) / r.dense_us,
-        (r.remap_ahead_us - r.copy_us) / r.dense_us, r.OneRemapSpin(r.one_remap_us) / r.dense_us,
+        (r.remap_ahead_us - r.copy_us) / r.dense_us, r.RemapSpin(r.remap_defer_us) / r.dense_us,
+        (r.remap_defer_us - r.copy_us) / r.dense_us, r.OneRemapSpin(r.one_remap_us) / r.dense_us,
         r.OneRemapSpin(r.one_topk_us) / r.dense_us, (r.one_topk_us - r.copy_us) / r.dense_us);
     md2 += line;
     std::fprintf(stderr, "%s", line);
@@ -1023,12 +1062,15 @@ int main(int argc, char** argv) {
           r.RemapSpin(r.remap_topk_us), r.RemapSpin(r.remap_joint_us), r.one_remap_us,
           r.one_topk_us, r.OneRemapSpin(r.one_remap_us), r.OneRemapSpin(r.one_topk_us), r.dense_us);
       std::printf(
-          "point, table at BeginStep (us per layer, the two graphs timed as a pair after the "
-          "others): RemapAndObserve %.1f -> with the table at BeginStep %.1f (SPIN %.1f -> %.1f; "
-          "SPIN/dense %.3f -> %.3f)\n",
-          r.remap_joint_pair_us, r.remap_ahead_us, r.RemapSpin(r.remap_joint_pair_us),
-          r.RemapSpin(r.remap_ahead_us), r.RemapSpin(r.remap_joint_pair_us) / r.dense_us,
-          r.RemapSpin(r.remap_ahead_us) / r.dense_us);
+          "point, table at BeginStep (us per layer, the three graphs timed together after the "
+          "others): RemapAndObserve %.1f -> with the table at BeginStep %.1f -> and the EMA "
+          "deferred %.1f (SPIN %.1f -> %.1f -> %.1f; SPIN/dense %.3f -> %.3f -> %.3f; sparse "
+          "stage/dense, the copies left out, %.3f -> %.3f)\n",
+          r.remap_joint_pair_us, r.remap_ahead_us, r.remap_defer_us,
+          r.RemapSpin(r.remap_joint_pair_us), r.RemapSpin(r.remap_ahead_us),
+          r.RemapSpin(r.remap_defer_us), r.RemapSpin(r.remap_joint_pair_us) / r.dense_us,
+          r.RemapSpin(r.remap_ahead_us) / r.dense_us, r.RemapSpin(r.remap_defer_us) / r.dense_us,
+          (r.remap_ahead_us - r.copy_us) / r.dense_us, (r.remap_defer_us - r.copy_us) / r.dense_us);
     }
     return r.wg_ok ? 0 : 3;
   }

@@ -183,7 +183,7 @@ class CudaDataPlane final : public DataPlane {
     SPIN_RETURN_IF_ERROR(CudaStatus(e, "EMA occupancy"));
     ema_vec_resident_ = std::max(1, sms * per_sm);
     // Observe's second stream (the Probe launch beside the EMA), and its fork and join events.
-    if (options_.probe_beside_ema) {
+    if (options_.probe_beside_ema || options_.defer_ema) {
       e = cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking);
       if (e == cudaSuccess) e = cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming);
       if (e == cudaSuccess) e = cudaEventCreateWithFlags(&join_, cudaEventDisableTiming);
@@ -217,6 +217,7 @@ class CudaDataPlane final : public DataPlane {
     // A Select's statistics are those of the entries as they are now; a selection published
     // ahead holds the entry as it was, so the next Select publishes again (the outputs still hold
     // that other layer's selection until then: outputs_other_ stays).
+    SPIN_RETURN_IF_ERROR(JoinEma(stream));
     SPIN_RETURN_IF_ERROR(FlushSelectCounts(stream));
     ahead_ = -1;
     return CudaStatus(ck::LaunchReset(d_, seq, key, stream), "ResetSequence launch");
@@ -225,6 +226,7 @@ class CudaDataPlane final : public DataPlane {
   absl::Status BeginStep(const StepBatch& batch, cudaStream_t stream) override {
     // The entries themselves are checked on the device (docs/cuda-backend.md).
     SPIN_RETURN_IF_ERROR(ValidateStepShape(a_, batch));
+    SPIN_RETURN_IF_ERROR(JoinEma(stream));
     SPIN_RETURN_IF_ERROR(FlushSelectCounts(stream));
     cudaError_t e =
         ck::LaunchBeginStep(d_, batch.seq, batch.ctx_len, batch.q_pos, batch.n, batch.rows, stream);
@@ -259,7 +261,8 @@ class CudaDataPlane final : public DataPlane {
     if (n_ > 0) {
       if (observed_[layer]) {
         // The layer's Observe already ran in this step and changed its state: select it again
-        // from the state as it is now, as the reference does.
+        // from the state as it is now, as the reference does (after its EMA, if deferred).
+        SPIN_RETURN_IF_ERROR(JoinEma(stream));
         e = SelectAhead(layer, 1, stream);
         observed_[layer] = 0;
         if (e == cudaSuccess) {
@@ -364,6 +367,7 @@ class CudaDataPlane final : public DataPlane {
     if (n_ == 0) return absl::OkStatus();
     if (logits == nullptr || logits_stride < 0) return LogitsRequired(n_, logits_stride);
     const bool given = count > 0 && !probe_counted_;
+    SPIN_RETURN_IF_ERROR(JoinEma(stream));  // the previous layer's deferred EMA
     observed_[layer] = 1;
     const ck::RemapWork remap{count > 0 ? idx : nullptr, count, given};
     // The Probe launch counts a launchless Select's statistics (pending_counts_ is the selected
@@ -390,6 +394,11 @@ class CudaDataPlane final : public DataPlane {
     const cudaError_t e = LaunchObserve(dv, layer, logits, logits_stride, accepted, stream, remap,
                                         !given && !probe_counted_, sel);
     SPIN_RETURN_IF_ERROR(CudaStatus(e, absl::StrCat(what, " launch").c_str()));
+    // The session's last layer ends a step's layers: its EMA is joined at once, so a captured
+    // step ends with no work left on the second stream.
+    if (static_cast<uint32_t>(layer) + 1 == a_.geometry.layers) {
+      SPIN_RETURN_IF_ERROR(JoinEma(stream));
+    }
     ahead_ = sel.publish_layer;
     probe_counted_ = true;  // a later Observe or RemapTopK of this selection counts nothing
     return absl::OkStatus();
@@ -422,6 +431,7 @@ class CudaDataPlane final : public DataPlane {
     }
     // Everything the launch can refuse, before anything is launched.
     SPIN_RETURN_IF_ERROR(internal::CheckIndexerEma(static_cast<int64_t>(n_) * rows_));
+    SPIN_RETURN_IF_ERROR(JoinEma(stream));
     SPIN_RETURN_IF_ERROR(FlushSelectCounts(stream));
     cudaError_t e = cudaSuccess;
     // IndexAndObserve reads the selection from the outputs: if an Observe since the layer's
@@ -502,7 +512,26 @@ class CudaDataPlane final : public DataPlane {
   cudaError_t LaunchObserve(const Dev& dv, int32_t layer, const float* logits,
                             int64_t logits_stride, const int32_t* accepted, cudaStream_t stream,
                             const ck::RemapWork& remap, bool topk, const ck::SelectWork& sel) {
-    if (side_ == nullptr) {
+    if (options_.defer_ema) {
+      // The EMA launches on the second stream, forked here (after the engine's logits) and
+      // joined by a later call (JoinEma); they read the layer's select-ahead record, which
+      // nothing rewrites before that join (the outputs may be published over meanwhile). The
+      // Probe launch stays on the caller's stream: the remap and the next layer's publish are
+      // on the engine's path.
+      // The Probe launch is made first (a graph's first node after the indexer), the fork
+      // recorded before it, so the EMA depends on the indexer only.
+      SPIN_CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_, stream));
+      SPIN_CUDA_RETURN_IF_ERROR(ck::LaunchProbe(dv, layer, n_, sms_, logits, logits_stride,
+                                                accepted, true, topk, remap, sel, stream));
+      SPIN_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, fork_, 0));
+      const cudaError_t ema =
+          LaunchEmas(SelFor(layer, true), layer, logits, logits_stride, accepted, side_);
+      const cudaError_t joined = cudaEventRecord(join_, side_);
+      if (joined == cudaSuccess) ema_pending_ = true, ema_capture_ = CaptureOf(stream);
+      SPIN_CUDA_RETURN_IF_ERROR(ema);
+      return joined;
+    }
+    if (side_ == nullptr || !options_.probe_beside_ema) {
       SPIN_CUDA_RETURN_IF_ERROR(ck::LaunchProbe(dv, layer, n_, sms_, logits, logits_stride,
                                                 accepted, true, topk, remap, sel, stream));
       return LaunchEmas(dv, layer, logits, logits_stride, accepted, stream);
@@ -554,6 +583,26 @@ class CudaDataPlane final : public DataPlane {
       d.sel_lens = d_.ahead_len + d_.Ahead(layer, 0) * d_.max_rows;
     }
     return d;
+  }
+
+  // A deferred EMA (CudaDataPlaneOptions::defer_ema) joined back to `stream`: before a call that
+  // reads or writes what it writes or reads (the state, the step's entries and records), or
+  // forks the next one. Work forked into the capture the call launches into (or eagerly, from an
+  // eager call) is joined by an event wait; work of another capture is dropped (that capture has
+  // ended: it was joined there, or the capture failed). Eager work cannot be joined from inside a
+  // capture (the wait would cross the capture's boundary, and a host wait is not allowed during
+  // a capture): refused, the work still pending for a later eager call.
+  absl::Status JoinEma(cudaStream_t stream) {
+    if (!ema_pending_) return absl::OkStatus();
+    const unsigned long long now = CaptureOf(stream);
+    if (ema_capture_ == 0 && now != 0) {
+      return absl::FailedPreconditionError(
+          "an eager Observe's EMA is still deferred: end the eager step (BeginStep or the last "
+          "layer's Observe) before capturing");
+    }
+    ema_pending_ = false;
+    if (ema_capture_ == now) return CudaStatus(cudaStreamWaitEvent(stream, join_, 0), "EMA join");
+    return absl::OkStatus();
   }
 
   // A launchless Select's statistics that no Observe has counted yet, counted now: before a call
@@ -623,6 +672,10 @@ class CudaDataPlane final : public DataPlane {
   // Observe's second stream and its fork/join events (CudaDataPlaneOptions::probe_beside_ema).
   cudaStream_t side_ = nullptr;
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  // A deferred EMA (CudaDataPlaneOptions::defer_ema) on side_, not yet joined, and the capture
+  // (CaptureOf) it was forked in.
+  bool ema_pending_ = false;
+  unsigned long long ema_capture_ = 0;
 };
 
 }  // namespace

@@ -163,6 +163,13 @@ class Twin {
     d_acc_ = std::make_unique<DevBuf>(S * 4);
     d_table_ = std::make_unique<DevBuf>(S * MB * 4);
     d_logits_ = std::make_unique<DevBuf>(S * R * stride_ * 4);
+    // A deferred EMA reads a layer's logits until a later call: each layer its own buffer, as
+    // the option asks of an engine.
+    if (options.defer_ema) {
+      for (uint32_t l = 0; l < g.layers; ++l) {
+        layer_logits_.push_back(std::make_unique<DevBuf>(S * R * stride_ * 4));
+      }
+    }
     d_idx_ = std::make_unique<DevBuf>(S * R * kTopK * 4);
     table_.resize(S * MB);
     for (size_t i = 0; i < table_.size(); ++i) table_[i] = static_cast<int32_t>((i * 37) % 100003);
@@ -262,7 +269,7 @@ class Twin {
           }
         }
       }
-      CUDA_OK(cudaMemcpy(d_logits_->p, logits.data(), logits.size() * 4, cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemcpy(LogitsOf(l), logits.data(), logits.size() * 4, cudaMemcpyHostToDevice));
       // Remap of random compacted indices, some out of range.
       std::vector<int32_t> idx(static_cast<size_t>(n) * rows * kTopK);
       for (size_t x = 0; x < idx.size(); ++x) {
@@ -281,8 +288,8 @@ class Twin {
                         .RemapAndObserve(l, idx.data(), kTopK, logits.data(), stride_,
                                          no_accepted_ ? nullptr : acc.data())
                         .ok());
-        ASSERT_TRUE(gpu_->RemapAndObserve(l, d_idx_->as<int32_t>(), kTopK, d_logits_->as<float>(),
-                                          stride_, no_accepted_ ? nullptr : d_acc_->as<int32_t>())
+        ASSERT_TRUE(gpu_->RemapAndObserve(l, d_idx_->as<int32_t>(), kTopK, LogitsOf(l), stride_,
+                                          no_accepted_ ? nullptr : d_acc_->as<int32_t>())
                         .ok());
         ASSERT_EQ(ToHost(d_idx_->as<int32_t>(), idx.size()), idx) << "remap, step " << step;
         ASSERT_NO_FATAL_FAILURE(ResetThenRemap(seq, n, rows, step, l));
@@ -314,9 +321,9 @@ class Twin {
       // The engine contract passes no accepted counts: row 0 only on both backends.
       ASSERT_TRUE(
           cpu_.dp().Observe(l, logits.data(), stride_, no_accepted_ ? nullptr : acc.data()).ok());
-      ASSERT_TRUE(gpu_->Observe(l, d_logits_->as<float>(), stride_,
-                                no_accepted_ ? nullptr : d_acc_->as<int32_t>())
-                      .ok());
+      ASSERT_TRUE(
+          gpu_->Observe(l, LogitsOf(l), stride_, no_accepted_ ? nullptr : d_acc_->as<int32_t>())
+              .ok());
       if (remap_after) {
         ASSERT_NO_FATAL_FAILURE(RemapBoth(n, rows, step));
       }
@@ -500,6 +507,11 @@ class Twin {
   Geometry g_;
   uint64_t bytes_ = 0;
   std::unique_ptr<DevBuf> dev_, d_seq_, d_ctx_, d_q_, d_acc_, d_table_, d_logits_, d_idx_;
+  std::vector<std::unique_ptr<DevBuf>> layer_logits_;  // with a deferred EMA: per layer
+  // The logits buffer the unfused calls of layer l read.
+  float* LogitsOf(int l) {
+    return layer_logits_.empty() ? d_logits_->as<float>() : layer_logits_[l]->as<float>();
+  }
   std::unique_ptr<DevBuf> d_table2_;  // StepTable: the same table at another address
   ArenaView dview_;
   std::unique_ptr<DataPlane> gpu_;
@@ -528,6 +540,7 @@ struct Scenario {
   bool given_topk = false;       ///< RemapTopK: the probes count the engine's top-K
   bool remap_observe = false;    ///< unfused: RemapAndObserve (the remap in the Probe launch)
   bool step_table = false;       ///< unfused: the block table given at BeginStep (publish ahead)
+  bool defer_ema = false;        ///< unfused: CudaDataPlaneOptions::defer_ema
 };
 
 // max_slots 64 * 40 + 17 runs the word-access EMA kernel (EmaWordKernel) and slot-by-slot block
@@ -545,7 +558,8 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uin
   SCOPED_TRACE(::testing::Message()
                << "max_slots " << max_slots << ", stride pad " << stride_pad << ", block " << block
                << ", ahead group " << ahead_group << (mid_step ? ", mid-step events" : "")
-               << (probe_beside_ema ? "" : ", Probe before the EMA"));
+               << (probe_beside_ema ? "" : ", Probe before the EMA")
+               << (sc.defer_ema ? ", EMA deferred" : ""));
   Geometry g;
   g.layers = 3;
   g.max_seqs = 6;
@@ -562,6 +576,7 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uin
   CudaDataPlaneOptions options;
   options.ahead_group_layers = ahead_group;
   options.probe_beside_ema = probe_beside_ema;
+  options.defer_ema = sc.defer_ema;
   Twin t(g, p, 99, stride_pad, options);
   if (sc.engine_contract) t.NoAccepted();
   if (sc.fused) t.Fused(sc.one_call);
@@ -613,6 +628,12 @@ void RunScenario(const Scenario& sc) {
   RunScenarioWith(sc, 64 * 40 + 8, 1);
   RunScenarioWith(sc, 32 * 80 + 9, 0, 32);
   RunScenarioWith(sc, 128 * 20 + 40, 0, 128);
+  // The EMA off the caller's stream (CudaDataPlaneOptions::defer_ema), joined by later calls:
+  // with the mid-step events (a layer selected again and a reset, which join it first).
+  Scenario deferred = sc;
+  deferred.defer_ema = true;
+  RunScenarioWith(deferred, 64 * 40 + 8, 0, 64, 0, true);
+  RunScenarioWith(deferred, 32 * 80 + 9, 1, 32);
 }
 
 TEST_F(CudaTest, ParityFp32SingleRow) { RunScenario({StateDtype::kFp32, 1, 0.5, 0.1, 3}); }
@@ -704,6 +725,9 @@ TEST_F(CudaTest, ParityRemapAndObserve) {
     RunScenarioWith(sc, 64 * 40 + 8, 0);
     RunScenarioWith(sc, 64 * 40 + 17, 0, 64, 0, true, false);  // mid-step events, Probe first
     RunScenarioWith(sc, 32 * 80 + 9, 0, 32);
+    sc.defer_ema = true;
+    RunScenarioWith(sc, 64 * 40 + 17, 0, 64, 0, true);
+    sc.defer_ema = false;
   }
 }
 
@@ -728,6 +752,12 @@ TEST_F(CudaTest, ParityStepTablePublishesAhead) {
       RunScenarioWith(sc, 64 * 40 + 17, 0, 64, 0, true, false);  // mid-step events, Probe first
       RunScenarioWith(sc, 64 * 40 + 8, 0, 64, 2, true);
       RunScenarioWith(sc, 32 * 80 + 9, 0, 32);
+      // vLLM's path with the EMA deferred: each layer's EMA joined by the next Observe, a layer
+      // selected but not observed (the one after joins), the mid-step events.
+      Scenario deferred = sc;
+      deferred.defer_ema = true;
+      RunScenarioWith(deferred, 64 * 40 + 8, 0);
+      RunScenarioWith(deferred, 64 * 40 + 17, 0, 64, 0, true);
     }
   }
 }
@@ -1255,9 +1285,12 @@ TEST_F(CudaTest, BadBatchRecordsAnErrorAndRunsNoEntry) {
 // mode with a written budget table, on both backends; the same graph keeps replaying.
 // With step_table the engine's block table is given at BeginStep: in the graph each Select but
 // layer 0's launches nothing (the previous layer's Observe published its selection), and the
-// logits are gathered through the outputs each Select left.
-void GraphReplayScenario(bool step_table) {
-  SCOPED_TRACE(step_table ? "the table given at BeginStep" : "no table");
+// logits are gathered through the outputs each Select left. With defer_ema each layer's EMA
+// runs on the data plane's second stream, joined by the next layer's Observe (the last layer's
+// at once, so the capture ends joined), and each layer has its own logits buffer.
+void GraphReplayScenario(bool step_table, bool defer_ema = false) {
+  SCOPED_TRACE(::testing::Message() << (step_table ? "the table given at BeginStep" : "no table")
+                                    << (defer_ema ? ", EMA deferred" : ""));
   Geometry g;
   g.layers = 4;
   g.max_seqs = 4;
@@ -1268,7 +1301,9 @@ void GraphReplayScenario(bool step_table) {
   p.target_sparsity = 0.5;
   p.exploration = 0.1;
   p.probe_period = 5;
-  Twin t(g, p, 5);
+  CudaDataPlaneOptions options;
+  options.defer_ema = defer_ema;
+  Twin t(g, p, 5, 0, options);
   for (int s = 0; s < 4; ++s) t.Reset(s, 77 + s);
   const int n = 4, rows = 2, L = 4;
   const int64_t N = g.max_slots, MB = t.cpu().view().max_blocks, stride = MB * 64;
@@ -1277,7 +1312,11 @@ void GraphReplayScenario(bool step_table) {
   for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<int32_t>((i * 53) % 9973);
   CUDA_OK(cudaMemcpy(d_table.p, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
   DevBuf d_dense(static_cast<size_t>(n) * L * rows * N * 4);
-  DevBuf d_logits(static_cast<size_t>(n) * rows * stride * 4);
+  std::vector<std::unique_ptr<DevBuf>> d_logits;
+  for (int l = 0; l < (defer_ema ? L : 1); ++l) {
+    d_logits.push_back(std::make_unique<DevBuf>(static_cast<size_t>(n) * rows * stride * 4));
+  }
+  auto logits_of = [&](int l) { return d_logits[defer_ema ? l : 0]->as<float>(); };
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaGraph_t graph;
@@ -1287,9 +1326,8 @@ void GraphReplayScenario(bool step_table) {
   ASSERT_TRUE(t.gpu().BeginStep(dbatch, stream).ok());
   for (int l = 0; l < L; ++l) {
     ASSERT_TRUE(t.gpu().Select(l, nullptr, 0, stream).ok());
-    CUDA_OK(LaunchGatherLogits(t.dview(), l, d_dense.as<float>(), N, d_logits.as<float>(), stride,
-                               stream));
-    ASSERT_TRUE(t.gpu().Observe(l, d_logits.as<float>(), stride, d_acc.as<int32_t>(), stream).ok());
+    CUDA_OK(LaunchGatherLogits(t.dview(), l, d_dense.as<float>(), N, logits_of(l), stride, stream));
+    ASSERT_TRUE(t.gpu().Observe(l, logits_of(l), stride, d_acc.as<int32_t>(), stream).ok());
   }
   CUDA_OK(cudaStreamEndCapture(stream, &graph));
   cudaGraphExec_t exec;
@@ -1387,9 +1425,71 @@ void GraphReplayScenario(bool step_table) {
   cudaStreamDestroy(stream);
 }
 
+// The deferred EMA across capture boundaries (CudaDataPlaneOptions::defer_ema): layer 0
+// observed eagerly leaves its EMA pending; an Observe captured then is refused (joining eager
+// work inside a capture would cross its boundary) and changes nothing; the eager Observe of layer
+// 1 joins it; then layer 2 captured forks and joins its own (the last layer), so the capture
+// ends. The graph run once leaves the arena equal to the CPU's after the same calls.
+TEST_F(CudaTest, DeferredEmaAcrossACaptureBoundary) {
+  Geometry g = TwoSequences();
+  g.layers = 3;
+  CudaDataPlaneOptions options;
+  options.defer_ema = true;
+  Twin t(g, Policy{}, 4, 0, options);
+  for (int s = 0; s < 2; ++s) t.Reset(s, 31 + s);
+  const int32_t seq[2] = {0, 1}, ctx[2] = {400, 230}, qp[2] = {399, 229};
+  const DevStep step(seq, ctx, qp);
+  const int64_t stride = static_cast<int64_t>(t.cpu().view().max_blocks) * g.block_size;
+  std::vector<std::vector<float>> logits(g.layers);
+  std::vector<std::unique_ptr<DevBuf>> d_logits;
+  for (uint32_t l = 0; l < g.layers; ++l) {
+    logits[l].resize(2 * stride);
+    for (size_t i = 0; i < logits[l].size(); ++i) {
+      logits[l][i] = Score(static_cast<int>(i / stride), static_cast<int>(l), 0, 0,
+                           static_cast<int>(i % stride), 1000);
+    }
+    d_logits.push_back(std::make_unique<DevBuf>(logits[l].size() * 4));
+    CUDA_OK(
+        cudaMemcpy(d_logits[l]->p, logits[l].data(), logits[l].size() * 4, cudaMemcpyHostToDevice));
+  }
+  DataPlane& c = t.cpu().dp();
+  ASSERT_TRUE(c.BeginStep(StepBatch{seq, ctx, qp, 2, 1}).ok());
+  for (uint32_t l = 0; l < g.layers; ++l) {
+    ASSERT_TRUE(c.Select(static_cast<int32_t>(l)).ok());
+    ASSERT_TRUE(c.Observe(static_cast<int32_t>(l), logits[l].data(), stride).ok());
+  }
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  ASSERT_TRUE(t.gpu().BeginStep(step.batch(), stream).ok());
+  ASSERT_TRUE(t.gpu().Select(0, nullptr, 0, stream).ok());
+  ASSERT_TRUE(t.gpu().Observe(0, d_logits[0]->as<float>(), stride, nullptr, stream).ok());
+  cudaGraph_t graph;
+  ASSERT_TRUE(t.gpu().Select(1, nullptr, 0, stream).ok());
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const absl::Status refused =
+      t.gpu().Observe(1, d_logits[1]->as<float>(), stride, nullptr, stream);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  CUDA_OK(cudaGraphDestroy(graph));
+  ASSERT_TRUE(t.gpu().Observe(1, d_logits[1]->as<float>(), stride, nullptr, stream).ok());
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  ASSERT_TRUE(t.gpu().Select(2, nullptr, 0, stream).ok());
+  ASSERT_TRUE(t.gpu().Observe(2, d_logits[2]->as<float>(), stride, nullptr, stream).ok());
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_OK(cudaGraphLaunch(exec, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  t.ExpectSameArena("after two eager layers and a captured one");
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
 TEST_F(CudaTest, GraphReplayMatchesEagerReference) {
   GraphReplayScenario(false);
   GraphReplayScenario(true);
+  GraphReplayScenario(true, true);
 }
 
 // The device narrows bf16 state with the hardware conversion (numerics.h); the host with the

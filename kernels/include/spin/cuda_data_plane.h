@@ -42,6 +42,18 @@ struct CudaDataPlaneOptions {
   /// graph two parallel branches, so a small batch waits for one kernel's latency instead of
   /// two). false: Probe then the EMA, on the caller's stream. The results are the same.
   bool probe_beside_ema = true;
+  /// Observe's EMA launches leave the caller's stream: they run on the data plane's second
+  /// stream, forked where Observe is called, and are joined back to the caller's stream by the
+  /// next call that needs them: the next Observe (or a fused call), a Select that selects a layer
+  /// again, BeginStep, ResetSequence; the session's last layer's Observe joins its own at once.
+  /// So the EMA of layer l runs beside what the engine does up to layer l + 1's Observe (its
+  /// attention, the next layer's indexer) instead of before it; the Probe launch (validation,
+  /// the remap, the next layer's publish) stays on the caller's stream. The results are the
+  /// same. The caller must leave layer l's logits unwritten until the next call of the data
+  /// plane that joins (the Python op keeps the tensor alive until then), and a captured graph
+  /// must end after such a call (the last layer's Observe, as an engine's step does). A call
+  /// captured while an eager Observe's EMA is pending is refused (FailedPrecondition).
+  bool defer_ema = false;
 };
 
 /// A CUDA data plane over a device arena. The view's pointers are device pointers; `view.header`
