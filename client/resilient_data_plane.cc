@@ -58,7 +58,9 @@ absl::StatusOr<std::unique_ptr<ResilientDataPlane>> ResilientDataPlane::CreateOn
   dense.budget_mode = BudgetMode::kUniform;
   SPIN_ASSIGN_OR_RETURN(
       ArenaView v, InitDeviceArena(w->ptr(), bytes, r->options_.geometry, r->options_.seed, dense));
-  SPIN_ASSIGN_OR_RETURN(std::unique_ptr<DataPlane> dp, MakeCudaDataPlane(v));
+  CudaDataPlaneOptions cuda;
+  cuda.defer_ema = r->options_.defer_ema;
+  SPIN_ASSIGN_OR_RETURN(std::unique_ptr<DataPlane> dp, MakeCudaDataPlane(v, cuda));
   // One data plane drives the window for the engine's lifetime: its scratch buffers and the
   // arena's addresses are what the engine's captured graphs hold.
   r->fallback_ = std::move(dp);

@@ -82,6 +82,7 @@ absl::Status FetchArenaFd(const std::string& path, const std::string& id, const 
 absl::StatusOr<std::unique_ptr<Session>> Session::Attach(const std::string& target,
                                                          const AttachOptions& o) {
   std::unique_ptr<Session> s(new Session());
+  s->defer_ema_ = o.defer_ema;
   s->channel_ = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
   s->stub_ = pb::Spin::NewStub(s->channel_);
   pb::AttachRequest req;
@@ -163,7 +164,9 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Attach(const std::string& targ
   s->view_ = *view;
   if (s->device_ != nullptr) {
 #if SPIN_HAVE_CUDA
-    absl::StatusOr<std::unique_ptr<DataPlane>> dp = MakeCudaDataPlane(s->view_);
+    CudaDataPlaneOptions cuda;
+    cuda.defer_ema = s->defer_ema_;
+    absl::StatusOr<std::unique_ptr<DataPlane>> dp = MakeCudaDataPlane(s->view_, cuda);
     if (!dp.ok()) {
       (void)s->Detach();
       return dp.status();
@@ -377,7 +380,9 @@ absl::Status Session::MapInto(DeviceWindow& window, bool build_data_plane) {
   std::unique_ptr<DataPlane> dp;
   if (build_data_plane) {
     // Built (and its scratch allocated) before the window changes, so a failure changes nothing.
-    absl::StatusOr<std::unique_ptr<DataPlane>> made = MakeCudaDataPlane(view);
+    CudaDataPlaneOptions cuda;
+    cuda.defer_ema = defer_ema_;
+    absl::StatusOr<std::unique_ptr<DataPlane>> made = MakeCudaDataPlane(view, cuda);
     SPIN_RETURN_IF_ERROR(made.status());
     dp = std::move(*made);
   }

@@ -48,6 +48,10 @@ struct AttachOptions {
   /// The served model's name (1-128 of A-Z a-z 0-9 . _ -; empty: none): a per-layer session
   /// of a model spind has seen starts from its last per-layer curves (warm budgets).
   std::string model;
+  /// CUDA sessions: the data plane's EMA runs beside the engine's next layer
+  /// (CudaDataPlaneOptions::defer_ema; the engine keeps each layer's logits unwritten until the
+  /// next Observe). Ignored on the CPU backend.
+  bool defer_ema = false;
 };
 
 /// A policy change (Session::SetPolicy): the fields that are set change, the rest stay. Takes
@@ -158,6 +162,7 @@ class Session {
   ArenaHeader header_{};
   ArenaView view_;
   std::unique_ptr<DataPlane> dp_;
+  bool defer_ema_ = false;  // AttachOptions::defer_ema, for the CUDA data planes it builds
 };
 
 }  // namespace spin::client

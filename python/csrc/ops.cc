@@ -160,7 +160,7 @@ BudgetMode ModeOf(const std::string& m) {
 int64_t Attach(const std::string& target, std::vector<int64_t> geometry, int64_t seed,
                std::vector<double> policy, const std::string& budget_mode,
                const std::string& client_name, int64_t device, bool engine_control,
-               const std::string& model) {
+               const std::string& model, bool defer_ema) {
   TORCH_CHECK(geometry.size() == 7,
               "spind.attach: geometry is [layers, block_size, topk, max_sequences, max_slots, "
               "max_rows, state (1 fp32, 2 bf16)]");
@@ -205,6 +205,7 @@ int64_t Attach(const std::string& target, std::vector<int64_t> geometry, int64_t
     o.client_name = client_name;
     o.engine_control = engine_control;
     o.model = model;
+    o.defer_ema = defer_ema;
     if (device < 0) {
       o.require_backend = 1;  // host arenas: spind's CPU backend
       h->resilient = std::make_unique<spin::client::ResilientDataPlane>(
@@ -239,7 +240,9 @@ int64_t Attach(const std::string& target, std::vector<int64_t> geometry, int64_t
       absl::StatusOr<ArenaView> view =
           spin::InitDeviceArena(h->device_mem, bytes, g, static_cast<uint64_t>(seed), p);
       Check(view.status(), "attach");
-      absl::StatusOr<std::unique_ptr<DataPlane>> dp = spin::MakeCudaDataPlane(*view);
+      spin::CudaDataPlaneOptions cuda;
+      cuda.defer_ema = defer_ema;
+      absl::StatusOr<std::unique_ptr<DataPlane>> dp = spin::MakeCudaDataPlane(*view, cuda);
       Check(dp.status(), "attach");
       h->local = std::move(*dp);
 #endif
@@ -668,7 +671,8 @@ std::vector<int64_t> Counters(int64_t h) {
 TORCH_LIBRARY(spind, m) {
   m.def(
       "attach(str target, int[] geometry, int seed, float[] policy, str budget_mode, "
-      "str client_name, int device=-1, bool engine_control=False, str model=\"\") -> int",
+      "str client_name, int device=-1, bool engine_control=False, str model=\"\", "
+      "bool defer_ema=False) -> int",
       &Attach);
   m.def("close(int handle) -> ()", &Close);
   m.def("reset_sequence(int handle, int seq, int key) -> ()", &ResetSequence);

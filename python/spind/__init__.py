@@ -41,7 +41,7 @@ class Session:
                  max_rows=1, state="fp32", seed=1, target_sparsity=0.5, exploration=0.05,
                  alpha=0.3, probe_period=0, budget_mode="uniform", target="",
                  client_name="python", device=None, engine_control=False, model="",
-                 miss_target=0.0):
+                 miss_target=0.0, defer_ema=False):
         if state not in _STATE:
             raise ValueError(f"state must be fp32 or bf16, not {state!r}")
         self.layers = layers
@@ -57,7 +57,14 @@ class Session:
             target, [layers, block_size, topk, max_sequences, max_slots, max_rows, _STATE[state]],
             seed, [float(target_sparsity), float(exploration), float(alpha), float(probe_period),
                    float(miss_target)],
-            budget_mode, client_name, ordinal, bool(engine_control), model)
+            budget_mode, client_name, ordinal, bool(engine_control), model, bool(defer_ema))
+        # defer_ema (CUDA sessions): each layer's EMA runs beside the engine's work up to the
+        # next layer's observe, reading that layer's logits meanwhile, so the session keeps the
+        # last observed logits (and accepted counts) alive until the next observe: the caching
+        # allocator cannot hand their memory to the next layer's tensors before the EMA has read
+        # it. The CPU backend ignores it.
+        self._defer = bool(defer_ema) and device.type == "cuda"
+        self._held = None
         # Declared mutated by every per-step op (see ops.cc): orders them.
         self.token = torch.zeros(1, dtype=torch.int32, device=device)
         self._fetch_outputs()
@@ -112,11 +119,15 @@ class Session:
 
     def observe(self, layer, logits, accepted=None):
         ops.observe(self.handle, layer, logits, accepted, self.token)
+        if self._defer:
+            self._held = (logits, accepted)
 
     def remap_and_observe(self, layer, topk, logits, accepted=None):
         """remap(topk, engine_topk=True) and observe(layer, logits, accepted) in one call: every
         argument checked first; on the GPU the remap runs inside observe's first launch."""
         ops.remap_and_observe(self.handle, layer, topk, logits, accepted, self.token)
+        if self._defer:
+            self._held = (logits, accepted)
 
     def refresh(self):
         changed = ops.refresh(self.handle)

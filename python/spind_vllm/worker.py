@@ -20,7 +20,11 @@ log = logging.getLogger("spind_vllm")
 
 def session_options(env=None):
     """spind.Session keyword arguments from SPIND_* variables (defaults: spind's socket, bf16
-    state, sparsity 0.5, exploration 0.05, alpha 0.3, seed 1, no probes, uniform budgets)."""
+    state, sparsity 0.5, exploration 0.05, alpha 0.3, seed 1, no probes, uniform budgets, the
+    EMA on the layer's path: SPIND_DEFER_EMA=1 runs it beside the next layer instead)."""
+    defer = env.get("SPIND_DEFER_EMA", "0")
+    if defer not in ("0", "1"):
+        raise ValueError(f"SPIND_DEFER_EMA must be 0 or 1, not {defer!r}")
     env = os.environ if env is None else env
     return dict(
         target=env.get("SPIND_TARGET", "unix:///run/spin/spind.sock"),
@@ -31,6 +35,7 @@ def session_options(env=None):
         alpha=float(env.get("SPIND_ALPHA", "0.3")),
         probe_period=int(env.get("SPIND_PROBE_PERIOD", "0")),
         budget_mode=env.get("SPIND_BUDGET", "uniform"),
+        defer_ema=defer == "1",
     )
 
 

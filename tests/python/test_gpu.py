@@ -68,13 +68,15 @@ def run(s, layers, ctx, logits, topk_count):
 @unittest.skipUnless(CUDA, "no CUDA device")
 class Gpu(unittest.TestCase):
     def test_cuda_sessions_select_what_cpu_sessions_select(self):
-        for state in ("fp32", "bf16"):
-            with self.subTest(state=state):
+        # defer_ema: each layer's EMA beside the next layer's work, the session keeping the
+        # logits (made afresh per layer by run()) alive until the next observe.
+        for state, defer in (("fp32", False), ("bf16", False), ("bf16", True)):
+            with self.subTest(state=state, defer_ema=defer):
                 kw = dict(topk=256, target_sparsity=0.5, exploration=0.1, probe_period=4,
                           state=state, seed=3)
                 layers, slots = 3, 128 * B
                 cpu = spind.Session(layers, slots, **kw)
-                gpu = spind.Session(layers, slots, device="cuda", **kw)
+                gpu = spind.Session(layers, slots, device="cuda", defer_ema=defer, **kw)
                 for s in (cpu, gpu):
                     s.reset_sequence(0, 11)
                 g = torch.Generator().manual_seed(5)
@@ -89,9 +91,14 @@ class Gpu(unittest.TestCase):
                 gpu.close()
 
     def test_a_whole_step_captures_in_one_cuda_graph(self):
+        for defer in (False, True):
+            with self.subTest(defer_ema=defer):
+                self.capture_and_replay(defer)
+
+    def capture_and_replay(self, defer):
         layers, slots = 4, 64 * B
         s = spind.Session(layers, slots, topk=128, target_sparsity=0.5, exploration=0.0,
-                          device="cuda")
+                          device="cuda", defer_ema=defer)
         ref = spind.Session(layers, slots, topk=128, target_sparsity=0.5, exploration=0.0)
         for x in (s, ref):
             x.reset_sequence(0, 3)

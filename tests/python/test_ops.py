@@ -71,6 +71,20 @@ class LocalSession(unittest.TestCase):
             self.assertEqual(stats[:, 0].tolist(), [2, 2])  # steps
             self.assertEqual(stats[:, 1].tolist(), [1, 1])  # dense steps
 
+    def test_defer_ema_is_accepted_and_changes_nothing_on_the_cpu(self):
+        # A CUDA data plane option (its EMA beside the next layer): the CPU backend observes
+        # synchronously, so a session asking for it selects and counts as any other.
+        got = []
+        for defer in (False, True):
+            with spind.Session(2, 32 * B, topk=64, target_sparsity=0.5, exploration=0.0,
+                               defer_ema=defer) as s:
+                s.reset_sequence(0, 7)
+                kept = [run_step(s, 32 * B, 2) for _ in range(3)]
+                got.append((kept, s.union_ids.clone(), s.stats().clone()))
+        self.assertEqual(got[0][0], got[1][0])
+        self.assertTrue(torch.equal(got[0][1], got[1][1]))
+        self.assertTrue(torch.equal(got[0][2], got[1][2]))
+
     def test_remap_maps_compacted_slots_to_logical_ones(self):
         with spind.Session(1, 32 * B, topk=64, target_sparsity=0.5, exploration=0.0) as s:
             s.reset_sequence(0, 1)

@@ -612,6 +612,22 @@ class StubGpuTarget(unittest.TestCase):
             gpu_uuid(1, Props("not-a-uuid"))
 
 
+class StubSessionOptions(unittest.TestCase):
+    def test_stub_session_options_from_the_environment(self):
+        from spind_vllm.worker import session_options
+        o = session_options({})
+        self.assertEqual((o["state"], o["target_sparsity"], o["defer_ema"]), ("bf16", 0.5, False))
+        o = session_options({"SPIND_DEFER_EMA": "1", "SPIND_SPARSITY": "0.7"})
+        self.assertEqual((o["defer_ema"], o["target_sparsity"]), (True, 0.7))
+        with self.assertRaisesRegex(ValueError, "SPIND_DEFER_EMA must be 0 or 1, not 'yes'"):
+            session_options({"SPIND_DEFER_EMA": "yes"})
+        # Every key is a spind.Session keyword (the worker passes them through).
+        import inspect
+        import spind
+        params = inspect.signature(spind.Session.__init__).parameters
+        self.assertEqual([k for k in o if k not in params], [])
+
+
 class StubModelKey(unittest.TestCase):
     def test_stub_model_key_is_a_safe_file_name(self):
         from types import SimpleNamespace as ns
