@@ -513,13 +513,12 @@ class CudaDataPlane final : public DataPlane {
                             int64_t logits_stride, const int32_t* accepted, cudaStream_t stream,
                             const ck::RemapWork& remap, bool topk, const ck::SelectWork& sel) {
     if (options_.defer_ema) {
-      // The EMA launches on the second stream, forked here (after the engine's logits) and
-      // joined by a later call (JoinEma); they read the layer's select-ahead record, which
-      // nothing rewrites before that join (the outputs may be published over meanwhile). The
-      // Probe launch stays on the caller's stream: the remap and the next layer's publish are
-      // on the engine's path.
-      // The Probe launch is made first (a graph's first node after the indexer), the fork
-      // recorded before it, so the EMA depends on the indexer only.
+      // The Probe launch stays on the caller's stream (the remap and the next layer's publish
+      // are on the engine's path) and is made first: a captured graph's first node after the
+      // indexer (launched second, batch 16 measured 2 us slower a layer). The EMA launches go
+      // to the second stream, forked before the Probe launch (so they wait for the indexer
+      // only) and joined by a later call (JoinEma); they read the layer's select-ahead record,
+      // which nothing rewrites before that join (the outputs may be published over meanwhile).
       SPIN_CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_, stream));
       SPIN_CUDA_RETURN_IF_ERROR(ck::LaunchProbe(dv, layer, n_, sms_, logits, logits_stride,
                                                 accepted, true, topk, remap, sel, stream));
@@ -597,8 +596,8 @@ class CudaDataPlane final : public DataPlane {
     const unsigned long long now = CaptureOf(stream);
     if (ema_capture_ == 0 && now != 0) {
       return absl::FailedPreconditionError(
-          "an eager Observe's EMA is still deferred: end the eager step (BeginStep or the last "
-          "layer's Observe) before capturing");
+          "an eager Observe's EMA is still deferred: end the eager step (an eager BeginStep or "
+          "the last layer's Observe) before capturing");
     }
     ema_pending_ = false;
     if (ema_capture_ == now) return CudaStatus(cudaStreamWaitEvent(stream, join_, 0), "EMA join");
