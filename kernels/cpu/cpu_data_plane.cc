@@ -15,14 +15,6 @@
 namespace spin {
 namespace {
 
-absl::Status ValidateLayer(const ArenaView& a, int32_t layer) {
-  if (layer < 0 || static_cast<uint32_t>(layer) >= a.geometry.layers) {
-    return absl::OutOfRangeError(
-        absl::StrCat("layer ", layer, " is out of range [0, ", a.geometry.layers, ")"));
-  }
-  return absl::OkStatus();
-}
-
 inline float Load(const float* p, int64_t i) { return p[i]; }
 inline float Load(const uint16_t* p, int64_t i) { return Bf16ToFloat(p[i]); }
 inline void Store(float* p, int64_t i, float v) { p[i] = v; }
@@ -209,13 +201,20 @@ class CpuDataPlane final : public DataPlane {
         ValidateObserveCall(a_, "RemapAndObserve", layer, logits, logits_stride, accepted));
     SPIN_RETURN_IF_ERROR(ValidateTopKBuffer(idx, count));
     SPIN_RETURN_IF_ERROR(RemapTopK(idx, count, stream));
-    return Observe(layer, logits, logits_stride, accepted, stream);
+    return ObserveChecked(layer, logits, logits_stride, accepted);
   }
 
   absl::Status Observe(int32_t layer, const float* logits, int64_t logits_stride,
                        const int32_t* accepted, cudaStream_t) override {
     SPIN_RETURN_IF_ERROR(
         ValidateObserveCall(a_, "Observe", layer, logits, logits_stride, accepted));
+    return ObserveChecked(layer, logits, logits_stride, accepted);
+  }
+
+ private:
+  // Observe after its checks (ValidateObserveCall).
+  absl::Status ObserveChecked(int32_t layer, const float* logits, int64_t logits_stride,
+                              const int32_t* accepted) {
     if (a_.geometry.dtype == StateDtype::kFp32) {
       ObserveAll<float>(layer, logits, logits_stride, accepted);
     } else {
@@ -225,7 +224,6 @@ class CpuDataPlane final : public DataPlane {
     return absl::OkStatus();
   }
 
- private:
   absl::Status CheckLayer(int32_t layer) const { return ValidateLayer(a_, layer); }
 
   int32_t CompactLen(int32_t e, int32_t r) const {
@@ -548,6 +546,14 @@ absl::Status LogitsRequired(int32_t entries, int64_t logits_stride) {
 absl::Status ValidateTopKBuffer(const int32_t* idx, int32_t count) {
   if (count < 0 || (count > 0 && idx == nullptr)) {
     return absl::InvalidArgumentError(absl::StrCat("bad top-K buffer (count ", count, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateLayer(const ArenaView& a, int32_t layer) {
+  if (layer < 0 || static_cast<uint32_t>(layer) >= a.geometry.layers) {
+    return absl::OutOfRangeError(
+        absl::StrCat("layer ", layer, " is out of range [0, ", a.geometry.layers, ")"));
   }
   return absl::OkStatus();
 }

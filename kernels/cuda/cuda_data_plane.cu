@@ -629,13 +629,7 @@ class CudaDataPlane final : public DataPlane {
     return id + 1;
   }
 
-  absl::Status CheckLayer(int32_t layer) const {
-    if (layer < 0 || static_cast<uint32_t>(layer) >= a_.geometry.layers) {
-      return absl::OutOfRangeError(
-          absl::StrCat("layer ", layer, " is out of range [0, ", a_.geometry.layers, ")"));
-    }
-    return absl::OkStatus();
-  }
+  absl::Status CheckLayer(int32_t layer) const { return ValidateLayer(a_, layer); }
 
   ArenaView a_;
   ArenaHeader header_;

@@ -166,6 +166,9 @@ absl::Status ValidateStepShape(const ArenaView& a, const StepBatch& batch);
 /// is at least the session's max blocks.
 absl::Status ValidateStepTable(const ArenaView& a, const StepBatch& batch);
 
+/// A layer index within the session's layers (every backend's).
+absl::Status ValidateLayer(const ArenaView& a, int32_t layer);
+
 /// Remap's check of its top-K buffer (every backend's): a count >= 0, and a buffer when count > 0.
 absl::Status ValidateTopKBuffer(const int32_t* idx, int32_t count);
 
