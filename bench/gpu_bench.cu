@@ -617,26 +617,31 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
     // moved by that many pages: it reads the same bytes as the other graphs' layer l. (Reading
     // layer 0's KV at every layer, as this graph did before, let the indexer run from L2 at
     // small batches: docs/lab/cuda-backend-history.md, "The benchmark's table graph".)
-    auto remap_step = [&](bool given, bool joint = false, bool ahead = false) {
+    // `plane`: dp, or the deferred-EMA data plane below, whose step gives the layers two logits
+    // buffers in turn (a layer's logits stay unwritten until the next layer's Observe).
+    auto remap_step = [&](bool given, bool joint = false, bool ahead = false,
+                          DataPlane* plane = nullptr) {
+      DataPlane& p = plane ? *plane : dp;
       StepBatch b = batch;
       if (ahead) b.block_table = layer_table(0), b.table_stride = P;  // one table, every layer
-      CHECK_OK(dp.BeginStep(b, stream));
+      CHECK_OK(p.BeginStep(b, stream));
       for (int l = 0; l < Ls; ++l) {
         PagedIndexerArgs s = sparse;
+        if (plane && l % 2) s.logits = logits_odd;
         if (ahead) {
-          CHECK_OK(dp.Select(l, nullptr, 0, stream));
+          CHECK_OK(p.Select(l, nullptr, 0, stream));
           s.kv = kv + static_cast<size_t>(l % L) * B * P * kPageBytes;
         } else {
-          CHECK_OK(dp.Select(l, layer_table(l % L), P, stream));
+          CHECK_OK(p.Select(l, layer_table(l % L), P, stream));
         }
         CHECK_OK(LaunchPagedIndexer(s, stream));
         copy_topk();
         if (joint) {
-          CHECK_OK(dp.RemapAndObserve(l, topk_buf, K, logits, N, nullptr, stream));
+          CHECK_OK(p.RemapAndObserve(l, topk_buf, K, s.logits, N, nullptr, stream));
           continue;
         }
-        CHECK_OK(given ? dp.RemapTopK(topk_buf, K, stream) : dp.Remap(topk_buf, K, stream));
-        CHECK_OK(dp.Observe(l, logits, N, nullptr, stream));
+        CHECK_OK(given ? p.RemapTopK(topk_buf, K, stream) : p.Remap(topk_buf, K, stream));
+        CHECK_OK(p.Observe(l, s.logits, N, nullptr, stream));
       }
     };
     auto one_remap_step = [&](bool given) {
@@ -652,31 +657,16 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
       }
     };
     // vLLM's path (the table at BeginStep, RemapAndObserve) with the EMA deferred, on a third
-    // data plane over the same arena: a layer's logits must stay unwritten until the next
-    // layer's Observe, so the layers take two buffers in turn.
+    // data plane over the same arena (remap_step with it).
     CudaDataPlaneOptions defer_options;
     defer_options.defer_ema = true;
     auto defer_dp = MakeCudaDataPlane(*view, defer_options);
     CHECK_OK(defer_dp.status());
     defer_plane = std::move(*defer_dp);
     CHECK_CUDA(cudaMalloc(&logits_odd, static_cast<size_t>(B) * N * 4));
-    auto defer_step = [&] {
-      StepBatch b = batch;
-      b.block_table = layer_table(0), b.table_stride = P;
-      CHECK_OK(defer_plane->BeginStep(b, stream));
-      for (int l = 0; l < Ls; ++l) {
-        PagedIndexerArgs s = sparse;
-        s.kv = kv + static_cast<size_t>(l % L) * B * P * kPageBytes;
-        s.logits = l % 2 ? logits_odd : logits;
-        CHECK_OK(defer_plane->Select(l, nullptr, 0, stream));
-        CHECK_OK(LaunchPagedIndexer(s, stream));
-        copy_topk();
-        CHECK_OK(defer_plane->RemapAndObserve(l, topk_buf, K, s.logits, N, nullptr, stream));
-      }
-    };
     for (bool given : {false, true}) remap_step(given), one_remap_step(given);
     remap_step(true, true);
-    defer_step();
+    remap_step(true, true, true, defer_plane.get());
     CHECK_CUDA(cudaStreamSynchronize(stream));
     cudaGraphExec_t g_copy = Capture(stream, [&] {
       for (int l = 0; l < Ls; ++l) copy_topk();
@@ -685,7 +675,8 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
     cudaGraphExec_t g_remap_topk = Capture(stream, [&] { remap_step(true); });
     cudaGraphExec_t g_remap_joint = Capture(stream, [&] { remap_step(true, true); });
     g_remap_ahead = Capture(stream, [&] { remap_step(true, true, true); });  // timed apart
-    g_remap_defer = Capture(stream, defer_step);                             // with it
+    g_remap_defer =
+        Capture(stream, [&] { remap_step(true, true, true, defer_plane.get()); });  // with it
     g_pair_joint = g_remap_joint;
     cudaGraphExec_t g_one_remap = Capture(stream, [&] { one_remap_step(false); });
     cudaGraphExec_t g_one_topk = Capture(stream, [&] { one_remap_step(true); });
