@@ -62,6 +62,10 @@ void BlockScores(const T* v, const T* d, const float* vsum, int32_t n, int32_t q
   }
 }
 
+// An entry whose rows get a selection: a sequence's, or one without a sequence (seq = -1)
+// given ctx_len > 0 slots, served dense (data_plane.h, StepBatch::seq).
+inline bool Served(const StepEntry& en) { return en.seq >= 0 || en.ctx_len > 0; }
+
 // Block order by predicted score: higher first, ties to the lower id.
 struct ByScore {
   const float* s;
@@ -104,7 +108,7 @@ class CpuDataPlane final : public DataPlane {
     }
     // Entries of the current step that point at this sequence no longer describe it.
     for (int32_t e = 0; e < a_.batch->n; ++e) {
-      if (a_.entries[e].seq == seq) a_.entries[e].seq = -1;
+      if (a_.entries[e].seq == seq) a_.entries[e].seq = -1, a_.entries[e].ctx_len = 0;
     }
     return absl::OkStatus();
   }
@@ -125,7 +129,14 @@ class CpuDataPlane final : public DataPlane {
     for (int32_t e = 0; e < batch.n; ++e) {
       StepEntry& en = a_.entries[e];
       en.seq = batch.seq[e];
-      if (en.seq < 0) continue;
+      if (en.seq < 0) {
+        // No sequence: served dense over ctx_len slots, reading and changing no state.
+        en.ctx_len = batch.ctx_len[e];
+        en.q_pos = 0;
+        en.step = 0;
+        en.probe = 0;
+        continue;
+      }
       SeqRecord& r = a_.seqs[en.seq];
       en.ctx_len = batch.ctx_len[e];
       en.q_pos = batch.q_pos[e];
@@ -164,7 +175,7 @@ class CpuDataPlane final : public DataPlane {
     for (int32_t e = 0; e < a_.batch->n; ++e) {
       const int32_t* ids = a_.union_ids + static_cast<int64_t>(e) * a_.max_blocks;
       for (int32_t r = 0; r < rows; ++r) {
-        const int32_t len = a_.entries[e].seq < 0 ? 0 : CompactLen(e, r);
+        const int32_t len = Served(a_.entries[e]) ? CompactLen(e, r) : 0;
         int32_t* row = idx + (static_cast<int64_t>(e) * rows + r) * count;
         for (int32_t k = 0; k < count; ++k) {
           const int32_t c = row[k];
@@ -241,24 +252,25 @@ class CpuDataPlane final : public DataPlane {
     for (int32_t e = 0; e < a_.batch->n; ++e) {
       const StepEntry& en = a_.entries[e];
       probing_[e] = 0;
-      if (en.seq < 0) {
+      if (!Served(en)) {
         a_.union_count[e] = 0;
         for (int32_t r = 0; r < rows; ++r) a_.compact_len[e * g.max_rows + r] = 0;
         continue;
       }
-      const bool fresh = a_.fresh[static_cast<uint64_t>(en.seq) * g.layers + layer] != 0;
-      const bool dense = fresh || en.probe;
+      const bool pad = en.seq < 0;  // no sequence: dense, no state read, nothing counted
+      const bool fresh = !pad && a_.fresh[static_cast<uint64_t>(en.seq) * g.layers + layer] != 0;
+      const bool dense = pad || fresh || en.probe;
       probing_[e] = en.probe && !fresh ? 1 : 0;
-      const T* v = reinterpret_cast<const T*>(a_.StateRecord(en.seq, layer));
-      const T* d = v + g.max_slots;
-      const float* vsum = a_.VSummaries(en.seq, layer);
       uint8_t* mask = a_.mask + static_cast<int64_t>(e) * a_.max_blocks;
-      float* row0 = a_.scratch + static_cast<int64_t>(e) * a_.max_blocks;
       const int32_t widest_blocks = static_cast<int32_t>(CeilDiv(en.ctx_len + rows - 1, b));
       std::memset(mask, dense ? 1 : 0, widest_blocks);
+      const T* v = pad ? nullptr : reinterpret_cast<const T*>(a_.StateRecord(en.seq, layer));
+      const T* d = pad ? nullptr : v + g.max_slots;
+      const float* vsum = pad ? nullptr : a_.VSummaries(en.seq, layer);
+      float* row0 = a_.scratch + static_cast<int64_t>(e) * a_.max_blocks;
       if (dense) {
         // A probe step keeps row 0's predicted block scores for the miss curve in Observe.
-        if (!fresh) BlockScores(v, d, vsum, en.ctx_len, en.q_pos, b, row0);
+        if (!pad && !fresh) BlockScores(v, d, vsum, en.ctx_len, en.q_pos, b, row0);
       } else {
         const uint64_t key = ExplorationKey(seed, a_.seqs[en.seq].key);
         for (int32_t r = 0; r < rows; ++r) {
@@ -287,6 +299,7 @@ class CpuDataPlane final : public DataPlane {
         for (int32_t k = 0; k < count && ids[k] * b < n; ++k) len += std::min(b, n - ids[k] * b);
         a_.compact_len[e * g.max_rows + r] = len;
       }
+      if (pad) continue;
       st.steps += 1;
       st.dense_steps += dense ? 1 : 0;
       st.blocks_kept += count;
@@ -508,7 +521,16 @@ absl::Status ValidateStepBatch(const ArenaView& a, const StepBatch& batch) {
   const int64_t last_row = batch.rows - 1;
   for (int32_t e = 0; e < batch.n; ++e) {
     const int32_t s = batch.seq[e];
-    if (s == -1) continue;
+    if (s == -1) {
+      // No sequence: served dense over ctx_len slots (0: nothing), q_pos unused.
+      const int64_t ctx = batch.ctx_len[e];
+      if (ctx < 0 || (ctx > 0 && ctx + last_row > g.max_slots)) {
+        return absl::OutOfRangeError(absl::StrCat(
+            "entry ", e, ": padding ctx_len ", ctx, " with ", batch.rows,
+            " rows is out of range [0, ", g.max_slots - last_row, "] (0 = an empty entry)"));
+      }
+      continue;
+    }
     if (s < 0 || static_cast<uint32_t>(s) >= g.max_seqs) {
       return absl::OutOfRangeError(
           absl::StrCat("entry ", e, ": sequence ", s, " is out of range [0, ", g.max_seqs, ")"));

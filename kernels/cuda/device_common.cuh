@@ -80,6 +80,11 @@ __device__ __forceinline__ void StepKernelEntry() {
 #endif
 }
 
+// An entry whose rows get a selection: a sequence's, or one without a sequence (seq = -1)
+// given ctx_len > 0 slots, served dense (data_plane.h, StepBatch::seq). A sequence reset since
+// the step began left its entry at seq = -1, ctx_len = 0: not served.
+__device__ __forceinline__ bool Served(const StepEntry& en) { return en.seq >= 0 || en.ctx_len > 0; }
+
 // Blocks of a row of n >= 0 slots: CeilDiv in 32 bits (numerics.h's 64-bit division is a
 // long instruction sequence on the device), by shift for a power-of-two block.
 __device__ __forceinline__ int BlocksOf(const Dev& d, int n) {
@@ -108,7 +113,7 @@ __device__ __forceinline__ void CountSelectOf(const Dev& d, int layer, int e, in
 __device__ inline void PublishAheadEntry(const Dev& d, int layer, const int32_t* table,
                                          int64_t table_stride, int e, int rows) {
   const int tid = static_cast<int>(threadIdx.x);
-  const bool live = d.entries[e].seq >= 0;
+  const bool live = Served(d.entries[e]);
   const int64_t at = d.Ahead(layer, e);
   const int count = live ? d.ahead_info[at].x : 0;
   if (tid < rows) {
@@ -220,8 +225,9 @@ __device__ inline void RemapShare(const Dev& d, int layer, int32_t* idx, int cou
   for (int64_t x = t0; x < total; x += nt) {
     const int e = static_cast<int>(x / (static_cast<int64_t>(rows) * count));
     const int r = static_cast<int>((x / count) % rows);
-    const bool live = selected && d.entries[e].seq >= 0;
-    const int len = live ? SelLens(d, e)[r] : 0;
+    const StepEntry en = d.entries[e];
+    const bool live = selected && en.seq >= 0;
+    const int len = selected && Served(en) ? SelLens(d, e)[r] : 0;
     const int c = idx[x];
     const int slot = (c < 0 || c >= len) ? -1 : SelIds(d, e)[c / d.block] * d.block + c % d.block;
     idx[x] = slot;

@@ -291,7 +291,7 @@ __global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
       const StepEntry en = d.entries[seq];
       const int rec_len = d.ahead_len[at * d.max_rows + r];
       if (seq >= batch_n) return;
-      const bool live = en.seq >= 0;
+      const bool live = cuda_kernels::Served(en);
       len = live ? rec_len : 0;
       if (blockIdx.x == 0 && tid == 0) {
         d.compact_len[static_cast<int64_t>(seq) * d.max_rows + r] = len;

@@ -340,8 +340,8 @@ __device__ void UnionOf(const Dev& d, int layer, int gl, int e, const StepEntry&
   // Per row r: union blocks with id < B_r, and whether block B_r - 1 is one of them.
   __shared__ int s_below[kMaxRows], s_last_in[kMaxRows];
   const int64_t at_le = d.Ahead(layer, e);
-  if (en.seq < 0) return;  // padding: PublishKernel writes an empty union
-  const bool dense = fresh || en.probe;
+  if (!Served(en)) return;  // padding: PublishKernel writes an empty union
+  const bool dense = en.seq < 0 || fresh || en.probe;  // no sequence: every block
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int widest = BlocksOf(d, en.ctx_len + rows - 1);
   uint8_t* mask = d.Mask(gl, e);
@@ -475,13 +475,13 @@ __global__ void __launch_bounds__(kPublishThreads)
   if (e >= batch_n) return;
   if (e == 0 && blockIdx.x == 0 && threadIdx.x == 0) d.batch->selected_layer = layer;
   int32_t* clen = d.compact_len + static_cast<int64_t>(e) * d.max_rows;
-  const bool live = en.seq >= 0;
+  const bool live = Served(en);
   const int count = live ? info.x : 0;
   if (blockIdx.x == 0) {
     if (static_cast<int>(threadIdx.x) < rows) clen[threadIdx.x] = live ? lane_len : 0;
     if (threadIdx.x == 0) {
       d.union_count[e] = count;
-      if (live && count_stats) AddSelectCountsOf(d, layer, en, info, rows);
+      if (en.seq >= 0 && count_stats) AddSelectCountsOf(d, layer, en, info, rows);
     }
   }
   if (!live) return;

@@ -38,7 +38,7 @@ __global__ void ResetKernel(Dev d, int seq, uint64_t key) {
       d.seqs[seq].steps = 0;
       d.seqs[seq].open = 1;
       for (int e = 0; e < d.batch->n; ++e) {
-        if (d.entries[e].seq == seq) d.entries[e].seq = -1;
+        if (d.entries[e].seq == seq) d.entries[e].seq = -1, d.entries[e].ctx_len = 0;
       }
     }
   }
@@ -88,7 +88,12 @@ __global__ void __launch_bounds__(kBeginThreads)
 #pragma unroll
   for (int u = 0; u < kBeginRounds; ++u) {
     const int e = u * kBeginThreads + static_cast<int>(threadIdx.x);
-    if (e >= n || s[u] == -1) continue;
+    if (e >= n) continue;
+    if (s[u] == -1) {  // no sequence: served dense over ctx_len slots (0: nothing)
+      const int64_t cc = c[u];
+      if (cc < 0 || (cc > 0 && cc + last > d.max_slots)) ok_all = false;
+      continue;
+    }
     bool ok = s[u] >= 0 && s[u] < d.max_seqs && open[u];
     if (ok) {
       const unsigned bit = 1u << (s[u] % 32);
@@ -127,7 +132,8 @@ __global__ void __launch_bounds__(kBeginThreads)
       d.entries[e] = en;
       d.xkeys[e] = ExplorationKey(d.seed, keys[u]);
     } else {
-      d.entries[e].seq = en.seq;
+      en.ctx_len = c[u];  // served dense; q_pos, step and probe 0
+      d.entries[e] = en;
     }
   }
   if (threadIdx.x == 0) {

@@ -103,7 +103,8 @@ class Oracle {
     uint64_t seed = 0;    // session seed
     bool bf16 = false;    // state dtype
   };
-  /// One batch entry: sequence slot (-1 = padding), context of row 0, query slot of row 0.
+  /// One batch entry: sequence slot (-1 = none: every block of its rows, no state; ctx 0 =
+  /// padding, nothing), context of row 0, query slot of row 0.
   struct Entry {
     int seq = -1, ctx = 0, q = 0;
   };
@@ -140,13 +141,14 @@ class Oracle {
   }
 
   /// Opens (or reopens) slot `seq` with the engine's key: state unset, every layer fresh,
-  /// step counter 0. An entry of the current step that names it becomes padding.
+  /// step counter 0. An entry of the current step that names it becomes padding (no
+  /// sequence, context 0).
   void Reset(int seq, uint64_t key) {
     Clear(&seqs_[seq]);
     seqs_[seq].open = true;
     seqs_[seq].key = key;
     for (Entry& e : entries_) {
-      if (e.seq == seq) e.seq = -1;
+      if (e.seq == seq) e.seq = -1, e.ctx = 0;
     }
   }
 
@@ -179,7 +181,12 @@ class Oracle {
       unions_[e].clear();
       probing_[e] = false;
       const Entry& en = entries_[e];
-      if (en.seq < 0) continue;
+      if (en.seq < 0) {
+        // No sequence: every block of its rows (none for padding), nothing counted.
+        const int widest = en.ctx > 0 ? CeilDiv(en.ctx + rows_ - 1, p_.block) : 0;
+        for (int j = 0; j < widest; ++j) unions_[e].push_back(j);
+        continue;
+      }
       const Seq& s = seqs_[en.seq];
       const bool fresh = s.fresh[layer];
       const bool dense = fresh || probe_[e];
@@ -215,7 +222,7 @@ class Oracle {
   /// Slots of row r of entry e in the compacted layout: the union's blocks below the row's
   /// context, the partial one counted by its valid slots.
   int CompactLen(size_t e, int r) const {
-    if (entries_[e].seq < 0) return 0;
+    if (entries_[e].seq < 0 && entries_[e].ctx == 0) return 0;
     const int n = entries_[e].ctx + r;
     int len = 0;
     for (int j : unions_[e]) {

@@ -346,10 +346,12 @@ void RunSession(const Scenario& sc, Coverage* cov) {
     for (int s : order) {
       seq.push_back(s);
       if (s < 0) {
-        c.push_back(0);
+        // Padding (context 0) or, every other time, an entry without a sequence served dense.
+        const int dc = step % 8 == 1 ? 0 : 1 + static_cast<int>(rng() % (g.max_slots - sc.rows));
+        c.push_back(dc);
         q.push_back(0);
         acc.push_back(0);
-        entries.push_back({-1, 0, 0});
+        entries.push_back({-1, dc, 0});
         ++cov->padding_entries;
         continue;
       }

@@ -334,15 +334,77 @@ TEST(Select, TheStepsBlockTableServesEverySelectWithoutOne) {
   EXPECT_EQ(std::vector<int>(phys, phys + 4), std::vector<int>(before.begin(), before.end()));
 }
 
-TEST(Select, PaddingEntriesAreSkipped) {
-  TestArena t(Geo(64 * 4, 64, 1, 3), Pol(0.5));
+// An entry without a sequence (seq -1) is served dense over its ctx_len slots and touches no
+// state: ctx_len 0 is an empty entry (padding); a positive one selects every block of its rows,
+// through the table, with identity remap; nothing is counted, observed or advanced.
+TEST(Select, EntriesWithoutASequenceAreServedDense) {
+  TestArena t(Geo(64 * 4, 64, 2, 3), Pol(0.5));
   ASSERT_TRUE(t.dp().ResetSequence(2, 1).ok());
-  int32_t seq[2] = {-1, 2}, ctx[2] = {0, 256}, q[2] = {0, 255};
-  ASSERT_TRUE(t.dp().BeginStep(StepBatch{seq, ctx, q, 2, 1}).ok());
+  const int32_t mb = static_cast<int32_t>(t.view().max_blocks);
+  std::vector<int32_t> table(3 * mb);
+  for (int j = 0; j < 3 * mb; ++j) table[j] = 100 + j;
+  int32_t seq[3] = {-1, 2, -1}, ctx[3] = {0, 200, 129}, q[3] = {0, 199, 0};
+  StepBatch b{seq, ctx, q, 3, 2};
+  b.block_table = table.data();
+  b.table_stride = mb;
+  ASSERT_TRUE(t.dp().BeginStep(b).ok());
   ASSERT_TRUE(t.dp().Select(1).ok());
   EXPECT_EQ(t.view().union_count[0], 0);
-  EXPECT_EQ(t.Selected(1), Range(0, 4));
-  EXPECT_EQ(t.view().stats[1].steps, 1u);
+  EXPECT_EQ(t.view().compact_len[0], 0);
+  EXPECT_EQ(t.view().compact_len[1], 0);
+  EXPECT_EQ(t.Selected(2), Range(0, 3));  // rows of 129 and 130 slots
+  EXPECT_EQ(t.view().compact_len[2 * 2 + 0], 129);
+  EXPECT_EQ(t.view().compact_len[2 * 2 + 1], 130);
+  const int32_t* phys = t.view().phys + 2 * mb;
+  EXPECT_EQ(std::vector<int>(phys, phys + 3),
+            (std::vector<int>{100 + 2 * mb, 101 + 2 * mb, 102 + 2 * mb}));
+  EXPECT_EQ(t.view().stats[1].steps, 1u) << "only the sequence's entry is counted";
+  // Remap: identity for the dense entry (within its row's length), -1 for the empty one.
+  std::vector<int32_t> idx(3 * 2 * 4, 0);
+  for (int r = 0; r < 6; ++r) {
+    idx[r * 4 + 0] = 0, idx[r * 4 + 1] = 128, idx[r * 4 + 2] = 129, idx[r * 4 + 3] = -1;
+  }
+  ASSERT_TRUE(t.dp().Remap(idx.data(), 4).ok());
+  EXPECT_EQ(std::vector<int32_t>(idx.begin(), idx.begin() + 4), (std::vector<int32_t>{-1, -1, -1, -1}));
+  EXPECT_EQ(std::vector<int32_t>(idx.begin() + 16, idx.begin() + 20),
+            (std::vector<int32_t>{0, 128, -1, -1}));
+  EXPECT_EQ(std::vector<int32_t>(idx.begin() + 20, idx.begin() + 24),
+            (std::vector<int32_t>{0, 128, 129, -1}));
+}
+
+// A step of entries without sequences is the dense indexer's step: every block of every entry,
+// and the arena's SPIN state (records, sequences, statistics) is the same after its Select and
+// Observe as before it. A ctx_len out of range is refused and changes nothing.
+TEST(Select, AStepWithoutSequencesIsDenseAndChangesNoState) {
+  TestArena t(Geo(64 * 4, 64, 1, 2), Pol(0.75, 0.0, 2));
+  ASSERT_TRUE(t.dp().ResetSequence(0, 1).ok());
+  ASSERT_TRUE(t.dp().ResetSequence(1, 2).ok());
+  SetBlockScores(t, {1, 2, 3, 4}, 256, 0, 0);
+  int32_t seq[2] = {-1, -1}, ctx[2] = {256, 70}, q[2] = {0, 0};
+  int32_t bad_ctx[2] = {256, 257};
+  const std::vector<uint8_t> before = t.Snapshot();
+  const absl::Status refused = t.dp().BeginStep(StepBatch{seq, bad_ctx, q, 2, 1});
+  EXPECT_EQ(refused.code(), absl::StatusCode::kOutOfRange) << refused;
+  EXPECT_NE(refused.message().find("padding ctx_len 257"), std::string::npos) << refused;
+  EXPECT_EQ(t.Snapshot(), before) << "a refused step changes nothing";
+  ASSERT_TRUE(t.dp().BeginStep(StepBatch{seq, ctx, q, 2, 1}).ok());
+  const SeqRecord s0 = t.view().seqs[0];
+  const std::vector<uint8_t> begun = t.Snapshot();
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  EXPECT_EQ(t.Selected(0), Range(0, 4));
+  EXPECT_EQ(t.Selected(1), Range(0, 2));
+  std::vector<float> logits(2 * 256, 1.0f);
+  ASSERT_TRUE(t.dp().Observe(0, logits.data(), 256).ok());
+  EXPECT_EQ(t.view().seqs[0].steps, s0.steps);
+  EXPECT_EQ(t.view().stats[0].steps, 0u);
+  EXPECT_EQ(t.view().stats[0].observed, 0u);
+  // Only the outputs and the step header moved: the state records are as they were.
+  const ArenaView& v = t.view();
+  const uint8_t* rec = reinterpret_cast<const uint8_t*>(v.StateRecord(0, 0));
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(v.header);
+  const size_t off = static_cast<size_t>(rec - base);
+  EXPECT_TRUE(std::equal(begun.begin() + off, begun.begin() + off + 2 * 256 * 4,
+                         reinterpret_cast<const uint8_t*>(rec)));
 }
 
 TEST(Select, Bf16StateSelectsLikeFp32OnRepresentableScores) {

@@ -34,7 +34,13 @@ namespace spin {
 /// One decode step of a batch. Arrays have `n` entries; on the CUDA backend they are device
 /// pointers that must stay valid until the work on the stream has run.
 struct StepBatch {
-  const int32_t* seq = nullptr;      ///< sequence slot per entry, -1 = padding (skipped)
+  /// Sequence slot per entry, or -1: an entry without a sequence, served dense. It selects
+  /// every block of its rows (ctx_len + r slots) and reads and changes no SPIN state (nothing
+  /// observed, counted or advanced); ctx_len 0 makes it empty (padding). So a step whose every
+  /// entry is -1, given the engine's lengths, is the dense indexer's step: what an engine
+  /// begins when it decides a step is dense after a CUDA graph holding the SPIN path was
+  /// captured (docs/data-plane.md, "Entries without a sequence").
+  const int32_t* seq = nullptr;
   const int32_t* ctx_len = nullptr;  ///< context length of row 0 (row r has ctx_len + r)
   const int32_t* q_pos = nullptr;    ///< slot of row 0's query key (row r: q_pos + r)
   int32_t n = 0;                     ///< entries, at most max_seqs
