@@ -606,14 +606,21 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uin
     if (step == 12) t.Reset(3, 555);  // a sequence slot reused mid-run
     std::vector<int32_t> seq = {0, 2, -1, 1, 3, 4}, c, q, acc;
     if (step % 5 == 4) seq[5] = 5;
+    // Entry 2 has no sequence: padding (context 0) every third step, else served dense over a
+    // context of its own. Every seventh step is dense (the engine decided so after capture):
+    // no entry has a sequence, each keeps its context.
+    const int pad_ctx = step % 3 == 0 ? 0 : 1 + (step * 97) % (static_cast<int>(g.max_slots) - sc.rows);
+    const bool dense_step = step % 7 == 5;
     for (int32_t s : seq) {
-      const int cc = s < 0 ? 0 : ctx[s];
+      const int cc = s < 0 ? pad_ctx : ctx[s];
       c.push_back(cc);
-      q.push_back(s < 0 ? 0 : (s == 4 && cc > 2 ? cc - 2 : cc - 1));  // seq 4: query trails
+      q.push_back(s < 0 || dense_step ? 0 : (s == 4 && cc > 2 ? cc - 2 : cc - 1));  // seq 4: query trails
       acc.push_back(sc.rows == 1 ? 1 : static_cast<int32_t>(rng() % (sc.rows + 1)));
     }
+    std::vector<int32_t> step_seq = seq;
+    if (dense_step) std::fill(step_seq.begin(), step_seq.end(), -1);
     step_n = static_cast<int>(seq.size());
-    t.Step(seq, c, q, sc.rows, acc, step);
+    t.Step(step_seq, c, q, sc.rows, acc, step);
     for (size_t e = 0; e < seq.size(); ++e) {
       if (seq[e] >= 0) ctx[seq[e]] += std::max(1, acc[e]);  // the engine's contexts still grow
     }
