@@ -81,10 +81,11 @@ def _wrap_builder():
         metadata = original(self, common_prefix_len, common_attn_metadata, fast_build)
         try:
             _state.STATE.on_build(self, common_attn_metadata, metadata)
+        except _state.DenseStepFailed:
+            raise
         except Exception:  # noqa: BLE001 - never fail vLLM's step for SPIN: this step is dense
             log.exception("spind_vllm: begin_step failed; this step runs dense")
-            _state.STATE.spin_step = False
-            _state.STATE.dense_reason = "begin_step failed"
+            _state.STATE.fail_dense(metadata, "begin_step failed")
         return metadata
 
     build._spind_wrapped = True

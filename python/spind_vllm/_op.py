@@ -57,7 +57,9 @@ def _why_not_spin(st, layer, md, q_scale, use_fp4_cache, topk_tokens, max_model_
     if md.num_prefills > 0 or md.decode is None:
         return "prefill or mixed batch"
     dec = md.decode
-    if dec.requires_padding or dec.seq_lens.dim() != 2 or dec.seq_lens.shape[1] != st.rows:
+    # A batch padded to a captured size has requires_padding set (its padding requests have no
+    # query tokens): the begun step holds them as padding entries, so it runs on SPIN.
+    if dec.seq_lens.dim() != 2 or dec.seq_lens.shape[1] != st.rows:
         return "non-uniform or flattened decode"
     if dec.decode_lens.shape[0] != st.batch_size:
         return "batch differs from the begun step"
@@ -83,6 +85,17 @@ def sparse_attn_indexer(hidden_states, k_cache_prefix, kv_cache, q_quant, q_scal
     if reason is not None:
         return _dense(args, reason)
     st.counters["spin_calls"] += 1
+    spin_path(st, md, hidden_states, kv_cache, q_quant, k, weights, quant_block_size, scale_fmt,
+              topk_tokens, head_dim, max_model_len, topk_indices_buffer, skip_k_cache_insert,
+              spin_layer)
+
+
+def spin_path(st, md, hidden_states, kv_cache, q_quant, k, weights, quant_block_size, scale_fmt,
+              topk_tokens, head_dim, max_model_len, topk_indices_buffer, skip_k_cache_insert,
+              spin_layer):
+    """The SPIN decode path of one layer: what a FULL CUDA graph captured here replays, with
+    no Python decision in between. So whatever the step boundary decides after the capture
+    (dense included) must be in the session's begun step (spind_vllm._state)."""
     ops = _mod("vllm._custom_ops")
     deep_gemm = _mod("vllm.utils.deep_gemm")
     sai = _mod("vllm.model_executor.layers.sparse_attn_indexer")
@@ -111,8 +124,18 @@ def sparse_attn_indexer(hidden_states, k_cache_prefix, kv_cache, q_quant, q_scal
         compact_len, phys, schedule, max_model_len=max_model_len, clean_logits=False)
     topk = st.topk_buf
     topk.fill_(-1)
-    torch.ops._C.top_k_per_row_decode(logits, next_n, compact_len, topk[:rows], rows,
-                                      logits.stride(0), logits.stride(1), topk_tokens)
+    # vLLM's own choice of top-K kernel (so at sparsity 0 the indices are vLLM's bit for bit):
+    # persistent_topk on CUDA at top-K 512/1024/2048 (DeepSeek-V3.2's is 2048), the per-row
+    # decode kernel otherwise. md.max_seq_len bounds the compacted lengths as it bounds vLLM's.
+    platform = _mod("vllm.platforms").current_platform
+    if platform.is_cuda() and topk_tokens in (512, 1024, 2048):
+        (workspace,) = _mod("vllm.v1.worker.workspace").current_workspace_manager() \
+            .get_simultaneous(((sai.RADIX_TOPK_WORKSPACE_SIZE,), torch.uint8))
+        torch.ops._C.persistent_topk(logits, compact_len, topk[:rows], workspace, topk_tokens,
+                                     md.max_seq_len)
+    else:
+        torch.ops._C.top_k_per_row_decode(logits, next_n, compact_len, topk[:rows], rows,
+                                          logits.stride(0), logits.stride(1), topk_tokens)
     # Compacted slots -> logical slots, every begun entry's rows (on a probe step the engine's
     # own top-K is the dense top-K the miss curves count), and the EMA from the logits, in one
     # call (on the GPU the remap runs inside observe's first launch).

@@ -116,6 +116,11 @@ def sync_tp_group(session, group, sync, all_reduce=None):
     return control, bool(degraded), bool(switched)
 
 
+class DenseStepFailed(RuntimeError):
+    """A dense decision whose dense step could not begin (the builder wrapper lets it through:
+    vLLM's step fails rather than replay a captured SPIN graph on a stale selection)."""
+
+
 class PluginState:
     """What the plugin knows in one worker process. `STATE` below is the process's instance."""
 
@@ -130,18 +135,22 @@ class PluginState:
         self.runner = None        # the model runner (its input_batch.req_ids: the batch order)
         self.tp_group = None      # a GroupCoordinator when TP > 1
         self.in_step = False      # inside a real execute_model (not a dummy or capture run)
+        self.drafting = False     # inside the worker's sample_tokens: the MTP drafter's builds
         self.step_pending = False # on_schedule ran; the next indexer build begins the step
         self.spin_step = False    # this forward's indexer batch was begun on SPIN
         self.dense_reason = "no session"
-        self.batch_size = 0       # decode entries of the begun batch
+        self.batch_size = 0       # decode entries of the begun batch (padding included)
+        self.live = 0             # of which live requests (rows 0 .. live-1)
         self.num_sms = 0
         self.topk_layers = []     # (layer, topk_tokens) the SPIN-capable indexer layers noted
-        self.counters = {"resets": 0, "begin_steps": 0, "spin_calls": 0, "dense_calls": 0,
+        self.counters = {"resets": 0, "begin_steps": 0, "dense_steps": 0, "spin_calls": 0,
+                         "dense_calls": 0,
                          "broadcasts": 0, "group_resets": 0}
         self.tp_sync = GroupSync()  # TP > 1: what the last step boundary saw
         self.tp_dense = False       # TP > 1: a rank runs without spind, the group runs dense
         self.dense_reasons = {}
         self._buffers = None
+        self._ring, self._ring_at = [], 0
         self.topk_buf = None
 
     # ---- set-up ----------------------------------------------------------------------------
@@ -157,8 +166,13 @@ class PluginState:
         self.tp_group = tp_group
         device = getattr(session, "device", torch.device("cpu"))
         i32 = dict(dtype=torch.int32, device=device)
-        self._buffers = (torch.full((max_seqs,), -1, **i32), torch.ones(max_seqs, **i32),
+        self._buffers = (torch.full((max_seqs,), -1, **i32), torch.zeros(max_seqs, **i32),
                          torch.zeros(max_seqs, **i32))
+        # Pinned staging buffers for the slots (CUDA): a ring, so a step's host write never
+        # races the previous steps' copies still queued on the stream.
+        self._ring = [(torch.empty(max_seqs, dtype=torch.int32, pin_memory=True), None)
+                      for _ in range(3)] if device.type == "cuda" else []
+        self._ring_at = 0
         # Top-K over the compacted logits, remapped in place for all begun entries (padding
         # entries' rows become -1), then copied into the engine's buffer.
         self.topk_buf = torch.full((max_seqs * rows, topk), -1, **i32)
@@ -213,62 +227,152 @@ class PluginState:
         self.spin_step = False
         self.dense_reason = reason
 
+    def _static_reason(self, builder, metadata):
+        """Dense reasons fixed by the configuration: the same when a CUDA graph is captured as
+        when it is replayed, so the captured graph holds vLLM's own (dense) indexer path."""
+        if getattr(builder, "compress_ratio", 1) != 1:
+            return "compressed indexer cache (DeepSeek-V4)"
+        spec = getattr(builder, "kv_cache_spec", None)
+        if spec is not None and getattr(spec, "block_size", self.block_size) != self.block_size:
+            return "indexer block size differs from the session's"
+        dec = metadata.decode
+        if dec is not None and (dec.block_table.dim() != 2 or
+                                dec.block_table.shape[1] < self.session.phys.shape[1]):
+            # begin_step would refuse it (every layer selects through it): say why, once a step.
+            return ("decode block table narrower than the session's blocks "
+                    "(is the session's max_slots above max_model_len?)")
+        return None
+
+    def _live_rows(self, common_attn_metadata, nd):
+        """How many of the nd decode rows are live requests, from the host copy of the query
+        start locations (no device sync): live requests come first with `rows` query tokens
+        each, then the padding requests of a batch padded to a captured CUDA-graph size, with
+        none. None when the lengths are anything else (a short chunked prefill among the
+        decodes: not a uniform batch)."""
+        qsl = common_attn_metadata.query_start_loc_cpu[: nd + 1].tolist()
+        lens = [b - a for a, b in zip(qsl, qsl[1:])]
+        live = 0
+        while live < nd and lens[live] == self.rows:
+            live += 1
+        if any(n != 0 for n in lens[live:]):
+            return None
+        return live
+
+    def _stage_slots(self, slots):
+        """The live requests' sequence slots into the device's seq buffer without a host sync:
+        through a pinned staging buffer (one of a small ring, reused only after its copy ran)
+        and a non-blocking copy on the current stream."""
+        seq = self._buffers[0]
+        n = len(slots)
+        if seq.device.type != "cuda":
+            seq[:n] = torch.tensor(slots, dtype=torch.int32)
+            return
+        host, event = self._ring[self._ring_at]
+        if event is not None:
+            event.synchronize()  # recorded steps ago: long done unless the host ran far ahead
+        host[:n] = torch.tensor(slots, dtype=torch.int32)
+        seq[:n].copy_(host[:n], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._ring[self._ring_at] = (host, event)
+        self._ring_at = (self._ring_at + 1) % len(self._ring)
+
+    def _begin(self, dec, nd, live, slots):
+        """begin_step over the nd decode rows: rows 0..live-1 are the requests in `slots` (None:
+        a dense step, no sequence: every block of each row, no SPIN state read or changed), the
+        rest padding (no sequence, no slots). The decode block table is every indexer layer's
+        (the op selects through the same tensor): given now, each layer's observe publishes
+        the next layer's selection and that select launches nothing (docs/vllm.md)."""
+        seq, ctx, qpos = self._buffers
+        seq.fill_(-1)
+        ctx.zero_()
+        if slots:
+            self._stage_slots(slots)
+        if live:
+            # Row 0 of request b sees N = seq_lens[b, 0] slots (vLLM's 2-D decode seq_lens are
+            # L - next_n + j + 1), and its own key is the last of them.
+            ctx[:live] = dec.seq_lens[:live, 0].to(ctx.device, torch.int32)
+        torch.sub(ctx, 1, out=qpos)
+        qpos.clamp_(min=0)
+        self.session.begin_step(seq, ctx, qpos, self.rows, dec.block_table)
+        self.batch_size = nd
+
+    def _begin_dense(self, dec, nd, live, reason):
+        """A dense decision: vLLM's own indexer runs where our op's Python runs (eager and
+        piecewise steps), and a replayed CUDA graph holding the SPIN path (captured before the
+        decision) selects every block of every live row through a dense step. If even that
+        step cannot begin, the replay would read a stale selection: fail the step loudly."""
+        self._dense_step(reason)
+        if dec is None or nd > self.max_seqs:
+            return
+        try:
+            self._begin(dec, nd, nd if live is None else live, None)
+            self.counters["dense_steps"] += 1
+        except Exception as e:  # noqa: BLE001
+            raise DenseStepFailed(f"spind_vllm: this step is dense ({reason}) and its dense step "
+                               f"could not begin ({e}); a replayed CUDA graph would select "
+                               "stale blocks, so the step fails instead") from e
+
+    def _drafter_builder(self, builder):
+        """The MTP drafter's own builder: every layer it builds for lies past the session's
+        layers (the draft layer, model.layers.61 of DeepSeek-V3.2); the target model's builder
+        lists the model's layers (and the draft layer too: one KV-cache group)."""
+        names = getattr(builder, "layer_names", None)
+        if not names:
+            return False
+        return all(layer_index(n) < 0 or layer_index(n) >= self.layers for n in names)
+
+    def fail_dense(self, metadata, reason):
+        """on_build failed unexpectedly: this step is dense, as every dense decision is."""
+        if self.session is None or self.drafting:
+            return self._dense_step(reason)
+        return self._begin_dense(metadata.decode, metadata.num_decodes, None, reason)
+
     def on_build(self, builder, common_attn_metadata, metadata):
         if self.session is None:
             return self._dense_step("no session (is --worker-cls spind_vllm.worker.SpindWorker set?)")
+        if self.drafting or self._drafter_builder(builder):
+            return  # the MTP drafter's build (after the target's forward): not a step of ours
         real = self.in_step
         if real and not self.step_pending:
-            return  # a second build in the same step (another group, the MTP drafter)
+            return  # a second build in the same step (another KV-cache group)
         self.step_pending = False
-        if self.tp_dense:
-            return self._dense_step("a tensor-parallel rank runs without a spind session")
-        if getattr(builder, "compress_ratio", 1) != 1:
-            return self._dense_step("compressed indexer cache (DeepSeek-V4)")
-        spec = getattr(builder, "kv_cache_spec", None)
-        if spec is not None and getattr(spec, "block_size", self.block_size) != self.block_size:
-            return self._dense_step("indexer block size differs from the session's")
-        if metadata.num_prefills > 0 or metadata.decode is None:
-            return self._dense_step("prefill or mixed batch")
+        static = self._static_reason(builder, metadata)
+        if static is not None:
+            return self._dense_step(static)
         dec = metadata.decode
-        if dec.requires_padding:
-            return self._dense_step("non-uniform decode lengths")
-        if dec.seq_lens.dim() != 2 or dec.seq_lens.shape[1] != self.rows:
-            return self._dense_step("flattened MTP decode")
         nd = metadata.num_decodes
-        if nd > self.max_seqs:
-            return self._dense_step("more decode requests than session slots")
-        if dec.block_table.dim() != 2 or dec.block_table.shape[1] < self.session.phys.shape[1]:
-            # begin_step would refuse it (every layer selects through it): say why, once a step.
-            return self._dense_step("decode block table narrower than the session's blocks "
-                                    "(is the session's max_slots above max_model_len?)")
-        seq, ctx, qpos = self._buffers
-        seq.fill_(-1)
-        ctx.fill_(1)
-        if real:
-            req_ids = list(self.runner.input_batch.req_ids[:nd]) if self.runner else []
-            slots = [self.slots.get(r) for r in req_ids]
-            if len(slots) != nd or any(s is None for s in slots):
-                # Cannot happen while every scheduled request has a slot; begin an all-padding
-                # batch so no stale batch is replayed, and say so.
-                log.error("spind_vllm: decode requests without a sequence slot: %s", req_ids)
-                nd_live = 0
-            else:
-                seq[:nd] = torch.tensor(slots, dtype=torch.int32)
-                nd_live = nd
-        else:
-            nd_live = 0  # a dummy or capture run: padding entries, the SPIN path is captured
-        if nd_live:
-            # Row 0 of request b sees N = seq_lens[b, 0] slots (vLLM's 2-D decode seq_lens are
-            # L - next_n + j + 1), and its own key is the last of them.
-            ctx[:nd_live] = dec.seq_lens[:nd_live, 0].to(ctx.device, torch.int32)
-        torch.sub(ctx, 1, out=qpos)
-        # The decode block table is every indexer layer's (the op selects through the same
-        # tensor): given now, each layer's observe publishes the next layer's selection and that
-        # select launches nothing (docs/vllm.md).
-        self.session.begin_step(seq, ctx, qpos, self.rows, dec.block_table)
-        self.counters["begin_steps"] += 1
-        self.batch_size = nd
         self.num_sms = getattr(builder, "num_sms", 0)
+        if dec is None:
+            return self._dense_step("prefill batch")
+        live = self._live_rows(common_attn_metadata, nd)
+        if self.tp_dense:
+            return self._begin_dense(dec, nd, live,
+                                     "a tensor-parallel rank runs without a spind session")
+        if metadata.num_prefills > 0:
+            return self._begin_dense(dec, nd, live, "prefill or mixed batch")
+        if dec.seq_lens.dim() != 2 or dec.seq_lens.shape[1] != self.rows:
+            return self._begin_dense(dec, nd, live, "flattened MTP decode")
+        if nd > self.max_seqs:
+            return self._begin_dense(dec, nd, live, "more decode requests than session slots")
+        if live is None:
+            return self._begin_dense(dec, nd, None, "non-uniform decode lengths")
+        slots = []
+        if real and live:
+            req_ids = list(self.runner.input_batch.req_ids[:live]) if self.runner else []
+            slots = [self.slots.get(r) for r in req_ids]
+            if len(slots) != live or any(s is None for s in slots):
+                log.error("spind_vllm: decode requests without a sequence slot: %s", req_ids)
+                return self._begin_dense(dec, nd, live, "decode requests without a slot")
+        elif not real:
+            live = 0  # a dummy or capture run: padding entries, the SPIN path is captured
+        try:
+            self._begin(dec, nd, live, slots)
+        except Exception:  # noqa: BLE001 - never fail vLLM's step for SPIN: this step is dense
+            log.exception("spind_vllm: begin_step failed; this step runs dense")
+            return self._begin_dense(dec, nd, live, "begin_step failed")
+        self.counters["begin_steps"] += 1
+        self.live = live
         self.spin_step = True
         self.dense_reason = None
 

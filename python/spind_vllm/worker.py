@@ -22,10 +22,10 @@ def session_options(env=None):
     """spind.Session keyword arguments from SPIND_* variables (defaults: spind's socket, bf16
     state, sparsity 0.5, exploration 0.05, alpha 0.3, seed 1, no probes, uniform budgets, the
     EMA on the layer's path: SPIND_DEFER_EMA=1 runs it beside the next layer instead)."""
+    env = os.environ if env is None else env
     defer = env.get("SPIND_DEFER_EMA", "0")
     if defer not in ("0", "1"):
         raise ValueError(f"SPIND_DEFER_EMA must be 0 or 1, not {defer!r}")
-    env = os.environ if env is None else env
     return dict(
         target=env.get("SPIND_TARGET", "unix:///run/spin/spind.sock"),
         state=env.get("SPIND_STATE", "bf16"),
@@ -129,6 +129,16 @@ class SpindWorker(Worker):
             log.exception("spind_vllm: could not open a session; every step is dense")
         _state.STATE.runner = self.model_runner
         return result
+
+    def sample_tokens(self, *args, **kwargs):
+        # vLLM samples, then runs the MTP drafter, whose metadata builds (its own builder, the
+        # draft layer) are not a step of the session: on_build leaves the target step alone.
+        st = _state.STATE
+        st.drafting = True
+        try:
+            return super().sample_tokens(*args, **kwargs)
+        finally:
+            st.drafting = False
 
     def execute_model(self, scheduler_output):
         st = _state.STATE
