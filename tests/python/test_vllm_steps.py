@@ -435,5 +435,204 @@ class DenseEqualsVllm(unittest.TestCase):
                 self.assertEqual(kernels.CALLS["persistent_topk"], 2 * e.nl)
 
 
+class StaticInputs:
+    """The runner's persistent tensors for one captured batch size (vLLM fills its own in place
+    every step, so a FULL graph's addresses stay valid): the CommonAttentionMetadata device
+    tensors, and the layers' inputs."""
+
+    def __init__(self, e, padded, tokens):
+        dev = e.device
+        self.padded, self.tokens = padded, tokens
+        self.qsl = torch.zeros(padded + 1, dtype=torch.int32, device=dev)
+        self.seq = torch.zeros(padded, dtype=torch.int32, device=dev)
+        self.table = None
+        self.slots = torch.full((tokens,), -1, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=dev)
+        self.q = [torch.zeros(tokens, H, D, device=dev) for _ in range(e.nl)]
+        self.w = [torch.zeros(tokens, H, device=dev) for _ in range(e.nl)]
+        self.k = [torch.zeros(tokens, D, device=dev) for _ in range(e.nl)]
+        self.hidden = torch.zeros(tokens, 1, device=dev)
+
+    def fill(self, cam):
+        """Copies a step's metadata into the persistent tensors; returns the metadata over
+        them (the host parts as built)."""
+        import dataclasses
+        if self.table is None:
+            self.table = torch.zeros_like(cam.block_table_tensor)
+        self.qsl.copy_(cam.query_start_loc)
+        self.seq.copy_(cam.seq_lens)
+        self.table.copy_(cam.block_table_tensor)
+        self.slots.copy_(cam.slot_mapping)
+        self.positions.copy_(cam.positions)
+        return dataclasses.replace(cam, query_start_loc=self.qsl, seq_lens=self.seq,
+                                   block_table_tensor=self.table, slot_mapping=self.slots,
+                                   positions=self.positions)
+
+
+@unittest.skipUnless(torch.cuda.is_available(), "no CUDA device (the GPU test machine runs it)")
+class CudaGraphs(unittest.TestCase):
+    """Item 7, on the GPU: FULL CUDA graphs of the plugin's decode layers captured at batch sizes
+    1, 2, 4 and 8 with metadata from vLLM's builder, replayed for batches of 3, 5 and 7 live
+    requests and an MTP batch: the live requests' selections equal an eager CPU session's fed
+    the same step and logits, padding rows stay -1, a dense decision after capture is obeyed,
+    and the step path (step boundary, build, replay) makes no synchronising call."""
+
+    def engine(self, spec):
+        import spind
+        e = Engine(spec=spec, device="cuda", max_seqs=8, layers=3)
+        # The CUDA session's mirror: a CPU session of the same geometry and policy that begins
+        # the same batches and observes the same logits.
+        e.cpu = spind.Session(e.nl, e.max_len, block_size=BLOCK, topk=e.topk, max_sequences=8,
+                              max_rows=e.rows, state="fp32", seed=7, target_sparsity=0.5,
+                              exploration=0.0)
+        e.snap = {}
+        return e
+
+    def capture(self, e, padded):
+        """Captures the decode step of `padded` requests (vLLM's capture run: every request a
+        dummy, so the plugin begins an all-padding step), after one eager warm-up."""
+        from vllm.utils import deep_gemm
+        tokens = padded * e.rows
+        st = StaticInputs(e, padded, tokens)
+        md = e.builder.build(0, st.fill(vllm_real.capture_batch(padded, next_n=e.rows,
+                                                                device="cuda")))
+        self.assertTrue(e.st.spin_step)
+        real_logits = deep_gemm.fp8_fp4_paged_mqa_logits
+        snaps = {layer: {} for layer in range(e.nl)}
+        state = {"layer": None}
+
+        def logits_and_snapshot(*args, **kwargs):
+            out = real_logits(*args, **kwargs)
+            snap = snaps[state["layer"]]
+            if "logits" not in snap:
+                snap["logits"] = torch.empty_like(out)
+            snap["logits"].copy_(out)
+            s = e.recorder._s
+            for name in ("union_count", "union_ids", "compact_len"):
+                if name not in snap:
+                    snap[name] = torch.empty_like(getattr(s, name))
+                snap[name].copy_(getattr(s, name))
+            return out
+
+        def forward():
+            ctx = {prefix(j): md for j in range(e.nl + 1)}
+            with vllm_real.forward_context(ctx):
+                for layer in range(e.nl):
+                    state["layer"] = layer
+                    e.model[layer](st.hidden, st.q[layer], st.k[layer], st.w[layer])
+        deep_gemm.fp8_fp4_paged_mqa_logits = logits_and_snapshot
+        e.recorder.select = e.recorder._s.select  # no host copies inside a capture
+        try:
+            forward()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                forward()
+        finally:
+            deep_gemm.fp8_fp4_paged_mqa_logits = real_logits
+        torch.cuda.synchronize()
+        return graph, st, snaps
+
+    def replay_step(self, e, graphs, live, order, new=None, before_build=None, check_sync=True):
+        """One engine step of the live requests `order` on the smallest captured graph that
+        holds them: the persistent tensors filled, then execute_model (step boundary, vLLM's
+        build, the graph's replay) under torch's sync debug mode "error"."""
+        padded = min(p for p in graphs if p >= len(order))
+        graph, st, snaps = graphs[padded]
+        for rid in order:
+            e._grow(rid, e.rows)
+        cam = vllm_real.batch([(e.reqs[r]["len"], e.rows, False) for r in order],
+                              padded_to=padded, block_table=e._table(order), device="cuda")
+        cam = st.fill(cam)
+        for layer in range(e.nl):
+            st.q[layer].copy_(torch.randn(st.tokens, H, D, generator=e.gen))
+            st.w[layer].copy_(torch.rand(st.tokens, H, generator=e.gen))
+            st.k[layer].copy_(torch.randn(st.tokens, D, generator=e.gen))
+        torch.cuda.synchronize()
+        result = {}
+
+        def run(_sched):
+            e.worker.model_runner.input_batch.req_ids = list(order)
+            if before_build is not None:
+                before_build()
+            result["md"] = e.builder.build(0, cam)
+            graph.replay()
+        e.worker.model_runner.step_fn = run
+        if check_sync:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            e.worker.execute_model(sched(new=list(new or ()), decode=list(order)))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        return result["md"], st, snaps, padded
+
+    def mirror(self, e, md, snaps, padded, dense=False):
+        """The CPU session begins the batch the CUDA session began, selects each layer and
+        must select what the GPU did; then observes the logits the GPU observed."""
+        seq, ctx, qpos = (b.cpu() for b in e.st._buffers)
+        table = md.decode.block_table.cpu().contiguous()
+        e.cpu.begin_step(seq[:padded].contiguous(), ctx[:padded].contiguous(),
+                         qpos[:padded].contiguous(), e.rows, table)
+        for layer in range(e.nl):
+            e.cpu.select(layer)
+            snap = snaps[layer]
+            n = padded
+            self.assertEqual(e.cpu.union_count[:n].tolist(),
+                             snap["union_count"][:n].cpu().tolist(), f"layer {layer}")
+            for b in range(n):
+                c = int(e.cpu.union_count[b])
+                self.assertEqual(e.cpu.union_ids[b, :c].tolist(),
+                                 snap["union_ids"][b, :c].cpu().tolist(),
+                                 f"layer {layer} entry {b}")
+            logits = snap["logits"].cpu().contiguous()
+            e.cpu.observe(layer, logits)
+
+    def run_sizes(self, spec, live_counts):
+        e = self.engine(spec)
+        ids = [f"r{i}" for i in range(8)]
+        for rid in ids:  # prefill every request eagerly (vLLM's own path)
+            e.step(new={rid: 200 + 97 * int(rid[1:])})
+            e.cpu.reset_sequence(e.st.slots.get(rid), _key(rid))
+        graphs = {p: self.capture(e, p) for p in (1, 2, 4, 8)}
+        for n in live_counts:
+            order = list(reversed(ids[:n]))  # the runner's order, not arrival order
+            for _ in range(2):
+                md, st, snaps, padded = self.replay_step(e, graphs, n, order)
+                self.assertTrue(e.st.spin_step, e.st.dense_reason)
+                self.assertEqual(e.st.live, n)
+                self.mirror(e, md, snaps, padded)
+                out = e.buf[: padded * e.rows].cpu()
+                for row in range(n * e.rows, padded * e.rows):
+                    self.assertEqual(live(out[row]), [], f"padding row {row}")
+        return e, graphs, ids
+
+    def test_captured_sizes_replay_live_batches(self):
+        self.run_sizes(0, (3, 5, 7))
+
+    def test_captured_mtp_replays(self):
+        self.run_sizes(1, (3,))
+
+    def test_a_dense_decision_after_capture(self):
+        e, graphs, ids = self.run_sizes(0, (3,))
+        order = ids[:5]
+
+        def degraded():
+            e.st.tp_dense = True
+        md, st, snaps, padded = self.replay_step(e, graphs, 5, order, before_build=degraded)
+        self.assertEqual(e.st.dense_reason, "a tensor-parallel rank runs without a spind session")
+        for layer in range(e.nl):
+            replayed = e.buf[: padded].clone()  # the last layer's rows are in the buffer
+            if layer != e.nl - 1:
+                continue
+            want = e.vllm_dense(layer, md, st.q[layer], st.k[layer], st.w[layer])
+            self.assertTrue(torch.equal(replayed[:5].cpu(), want[:5].cpu()))
+
+
+def _key(rid):
+    from spind_vllm._state import sequence_key
+    return sequence_key(rid)
+
+
 if __name__ == "__main__":
     unittest.main()
