@@ -61,6 +61,11 @@ SIGNATURES = [
     ("vllm._custom_ops", "indexer_k_quant_and_cache",
      ["k", "kv_cache", "slot_mapping", "quant_block_size", "kv_cache_dtype"]),
     ("vllm.utils.torch_utils", "_resolve_layer_name", ["layer_name"]),
+    # The persistent top-K's branch, as the pinned indexer takes it.
+    ("vllm.model_executor.layers.sparse_attn_indexer", "RADIX_TOPK_WORKSPACE_SIZE", None),
+    ("vllm.v1.worker.workspace", "current_workspace_manager", []),
+    ("vllm.platforms", "current_platform", None),
+    ("vllm.v1.worker.gpu_worker", "Worker.sample_tokens", ["self", "grammar_output"]),
     ("vllm.forward_context", "get_forward_context", []),
     ("vllm.v1.worker.gpu_worker", "Worker.execute_model", ["self", "scheduler_output"]),
     ("vllm.v1.worker.gpu_worker", "Worker.load_model", None),
@@ -74,6 +79,8 @@ SIGNATURES = [
 ]
 
 # Registered torch ops the SPIN decode path calls (checked by name: torch.ops.<ns>.<op>).
-TORCH_OPS = [("_C", "top_k_per_row_decode")]
+TORCH_OPS = [("_C", "top_k_per_row_decode"), ("_C", "persistent_topk")]
 # Positional arguments of torch.ops._C.top_k_per_row_decode as the pinned indexer passes them:
-# (logits, next_n, seq_lens, topk_indices, num_rows, stride0, stride1, topk_tokens).
+# (logits, next_n, seq_lens, topk_indices, num_rows, stride0, stride1, topk_tokens); of
+# torch.ops._C.persistent_topk (CUDA, top-K 512/1024/2048): (logits, seq_lens, topk_indices,
+# workspace, topk_tokens, max_seq_len).

@@ -242,10 +242,14 @@ class GpuUuid(unittest.TestCase):
     def test_plugin_gpu_uuid_is_nvidia_smis(self):
         # The vLLM plugin's {gpu_uuid} (what spind names its GPU link by) from real torch
         # device properties: one of the UUIDs nvidia-smi lists. The plugin sits beside the
-        # package in python/; its vllm import is the stub's.
+        # package in python/; its vllm imports are vLLM's own files (tests/python/vllm_real).
         import sys
         here = os.path.dirname(os.path.abspath(__file__))
-        sys.path[:0] = [os.path.join(here, "..", "..", "python"), os.path.join(here, "stub_vllm")]
+        sys.path[:0] = [os.path.join(here, "..", "..", "python"), here]
+        import vllm_real
+        if not vllm_real.available():
+            self.skipTest(vllm_real.SKIP_REASON)
+        vllm_real.install()
         from spind_vllm.worker import gpu_uuid, resolve_target
         listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
         uuid = gpu_uuid(0)

@@ -1,53 +1,168 @@
-"""STUB TESTS of spind_vllm, the vLLM plugin, against tests/python/stub_vllm (NOT vLLM).
+"""Tests of spind_vllm, the vLLM plugin, over vLLM's own files (tests/python/vllm_real).
 
-vLLM cannot be installed here: tests/python/stub_vllm reproduces only the names and signatures
-the plugin touches at the pinned commit (spind_vllm/pinned.py), with float32 CPU reference
-kernels. These tests check the plugin's own logic (registration, the prologue, the SPIN decode
-path with a real local spind.Session, the dense fallbacks, the TP broadcast, the preflight);
-they say nothing about real vLLM, DeepGEMM or CUDA graphs (docs/vllm.md, "Verified where").
+vLLM's files at the pinned commit (9aaf83ef, spind_vllm/pinned.py) are loaded unmodified from
+the shared copy by the vllm_real harness: the entry point goes through vLLM's real
+load_general_plugins, the substitution through the real CustomOp, every step's metadata through
+the real DeepseekV32IndexerMetadataBuilder (over CommonAttentionMetadata as vLLM's model runner
+fills it), the dense indexer is vLLM's real sparse_attn_indexer, and the scheduler output is
+vLLM's dataclasses. What the harness stubs (vllm_real.STUBBED_MODULES) is stubbed here too: the
+worker and model runner (SpindWorker subclasses the harness's Worker), the configs, the
+distributed groups, a CPU-like platform, and the kernels (float32 stand-ins,
+vllm_real/kernels.py). These tests say nothing about DeepGEMM, CUDA graphs or a GPU (docs/vllm.md,
+"Verified where"). Padded decode batches, dense steps after capture, the MTP drafter's builds and
+persistent_topk are tested in test_vllm_steps.py.
 
-Run: PYTHONPATH=build/python:tests/python/stub_vllm python3 -m unittest -v test_vllm_plugin
-(from tests/python; CTest python_vllm_stub).
+Run (from tests/python): PYTHONPATH=<build>/python python3 -m unittest -v test_vllm_plugin
+(CTest python_vllm_plugin). Skipped when the shared vLLM sources are absent.
 """
+import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
-import types
 import unittest
+from unittest import mock
 
 import torch
 
+import vllm_real
+from spind_vllm import _state
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-STUB = os.path.join(HERE, "stub_vllm")
-_DIST = tempfile.mkdtemp(prefix="spind-vllm-ep-")
+_DIST = None
+
+# DeepSeek-V3.2's page size; a small model otherwise (the stand-in kernels take any head shape).
+BLOCK, MAX_LEN, TOPK, HEADS, DIM = 64, 1024, 128, 4, 16
+MAX_SEQS, MAX_TOKENS = 4, 2048
+PAGES = 1 + MAX_SEQS * MAX_LEN // BLOCK  # page 0 is vLLM's null block, never a request's
 
 
 def setUpModule():
-    # The entry point as `pip install ./python` declares it, found by importlib.metadata on
-    # sys.path, then loaded by the stub's load_general_plugins (the pinned group name).
-    info = os.path.join(_DIST, "spind-0.0.0.dist-info")
-    os.makedirs(info, exist_ok=True)
+    global _DIST
+    if not vllm_real.available():
+        raise unittest.SkipTest(vllm_real.SKIP_REASON)
+    foreign = vllm_real._loader.foreign_vllm()
+    if foreign is not None:
+        raise unittest.SkipTest(f"another vllm is imported in this process "
+                                f"({getattr(foreign, '__file__', foreign)})")
+    vllm_real.install()
+    # The entry point as `pip install ./python` declares it (python/pyproject.toml), found by
+    # importlib.metadata on sys.path and loaded by vLLM's own load_general_plugins.
+    project = pyproject()
+    group = "vllm.general_plugins"
+    points = project["entry-points"][group]
+    _DIST = tempfile.mkdtemp(prefix="spind-vllm-ep-")
+    name = project["name"].replace("-", "_")
+    info = os.path.join(_DIST, f"{name}-{project['version']}.dist-info")
+    os.makedirs(info)
     with open(os.path.join(info, "METADATA"), "w") as f:
-        f.write("Metadata-Version: 2.1\nName: spind\nVersion: 0.0.0\n")
+        f.write(f"Metadata-Version: 2.1\nName: {project['name']}\n"
+                f"Version: {project['version']}\n")
     with open(os.path.join(info, "entry_points.txt"), "w") as f:
-        f.write("[vllm.general_plugins]\nspind = spind_vllm:register\n")
+        f.write(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in points.items()))
     sys.path.insert(0, _DIST)
     import vllm.plugins
+    from vllm.model_executor.custom_op import op_registry_oot
     vllm.plugins.load_general_plugins()
+    if "SparseAttnIndexer" not in op_registry_oot:  # vLLM logs a failing plugin and goes on
+        raise RuntimeError("vllm.plugins.load_general_plugins did not register spind_vllm")
+
+
+def pyproject():
+    """python/pyproject.toml's [project] table (name, version, entry-points)."""
+    path = os.path.join(REPO, "python", "pyproject.toml")
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11: the three keys read by hand
+        with open(path) as f:
+            text = f.read()
+        key = r'^{} = "([^"]*)"'
+        section = re.search(r'^\[project\.entry-points\."vllm\.general_plugins"\]\n(.*?)(?:^\[|\Z)',
+                            text, re.M | re.S).group(1)
+        return {"name": re.search(key.format("name"), text, re.M).group(1),
+                "version": re.search(key.format("version"), text, re.M).group(1),
+                "entry-points": {"vllm.general_plugins": dict(
+                    re.findall(r'^(\S+) = "([^"]*)"', section, re.M))}}
+    with open(path, "rb") as f:
+        return tomllib.load(f)["project"]
 
 
 def tearDownModule():
-    shutil.rmtree(_DIST, ignore_errors=True)
+    if _DIST is not None:
+        if _DIST in sys.path:
+            sys.path.remove(_DIST)
+        shutil.rmtree(_DIST, ignore_errors=True)
 
 
-import spind  # noqa: E402
-from spind_vllm import _state  # noqa: E402
+def prefix(layer):
+    """The indexer cache's layer name, as DeepSeek-V3.2's Indexer gives it."""
+    return f"model.layers.{layer}.self_attn.indexer.k_cache"
 
-BLOCK, MAX_LEN, TOPK, HEADS, DIM = 16, 512, 32, 2, 8
+
+@contextlib.contextmanager
+def environ(env):
+    """os.environ with `env` added, restored afterwards."""
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def dense_calls():
+    """Records the layer prefix of every call of vLLM's own indexer function (what the plugin's
+    op runs when a layer is dense)."""
+    from vllm.model_executor.layers import sparse_attn_indexer as sai
+    real = sai.sparse_attn_indexer
+    calls = []
+
+    def recording(*args):
+        calls.append(args[1])
+        return real(*args)
+    sai.sparse_attn_indexer = recording
+    try:
+        yield calls
+    finally:
+        sai.sparse_attn_indexer = real
+
+
+# ---- vLLM's scheduler output (vllm.v1.core.sched.output, real) ------------------------------
+def new_request(rid, prompt_len, pages=()):
+    from vllm.v1.core.sched.output import NewRequestData
+    return NewRequestData(req_id=rid, prompt_token_ids=list(range(prompt_len)), mm_features=[],
+                          sampling_params=None, pooling_params=None, block_ids=(list(pages),),
+                          num_computed_tokens=0, lora_request=None)
+
+
+def cached_requests(ids=(), resumed=(), new_pages=None, computed=None, outputs=None):
+    from vllm.v1.core.sched.output import CachedRequestData
+    ids = list(ids)
+    return CachedRequestData(
+        req_ids=ids, resumed_req_ids=set(resumed), new_token_ids=[], all_token_ids={},
+        new_block_ids=[(list(new_pages[r]),) if new_pages and new_pages.get(r) else None
+                       for r in ids],
+        num_computed_tokens=[(computed or {}).get(r, 0) for r in ids],
+        num_output_tokens=[(outputs or {}).get(r, 0) for r in ids])
+
+
+def scheduler_output(new=(), cached=None, counts=None, finished=(), preempted=(),
+                     spec_tokens=None):
+    from vllm.v1.core.sched.output import SchedulerOutput
+    counts = dict(counts or {})
+    return SchedulerOutput(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=cached if cached is not None else cached_requests(),
+        num_scheduled_tokens=counts, total_num_scheduled_tokens=sum(counts.values()),
+        scheduled_spec_decode_tokens=dict(spec_tokens or {}), scheduled_encoder_inputs={},
+        num_common_prefix_blocks=[0], finished_req_ids=set(finished),
+        free_encoder_mm_hashes=[], preempted_req_ids=set(preempted) or None)
 
 
 class FakeSession:
@@ -92,12 +207,14 @@ class RecordingSession:
         self._s = session
         self.calls = []
         self.selections = []  # (layer, union_count [n], union_ids [n, max_blocks]) per select
+        self.step_seq = None  # the seq entries of the last begin_step
 
     def __getattr__(self, name):
         return getattr(self._s, name)
 
     def begin_step(self, *args):
         self.calls.append(("begin_step",))
+        self.step_seq = args[0].clone()
         self.step_table = args[4] if len(args) > 4 else None  # the block table given, if any
         return self._s.begin_step(*args)
 
@@ -128,187 +245,237 @@ class RecordingSession:
         return self._s.refresh()
 
 
-def vllm_config(layers=2, max_num_seqs=4, spec_tokens=0, tp=1):
-    ns = types.SimpleNamespace
-    return ns(model_config=ns(hf_config=ns(num_hidden_layers=layers), max_model_len=MAX_LEN),
-              scheduler_config=ns(max_num_seqs=max_num_seqs),
-              speculative_config=ns(num_speculative_tokens=spec_tokens) if spec_tokens else None,
-              parallel_config=ns(tensor_parallel_size=tp))
+class Engine:
+    """A small DeepSeek-V3.2-shaped engine over vLLM's real files. Per layer one indexer,
+    constructed as vLLM's Indexer constructs its SparseAttnIndexer (so the plugin's OOT class
+    is what vLLM's CustomOp instantiates), over a float32 paged K cache; one model-wide top-K
+    buffer; the real DeepseekV32IndexerMetadataBuilder over CommonAttentionMetadata as vLLM's
+    runner fills it (vllm_real.batch) with this engine's own scattered pages. Steps go through
+    SpindWorker (over the harness's Worker) with vLLM's SchedulerOutput: execute_model (the
+    step boundary, then the runner's forward: input_batch.req_ids in batch order, the build,
+    every layer under one forward context), then sample_tokens. draft_layer: one more indexer,
+    model.layers.<layers> (DeepSeek-V3.2's MTP layer), in the same KV-cache group and
+    forward."""
 
-
-class StubEngine:
-    """A tiny engine over the stub: per layer one indexer (constructed as vLLM's
-    SparseAttnIndexer, so the plugin's substitution decides the class), a paged float K cache
-    with scattered pages, requests scheduled as the test says (decode requests first)."""
-
-    def __init__(self, layers=2, spec_tokens=0, env=None, worker=True, seed=0):
+    def __init__(self, layers=2, spec_tokens=0, env=None, worker=True, seed=0,
+                 draft_layer=False):
         from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
-        from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerMetadataBuilder
-        self.layers, self.rows = layers, 1 + spec_tokens
+        from vllm.v1.attention.backends.mla.indexer import get_max_prefill_buffer_size
+        self.layers, self.spec_tokens, self.rows = layers, spec_tokens, 1 + spec_tokens
         self.gen = torch.Generator().manual_seed(seed)
-        self.pages_total = 4 * MAX_LEN // BLOCK
-        self.free_pages = torch.randperm(self.pages_total, generator=self.gen).tolist()
-        self.buffer = torch.full((1024, TOPK), -1, dtype=torch.int32)
-        self.caches = [torch.zeros(self.pages_total, BLOCK, DIM) for _ in range(layers)]
-        self.builder = DeepseekV32IndexerMetadataBuilder(types.SimpleNamespace(block_size=BLOCK),
-                                                         num_speculative_tokens=spec_tokens)
-        self.reqs = {}  # id -> dict(pages, computed, keys [layers, MAX_LEN, DIM])
-        self.outputs = []  # per step: {layer: topk [T, TOPK]}
-        self.metadata = []
+        self.config = vllm_real.make_vllm_config(
+            max_model_len=MAX_LEN, block_size=BLOCK, max_num_seqs=MAX_SEQS,
+            num_speculative_tokens=spec_tokens, max_num_batched_tokens=MAX_TOKENS,
+            layers=layers)
+        self.prefixes = [prefix(i) for i in range(layers + (1 if draft_layer else 0))]
+        self.builder = vllm_real.make_builder(block_size=BLOCK, head_dim=DIM,
+                                              layer_names=self.prefixes,
+                                              vllm_config=self.config)
+        self.free_pages = (torch.randperm(PAGES - 1, generator=self.gen) + 1).tolist()
+        self.caches = [vllm_real.new_kv_cache(PAGES, BLOCK, DIM) for _ in self.prefixes]
+        self.buffer = torch.full((MAX_TOKENS, TOPK), -1, dtype=torch.int32)
+        self.reqs = {}     # id -> dict(prompt, pages, computed, keys [layers, MAX_LEN, DIM])
+        self.outputs = []  # per step: {layer: (topk [T, TOPK], q, w)}
+        self.metadata = []  # per step: (indexer metadata, CommonAttentionMetadata)
         self.order = []
+        self.table_blocks = None  # narrow the block table to this many blocks
         _state.STATE.detach()
-        self._make_layers = lambda: [
-            SparseAttnIndexer(types.SimpleNamespace(prefix=f"model.layers.{i}.self_attn.indexer."
-                                                    "k_cache", kv_cache=self.caches[i]),
-                              128, "ue8m0", TOPK, DIM, MAX_LEN, MAX_LEN, self.buffer)
-            for i in range(layers)]
+
+        def make_layers():
+            total = get_max_prefill_buffer_size(self.config)
+            return [SparseAttnIndexer(vllm_real.k_cache(p, c), 128, "ue8m0", TOPK, DIM,
+                                      MAX_LEN, total, self.buffer)
+                    for p, c in zip(self.prefixes, self.caches)]
         if worker:
             from spind_vllm.worker import SpindWorker
-            self.worker = SpindWorker(vllm_config(layers, 4, spec_tokens), 0, 0)
-            self.worker.model_runner.load_fn = lambda: setattr(self, "model", self._make_layers())
-            self.worker.model_runner.step_fn = self._step
-            saved = dict(os.environ)
-            os.environ.update(env or {})
-            try:
+            self.worker = SpindWorker(self.config, 0, 0)
+            runner = self.worker.model_runner
+            runner.load_fn = lambda: setattr(self, "model", make_layers())
+            runner.step_fn = self._forward
+            with environ(env):
                 self.worker.load_model()
-            finally:
-                os.environ.clear()
-                os.environ.update(saved)
         else:
-            self.model = self._make_layers()
+            self.model = make_layers()
 
-    def schedule(self, new=(), decode=(), prefill=(), finished=(), preempted=None, resumed=()):
-        """new: {id: prompt_len}; decode: ids decoding `rows` tokens; prefill: {id: tokens}."""
-        from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-        for rid in list(finished) + list(preempted or ()):
-            for p in self.reqs.pop(rid)["pages"]:
-                self.free_pages.append(p)
+    def _pages_for(self, rid, end):
+        r, added = self.reqs[rid], []
+        while len(r["pages"]) * BLOCK < end:
+            added.append(self.free_pages.pop())
+            r["pages"].append(added[-1])
+        return added
+
+    def schedule(self, new=(), decode=(), prefill=(), finished=(), preempted=()):
+        """new: {id: prompt_len}; decode: ids decoding `rows` tokens, in batch order;
+        prefill: {id: tokens} (a later prompt chunk)."""
+        for rid in list(finished) + list(preempted):
+            self.free_pages.extend(self.reqs.pop(rid)["pages"])
+        new = dict(new)
         counts = {rid: self.rows for rid in decode}
         counts.update(dict(prefill))
-        counts.update(dict(new))
-        for rid in list(new) + list(resumed):
-            self.reqs[rid] = dict(pages=[], computed=0,
-                                  keys=torch.randn(self.layers, MAX_LEN, DIM, generator=self.gen))
-        self.order = list(decode) + list(prefill) + list(resumed) + list(new)
-        return SchedulerOutput(
-            scheduled_new_reqs=[NewRequestData(rid) for rid in new],
-            scheduled_cached_reqs=CachedRequestData(list(decode) + list(prefill) + list(resumed),
-                                                    set(resumed)),
-            num_scheduled_tokens=counts, total_num_scheduled_tokens=sum(counts.values()),
-            finished_req_ids=set(finished), preempted_req_ids=preempted)
+        counts.update(new)
+        for rid, n in new.items():
+            self.reqs[rid] = dict(prompt=n, pages=[], computed=0,
+                                  keys=torch.randn(len(self.prefixes), MAX_LEN, DIM,
+                                                   generator=self.gen))
+        added = {rid: self._pages_for(rid, self.reqs[rid]["computed"] + counts[rid])
+                 for rid in counts}
+        self.order = list(decode) + list(prefill) + list(new)
+        cached = list(decode) + list(prefill)
+        return scheduler_output(
+            new=[new_request(rid, n, added[rid]) for rid, n in new.items()],
+            cached=cached_requests(
+                cached, new_pages=added,
+                computed={r: self.reqs[r]["computed"] for r in cached},
+                outputs={r: max(0, self.reqs[r]["computed"] - self.reqs[r]["prompt"])
+                         for r in cached}),
+            counts=counts, finished=finished, preempted=preempted,
+            spec_tokens={r: [0] * self.spec_tokens for r in decode} if self.spec_tokens else None)
 
     def step(self, sched):
-        return (self.worker.execute_model(sched) if hasattr(self, "worker")
-                else self._step(sched))
+        if not hasattr(self, "worker"):
+            return self._forward(sched)
+        out = self.worker.execute_model(sched)
+        self.worker.sample_tokens(None)
+        return out
 
-    def _step(self, sched):
-        from vllm.forward_context import set_forward_context
-        from vllm.v1.attention.backend import CommonAttentionMetadata
+    def _forward(self, sched):
         ids = self.order
-        qlens = [sched.num_scheduled_tokens[r] for r in ids]
-        slots, positions, seq_lens = [], [], []
-        max_blocks = getattr(self, "table_blocks", MAX_LEN // BLOCK)
-        table = torch.zeros(len(ids), max_blocks, dtype=torch.int32)
-        for i, rid in enumerate(ids):
-            r = self.reqs[rid]
-            end = r["computed"] + qlens[i]
-            while len(r["pages"]) * BLOCK < end:
-                r["pages"].append(self.free_pages.pop())
-            table[i, : len(r["pages"])] = torch.tensor(r["pages"], dtype=torch.int32)
-            for pos in range(r["computed"], end):
-                positions.append((i, pos))
-                slots.append(r["pages"][pos // BLOCK] * BLOCK + pos % BLOCK)
-            seq_lens.append(end)
-        qsl = torch.tensor([0] + qlens, dtype=torch.int32).cumsum(0).to(torch.int32)
-        cam = CommonAttentionMetadata(
-            query_start_loc=qsl, query_start_loc_cpu=qsl,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), num_reqs=len(ids),
-            num_actual_tokens=len(slots), max_seq_len=max(seq_lens),
-            block_table_tensor=table, slot_mapping=torch.tensor(slots, dtype=torch.int64))
+        requests = []
+        for rid in ids:
+            r, q = self.reqs[rid], sched.num_scheduled_tokens[rid]
+            requests.append((r["computed"] + q, q, r["computed"] < r["prompt"]))
+        cam = vllm_real.batch(requests, block_table=[self.reqs[r]["pages"] for r in ids],
+                              block_size=BLOCK, max_model_len=MAX_LEN)
+        if self.table_blocks is not None:
+            cam.block_table_tensor = cam.block_table_tensor[:, : self.table_blocks].contiguous()
         if hasattr(self, "worker"):
-            self.worker.model_runner.input_batch._req_ids = list(ids)
+            self.worker.model_runner.input_batch.req_ids = list(ids)
         md = self.builder.build(0, cam)
-        self.metadata.append((md, table, seq_lens))
-        T = len(slots)
+        self.metadata.append((md, cam))
+        T = cam.num_actual_tokens
         out = {}
-        for layer, mod in enumerate(self.model):
-            q = torch.randn(T, HEADS, DIM, generator=self.gen)
-            w = torch.rand(T, HEADS, generator=self.gen)
-            k = torch.stack([self.reqs[ids[i]]["keys"][layer, pos] for i, pos in positions])
-            with set_forward_context({mod.k_cache.prefix: md}):
+        with vllm_real.forward_context({p: md for p in self.prefixes}, self.config):
+            for layer, mod in enumerate(self.model):
+                q = torch.randn(T, HEADS, DIM, generator=self.gen)
+                w = torch.rand(T, HEADS, generator=self.gen)
+                k = torch.stack([self.reqs[rid]["keys"][layer, pos]
+                                 for rid, (L, n, _) in zip(ids, requests)
+                                 for pos in range(L - n, L)])
                 res = mod(torch.zeros(T, 1), q, k, w)
-            out[layer] = (res[:T].clone(), q, w)
-        for i, rid in enumerate(ids):
-            self.reqs[rid]["computed"] += qlens[i]
+                out[layer] = (res[:T].clone(), q, w)
+        for rid, (L, _, _) in zip(ids, requests):
+            self.reqs[rid]["computed"] = L
         self.outputs.append(out)
         return out
 
 
-def dense_logits(engine, layer, q, w, table, seq_lens, rows, batch):
-    """The stub kernel over the engine's full block table: what the dense indexer scores."""
+def dense_logits(engine, layer, q, w, md):
+    """The paged logits of the step's decode rows over the full block table (vLLM's DeepGEMM
+    wrapper, the stand-in kernel): what the dense indexer scores."""
     from vllm.utils.deep_gemm import fp8_fp4_paged_mqa_logits
-    lens = torch.tensor([[L - rows + j + 1 for j in range(rows)] for L in seq_lens[:batch]],
-                        dtype=torch.int32)
-    return fp8_fp4_paged_mqa_logits((q[: batch * rows].reshape(batch, rows, HEADS, DIM), None),
-                                    engine.caches[layer].unsqueeze(-2), w[: batch * rows], lens,
-                                    table[:batch], None, MAX_LEN, False), lens
+    dec = md.decode
+    batch, rows = dec.seq_lens.shape
+    n = batch * rows
+    return fp8_fp4_paged_mqa_logits((q[:n].reshape(batch, rows, HEADS, DIM), None),
+                                    engine.caches[layer].unsqueeze(-2), w[:n], dec.seq_lens,
+                                    dec.block_table, None, MAX_LEN, True)
+
+
+def best(scores, columns, k):
+    """The k columns of the highest scores (ties to the lower column), ascending."""
+    order = sorted(range(len(columns)), key=lambda i: (-float(scores[i]), int(columns[i])))
+    return sorted(int(columns[i]) for i in order[:k])
+
+
+def valid(row):
+    return [t for t in row.tolist() if t >= 0]
 
 
 LOCAL = {"SPIND_TARGET": "", "SPIND_STATE": "fp32", "SPIND_SPARSITY": "0.5",
-         "SPIND_EXPLORATION": "0.0", "SPIND_SEED": "7",
-         "SPIND_BLOCK_SIZE": str(BLOCK)}
+         "SPIND_EXPLORATION": "0.0", "SPIND_SEED": "7", "SPIND_BLOCK_SIZE": str(BLOCK)}
 
 
-class StubRegistration(unittest.TestCase):
-    def test_stub_entry_point_registers_and_substitutes_the_custom_op(self):
+class Registration(unittest.TestCase):
+    def test_entry_point_registers_and_substitutes_the_custom_op(self):
+        import vllm.plugins
         from vllm.model_executor.custom_op import op_registry_oot
         from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
+        from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerMetadataBuilder
         import spind_vllm
-        self.assertIn("SparseAttnIndexer", op_registry_oot)
+        # vLLM's loader finds our entry point (it ran it in setUpModule).
+        self.assertTrue(vllm.plugins.plugins_loaded)
+        found = vllm.plugins.load_plugins_by_group(vllm.plugins.DEFAULT_PLUGINS_GROUP)
+        self.assertIs(found.get("spind"), spind_vllm.register)
         ours = op_registry_oot["SparseAttnIndexer"]
         self.assertIsNot(ours, SparseAttnIndexer)
         self.assertTrue(issubclass(ours, SparseAttnIndexer))
-        layer = SparseAttnIndexer(types.SimpleNamespace(prefix="model.layers.3.x.k_cache",
-                                                        kv_cache=torch.zeros(1)),
-                                  128, "ue8m0", TOPK, DIM, MAX_LEN, MAX_LEN,
-                                  torch.zeros(1, TOPK, dtype=torch.int32))
-        self.assertIsInstance(layer, ours)
-        self.assertEqual(layer.spin_layer, 3)
+        self.assertTrue(getattr(DeepseekV32IndexerMetadataBuilder.build, "_spind_wrapped"))
+        self.assertEqual(set(spind_vllm.PATCHED), {"custom_op", "splitting_ops", "builder",
+                                                   "worker"})
+        _state.STATE.detach()
+        try:
+            from vllm.config import get_cached_compilation_config
+            cfg = get_cached_compilation_config()
+            # Both of CustomOp's dispatches (enabled: forward_cuda; custom_ops "none", the
+            # default under Inductor: forward_native) reach our op: a profiling run (no
+            # metadata) goes to vLLM's own function through it.
+            for custom_ops in (["all"], ["none"]):
+                with mock.patch.object(cfg, "custom_ops", custom_ops):
+                    layer = SparseAttnIndexer(
+                        vllm_real.k_cache(prefix(3), vllm_real.new_kv_cache(4, BLOCK, DIM)),
+                        128, "ue8m0", TOPK, DIM, MAX_LEN, MAX_LEN,
+                        torch.full((4, TOPK), -7, dtype=torch.int32))
+                self.assertIsInstance(layer, ours)
+                self.assertEqual(layer.spin_layer, 3)
+                self.assertEqual(layer._forward_method.__func__,
+                                 ours.forward_cuda if custom_ops == ["all"]
+                                 else ours.forward_native)
+                before = _state.STATE.dense_reasons.get("profiling run", 0)
+                with vllm_real.forward_context(None), \
+                        environ({"VLLM_SPARSE_INDEXER_MAX_LOGITS_MB": "1"}):
+                    out = layer(torch.zeros(4, 1), torch.zeros(4, HEADS, DIM),
+                                torch.zeros(4, DIM), torch.zeros(4, HEADS))
+                self.assertIs(out, layer.topk_indices_buffer)
+                self.assertEqual(_state.STATE.dense_reasons.get("profiling run"), before + 1)
+            self.assertEqual(_state.STATE.topk_layers, [(3, TOPK), (3, TOPK)])
+        finally:
+            _state.STATE.detach()
         spind_vllm.register()  # a second call changes nothing
         self.assertIs(op_registry_oot["SparseAttnIndexer"], ours)
         self.assertTrue(hasattr(torch.ops.spind_vllm, "sparse_attn_indexer"))
 
-    def test_stub_op_is_in_the_splitting_ops_like_vllms(self):
-        from vllm.config.compilation import CompilationConfig
-        self.assertEqual(CompilationConfig._attention_ops.count("spind_vllm::sparse_attn_indexer"),
-                         1)
-        c = CompilationConfig()
+    def test_op_is_a_splitting_op_beside_vllms(self):
+        from vllm.config.compilation import CompilationConfig, CompilationMode
+        ops = CompilationConfig._attention_ops
+        self.assertEqual(ops.count("spind_vllm::sparse_attn_indexer"), 1)
+        # vLLM's own list, read from its file, with ours appended
+        real = vllm_real.real_class_literal(vllm_real.real_path("vllm/config/compilation.py"),
+                                            "CompilationConfig", "_attention_ops")
+        self.assertEqual(ops, real + ["spind_vllm::sparse_attn_indexer"])
+        c = CompilationConfig(mode=CompilationMode.VLLM_COMPILE)
         c.set_splitting_ops_for_v1()
         self.assertIn("vllm::sparse_attn_indexer", c.splitting_ops)
         self.assertIn("spind_vllm::sparse_attn_indexer", c.splitting_ops)
         self.assertTrue(c.splitting_ops_contain_attention())
 
 
-class StubPrologue(unittest.TestCase):
+class Prologue(unittest.TestCase):
     def setUp(self):
         self.st = _state.PluginState()
         self.fake = FakeSession()
         self.st.attach(self.fake, layers=2, rows=1, block_size=BLOCK, topk=TOPK, max_seqs=2)
 
-    def sched(self, **kw):
-        from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-        return SchedulerOutput(
-            scheduled_new_reqs=[NewRequestData(r) for r in kw.get("new", ())],
-            scheduled_cached_reqs=CachedRequestData(list(kw.get("resumed", ())),
-                                                    set(kw.get("resumed", ()))),
-            finished_req_ids=set(kw.get("finished", ())), preempted_req_ids=kw.get("preempted"))
+    def sched(self, new=(), finished=(), preempted=(), resumed=()):
+        return scheduler_output(new=[new_request(r, 10) for r in new],
+                                cached=cached_requests(resumed, resumed=resumed),
+                                finished=finished, preempted=preempted)
 
     def resets(self):
         out = [c[1:] for c in self.fake.calls if c[0] == "reset_sequence"]
         self.fake.calls.clear()
         return out
 
-    def test_stub_slots_resets_and_reuse(self):
+    def test_slots_resets_and_reuse(self):
         key = _state.sequence_key
         self.st.on_schedule(self.sched(new=["a", "b"]))
         self.assertEqual(self.resets(), [(0, key("a")), (1, key("b"))])
@@ -322,12 +489,12 @@ class StubPrologue(unittest.TestCase):
         self.assertEqual(self.resets(), [])
         self.assertIsNone(self.st.slots.get("d"))
 
-    def test_stub_refresh_every_step_and_no_broadcast_without_tp(self):
+    def test_refresh_every_step_and_no_broadcast_without_tp(self):
         self.st.on_schedule(self.sched())
         self.st.on_schedule(self.sched())
         self.assertEqual(self.fake.calls, [("refresh",), ("refresh",)])
 
-    def test_stub_keys_identical_in_another_process(self):
+    def test_keys_identical_in_another_process(self):
         ids = ["cmpl-1", "req-7f3a-0", "x" * 300, "ü-request"]
         code = ("import json,sys; from spind_vllm._state import sequence_key as k; "
                 "print(json.dumps([k(i) for i in json.loads(sys.argv[1])]))")
@@ -340,58 +507,71 @@ class StubPrologue(unittest.TestCase):
         self.assertTrue(all(-2**63 <= k < 2**63 for k in mine))
 
 
-class StubDecode(unittest.TestCase):
-    def run_engine(self, engine, steps, prompt=(300, 200, 120)):
+class Decode(unittest.TestCase):
+    def tearDown(self):
+        _state.STATE.detach()
+
+    def run_engine(self, engine, steps, prompt=(600, 400, 250)):
         ids = [f"req-{i}" for i in range(len(prompt))]
         engine.step(engine.schedule(new=dict(zip(ids, prompt))))
         for _ in range(steps):
             engine.step(engine.schedule(decode=ids))
         return ids
 
-    def test_stub_a_block_table_narrower_than_the_session_runs_dense_with_its_reason(self):
+    def test_block_table_narrower_than_the_session_runs_dense_with_its_reason(self):
         # The decode block table is given to begin_step (every layer selects through it); one
         # narrower than the session's blocks would be refused there, so the step runs dense and
         # says why, and nothing raises.
-        from vllm.model_executor.layers import sparse_attn_indexer as sai
-        e = StubEngine(env=LOCAL)
+        e = Engine(env=LOCAL)
         e.table_blocks = MAX_LEN // BLOCK - 1
-        before = sai.DENSE_CALLS[0]
-        self.run_engine(e, 2, prompt=(100, 60))
-        self.assertEqual(sai.DENSE_CALLS[0] - before, 3 * e.layers)
+        with dense_calls() as dense:
+            self.run_engine(e, 2, prompt=(100, 60))
+        self.assertEqual(len(dense), 3 * e.layers)
         self.assertEqual(_state.STATE.counters["spin_calls"], 0)
         reason = "decode block table narrower than the session's blocks"
-        self.assertTrue(any(k.startswith(reason) for k in _state.STATE.dense_reasons),
-                        _state.STATE.dense_reasons)
+        self.assertEqual(sum(n for k, n in _state.STATE.dense_reasons.items()
+                             if k.startswith(reason)), 2 * e.layers, _state.STATE.dense_reasons)
 
-    def test_stub_prefill_and_mixed_batches_are_dense(self):
-        from vllm.model_executor.layers import sparse_attn_indexer as sai
-        e = StubEngine(env=LOCAL)
-        before = sai.DENSE_CALLS[0]
-        e.step(e.schedule(new={"a": 100}))
-        self.assertEqual(sai.DENSE_CALLS[0] - before, e.layers)
-        e.step(e.schedule(decode=["a"], new={"b": 50}))  # mixed: decode a + prefill b
-        self.assertEqual(sai.DENSE_CALLS[0] - before, 2 * e.layers)
-        self.assertEqual(_state.STATE.counters["spin_calls"], 0)
-        self.assertEqual(_state.STATE.dense_reasons.get("prefill or mixed batch"), 2 * e.layers)
-        e.step(e.schedule(decode=["a", "b"]))  # decode only: SPIN
-        self.assertEqual(sai.DENSE_CALLS[0] - before, 2 * e.layers)
-        self.assertEqual(_state.STATE.counters["spin_calls"], e.layers)
+    def test_prefill_and_mixed_batches_are_dense(self):
+        e = Engine(env=LOCAL)
+        st = _state.STATE
+        with dense_calls() as dense:
+            e.step(e.schedule(new={"a": 100}))
+            self.assertEqual(dense, [prefix(i) for i in range(e.layers)])
+            self.assertEqual(st.dense_reasons, {"prefill batch": e.layers})
+            e.step(e.schedule(decode=["a"], new={"b": 50}))  # mixed: decode a + prefill b
+            md, _ = e.metadata[-1]
+            self.assertEqual((md.num_decodes, md.num_prefills), (1, 1))
+            self.assertEqual(len(dense), 2 * e.layers)
+            self.assertEqual(st.dense_reasons.get("prefill or mixed batch"), e.layers)
+            self.assertEqual(st.counters["spin_calls"], 0)
+            e.step(e.schedule(decode=["a", "b"]))  # decode only: SPIN
+            self.assertEqual(st.counters["spin_calls"], e.layers)
+        self.assertEqual(len(dense), 2 * e.layers)
+        # The dense layers ran vLLM's own function, which wrote vLLM's causal top-K: prefill
+        # token i of a sees a's tokens 0..i.
+        for i in (0, 63, 99):
+            self.assertEqual(valid(e.outputs[0][0][0][i]), list(range(i + 1)))
 
-    def test_stub_spin_decode_order_and_valid_selections(self):
-        from vllm.utils import deep_gemm
-        e = StubEngine(env=LOCAL)
+    def test_spin_decode_order_and_valid_selections(self):
+        kernels = vllm_real.kernels
+        e = Engine(env=LOCAL)
         rec = RecordingSession(_state.STATE.session)
         _state.STATE.session = rec
         ids = ["a", "b", "c"]
-        e.step(e.schedule(new={"a": 300, "b": 200, "c": 120}))
+        e.step(e.schedule(new={"a": 600, "b": 400, "c": 250}))
         skipped = 0
         for step in range(4):
             rec.calls.clear()
             rec.selections.clear()
-            deep_gemm.SCHEDULE_CALLS.clear()
-            out = e.step(e.schedule(decode=ids))
+            kernels.reset()
+            order = ids[step % 3:] + ids[: step % 3]  # vLLM reorders its persistent batch
+            out = e.step(e.schedule(decode=order))
             self.assertEqual(rec.calls[0], ("refresh",))
             self.assertEqual(rec.calls[1], ("begin_step",))
+            # the begun entries are the requests' slots in batch order (input_batch.req_ids)
+            self.assertEqual(rec.step_seq[:3].tolist(),
+                             [_state.STATE.slots.get(r) for r in order])
             per_layer = rec.calls[2:]
             expect = []
             for layer in range(e.layers):
@@ -399,99 +579,113 @@ class StubDecode(unittest.TestCase):
                 # one call: remap_and_observe(layer, topk, logits), no accepted
                 expect += [("select", layer), ("remap_and_observe", layer, 2, ())]
             self.assertEqual(per_layer, expect)
-            md, table, seq_lens = e.metadata[-1]
+            md, cam = e.metadata[-1]
+            seq_lens = cam.seq_lens.tolist()
             # The decode block table is given as the step begins (every layer selects through
             # it; on the GPU each observe publishes the next layer's selection).
             self.assertIs(rec.step_table, md.decode.block_table)
-            for layer, (count, union) in enumerate((c, u) for _, c, u in rec.selections):
+            self.assertEqual(len(kernels.SCHEDULE_CALLS), e.layers)
+            for layer, (_, count, union) in enumerate(rec.selections):
                 topk, q, w = out[layer]
-                logits, lens = dense_logits(e, layer, q, w, table, seq_lens, 1, len(ids))
-                for b in range(len(ids)):
-                    L = seq_lens[b]
+                logits = dense_logits(e, layer, q, w, md)
+                compact = []
+                for b, L in enumerate(seq_lens):
                     blocks = union[b, : count[b]].tolist()
                     self.assertEqual(blocks, sorted(blocks))
                     self.assertIn((L - 1) // BLOCK, blocks)  # the query's own block
                     allowed = torch.cat([torch.arange(j * BLOCK, min((j + 1) * BLOCK, L))
                                          for j in blocks])
-                    got = sorted(t for t in topk[b].tolist() if t >= 0)
+                    compact.append(len(allowed))
+                    got = valid(topk[b])
                     self.assertEqual(len(got), min(TOPK, len(allowed)))
                     self.assertTrue(set(got) <= set(allowed.tolist()))
                     # the top-K of the dense scores restricted to the selected blocks
-                    sub = logits[b, allowed]
-                    order = sorted(range(len(allowed)), key=lambda i: (-float(sub[i]), i))
-                    self.assertEqual(got, sorted(allowed[order[:TOPK]].tolist()))
+                    self.assertEqual(sorted(got), best(logits[b, allowed], allowed, TOPK))
                     skipped += -(-L // BLOCK) - len(blocks)
-                # the schedule metadata was built from the compacted lengths
-                self.assertTrue(any(torch.equal(c.reshape(-1), count.new_tensor(
-                    [sum(min(BLOCK, seq_lens[b] - j * BLOCK) for j in union[b, : count[b]].tolist())
-                     for b in range(len(ids))])) for c in deep_gemm.SCHEDULE_CALLS))
+                # this layer's schedule metadata was built from the compacted lengths
+                self.assertEqual(kernels.SCHEDULE_CALLS[layer].tolist(), [[n] for n in compact])
             if step == 0:
                 self.assertEqual(skipped, 0)  # fresh sequences: dense on the first decode
         self.assertGreater(skipped, 0)  # later steps skip blocks at sparsity 0.5
+        self.assertEqual(_state.STATE.counters["spin_calls"], 4 * e.layers)
 
-    def test_stub_sparsity_zero_equals_dense(self):
-        spin = StubEngine(env=dict(LOCAL, SPIND_SPARSITY="0.0"), seed=3)
-        dense = StubEngine(env={"SPIND_DISABLE": "1"}, seed=3)
+    def test_sparsity_zero_equals_dense(self):
+        spin = Engine(env=dict(LOCAL, SPIND_SPARSITY="0.0"), seed=3)
+        self.run_engine(spin, 3)
+        self.assertEqual(_state.STATE.counters["spin_calls"], 3 * spin.layers)
+        dense = Engine(env={"SPIND_DISABLE": "1"}, seed=3)
         self.assertIsNone(_state.STATE.session)
-        a = self.run_engine(spin, 3)
         self.run_engine(dense, 3)
+        self.assertEqual(_state.STATE.counters["spin_calls"], 0)
+        self.assertEqual(len(spin.outputs), 4)
         for s_out, d_out in zip(spin.outputs, dense.outputs):
             for layer in s_out:
                 self.assertTrue(torch.equal(s_out[layer][0], d_out[layer][0]))
-        self.assertEqual(len(a), 3)
 
-    def test_stub_unreachable_spind_decodes_dense(self):
+    def test_unreachable_spind_decodes_dense(self):
         env = dict(LOCAL, SPIND_TARGET="unix:///nonexistent/spind-test.sock")
-        spin = StubEngine(env=env, seed=5)
+        spin = Engine(env=env, seed=5)
         self.assertFalse(_state.STATE.session.counters()["attached"])
         self.run_engine(spin, 3)
         self.assertEqual(_state.STATE.counters["spin_calls"], 3 * spin.layers)
-        dense = StubEngine(worker=False, seed=5)
+        dense = Engine(worker=False, seed=5)
         self.run_engine(dense, 3)
         for s_out, d_out in zip(spin.outputs, dense.outputs):
             for layer in s_out:
                 self.assertTrue(torch.equal(s_out[layer][0], d_out[layer][0]))
 
-    def test_stub_mtp_rows_and_draft_layer_dense(self):
-        # next_n = 2: rows per entry 2; a layer numbered past the model's layers is dense.
-        e = StubEngine(spec_tokens=1, env=LOCAL)
-        self.assertEqual(_state.STATE.rows, 2)
-        self.run_engine(e, 2, prompt=(200, 90))
-        self.assertEqual(_state.STATE.counters["spin_calls"], 2 * e.layers)
-        md, table, seq_lens = e.metadata[-1]
-        for layer in range(e.layers):
-            topk = e.outputs[-1][layer][0]
+    def test_mtp_rows_and_draft_layer_dense(self):
+        # next_n = 2: rows per entry 2; the draft layer (numbered past the model's layers, in
+        # the same forward and KV-cache group) runs vLLM's dense indexer.
+        e = Engine(spec_tokens=1, env=LOCAL, draft_layer=True)
+        st = _state.STATE
+        self.assertEqual((st.rows, st.layers), (2, e.layers))
+        self.assertEqual(e.model[-1].spin_layer, e.layers)
+        with dense_calls() as dense:
+            self.run_engine(e, 2, prompt=(500, 190))
+        self.assertEqual(st.counters["spin_calls"], 2 * e.layers)
+        self.assertEqual(dense.count(prefix(e.layers)), 3)  # the prefill and both decodes
+        self.assertEqual(st.dense_reasons.get(
+            "layer outside the session (e.g. an MTP draft layer)"), 2)
+        md, cam = e.metadata[-1]
+        self.assertEqual(md.decode.seq_lens.shape, (2, 2))
+        seq_lens = cam.seq_lens.tolist()
+        for layer in range(e.layers + 1):
+            topk, q, w = e.outputs[-1][layer]
+            logits = dense_logits(e, layer, q, w, md) if layer == e.layers else None
             for b, L in enumerate(seq_lens):
                 for j in range(2):
-                    row = [t for t in topk[b * 2 + j].tolist() if t >= 0]
-                    self.assertTrue(row and max(row) < L - 2 + j + 1)  # N = L - next_n + j + 1
-        self.assertEqual(_state.layer_index("model.layers.61.self_attn.indexer.k_cache"), 61)
-        self.assertGreaterEqual(61, _state.STATE.layers)
+                    n = L - 2 + j + 1  # vLLM's row length: L - next_n + j + 1
+                    row = valid(topk[b * 2 + j])
+                    self.assertTrue(row and max(row) < n)
+                    if logits is not None:
+                        self.assertEqual(row, best(logits[b * 2 + j, :n], range(n), TOPK))
 
 
 _TP_CHILD = r"""
 import json, os, sys, torch
 sys.path[:0] = json.loads(os.environ["CHILD_PATH"])
+import vllm_real
+vllm_real.install()
 from vllm.distributed.parallel_state import GroupCoordinator
 from vllm.v1.core.sched.output import SchedulerOutput
 from spind_vllm import _state
-sys.path.insert(0, os.environ["TEST_DIR"])
 from test_vllm_plugin import FakeSession
 rank = int(os.environ["RANK"])
 torch.distributed.init_process_group("gloo", init_method="file://" + os.environ["INIT_FILE"],
                                      rank=rank, world_size=2)
 fake = FakeSession([7.0, 1.0, 0.6 + rank / 10, 0.05, 0.3, 0.0, 1.0, 0.6, 0.7])
 st = _state.PluginState()
-st.attach(fake, layers=2, rows=1, block_size=16, topk=32, max_seqs=2,
+st.attach(fake, layers=2, rows=1, block_size=64, topk=128, max_seqs=2,
           tp_group=GroupCoordinator([0, 1], rank, torch.distributed.group.WORLD))
-st.on_schedule(SchedulerOutput())
-st.on_schedule(SchedulerOutput())  # the same control again: not adopted twice
+st.on_schedule(SchedulerOutput.make_empty())
+st.on_schedule(SchedulerOutput.make_empty())  # the same control again: not adopted twice
 print(json.dumps(fake.calls))
 """
 
 
-class StubTensorParallel(unittest.TestCase):
-    """STUB tests of the group's step boundary (spind_vllm._state.sync_tp_group)."""
+class TensorParallel(unittest.TestCase):
+    """The group's step boundary (spind_vllm._state.sync_tp_group)."""
 
     RANK0 = [3.0, 1.0, 0.7, 0.05, 0.3, 4.0, 1.0, 0.6, 0.8]
 
@@ -509,13 +703,13 @@ class StubTensorParallel(unittest.TestCase):
             t[-1] += switched
         return g, all_reduce
 
-    def test_stub_sync_skipped_for_one_rank(self):
+    def test_sync_skipped_for_one_rank(self):
         from vllm.distributed.parallel_state import GroupCoordinator
         fake = FakeSession()
         self.assertIsNone(_state.sync_tp_group(fake, GroupCoordinator([0], 0), _state.GroupSync()))
         self.assertEqual(fake.calls, [])
 
-    def test_stub_rank1_adopts_rank0_control_once(self):
+    def test_rank1_adopts_rank0_control_once(self):
         fake, sync = FakeSession(), _state.GroupSync()
         g, reduce = self.group(1, rank0=self.RANK0)
         control, degraded, switched = _state.sync_tp_group(fake, g, sync, reduce)
@@ -532,7 +726,7 @@ class StubTensorParallel(unittest.TestCase):
         _state.sync_tp_group(fake, g, sync, reduce)
         self.assertEqual(fake.calls[-1], ("adopt_control", changed))
 
-    def test_stub_a_rank_without_spind_makes_the_group_dense(self):
+    def test_a_rank_without_spind_makes_the_group_dense(self):
         fake, sync = FakeSession(), _state.GroupSync()
         g, reduce = self.group(0, degraded=1.0)
         _, degraded, _ = _state.sync_tp_group(fake, g, sync, reduce)
@@ -545,13 +739,13 @@ class StubTensorParallel(unittest.TestCase):
         self.assertTrue(degraded)
         self.assertNotIn("adopt_control", [c[0] for c in fake.calls])
 
-    def test_stub_a_session_switch_resets_every_rank(self):
+    def test_a_session_switch_resets_every_rank(self):
         from vllm.distributed.parallel_state import GroupCoordinator
         from vllm.v1.core.sched.output import SchedulerOutput
         fake = FakeSession()
         st = _state.PluginState()
         g = GroupCoordinator([4, 5], 1, "cpu-group")
-        st.attach(fake, layers=2, rows=1, block_size=16, topk=32, max_seqs=2, tp_group=g)
+        st.attach(fake, layers=2, rows=1, block_size=BLOCK, topk=TOPK, max_seqs=2, tp_group=g)
         st.slots.assign("req-a")
         other_switched = [0.0]
 
@@ -561,23 +755,23 @@ class StubTensorParallel(unittest.TestCase):
         orig = _state.sync_tp_group
         try:
             _state.sync_tp_group = lambda s, grp, sy: orig(s, grp, sy, reduce)
-            st.on_schedule(SchedulerOutput())
+            st.on_schedule(SchedulerOutput.make_empty())
             self.assertNotIn("reset_sequence", [c[0] for c in fake.calls])
             other_switched[0] = 1.0  # the other rank switched to a new spind session
-            st.on_schedule(SchedulerOutput())
+            st.on_schedule(SchedulerOutput.make_empty())
             other_switched[0] = 0.0
             fake.generation += 1     # then this one did
-            st.on_schedule(SchedulerOutput())
+            st.on_schedule(SchedulerOutput.make_empty())
         finally:
             _state.sync_tp_group = orig
         resets = [c for c in fake.calls if c[0] == "reset_sequence"]
         self.assertEqual(resets, [("reset_sequence", 0, _state.sequence_key("req-a"))] * 2)
         self.assertEqual(st.counters["group_resets"], 2)
 
-    def test_stub_two_ranks_adopt_rank0_control(self):
+    def test_two_gloo_ranks_adopt_rank0_control(self):
         with tempfile.TemporaryDirectory() as d:
-            env = dict(os.environ, INIT_FILE=os.path.join(d, "init"), TEST_DIR=HERE,
-                       CHILD_PATH=json.dumps(sys.path))
+            env = dict(os.environ, INIT_FILE=os.path.join(d, "init"),
+                       CHILD_PATH=json.dumps([HERE] + sys.path))
             procs = [subprocess.Popen([sys.executable, "-c", _TP_CHILD],
                                       env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True) for r in (0, 1)]
@@ -592,8 +786,8 @@ class StubTensorParallel(unittest.TestCase):
                              [["refresh"], ["link"]] + own, f"rank {r}")
 
 
-class StubGpuTarget(unittest.TestCase):
-    def test_stub_gpu_uuid_target(self):
+class GpuTarget(unittest.TestCase):
+    def test_gpu_uuid_target(self):
         from spind_vllm.worker import resolve_target, gpu_uuid
 
         class Props:
@@ -612,8 +806,8 @@ class StubGpuTarget(unittest.TestCase):
             gpu_uuid(1, Props("not-a-uuid"))
 
 
-class StubSessionOptions(unittest.TestCase):
-    def test_stub_session_options_from_the_environment(self):
+class SessionOptions(unittest.TestCase):
+    def test_session_options_from_the_environment(self):
         from spind_vllm.worker import session_options
         o = session_options({})
         self.assertEqual((o["state"], o["target_sparsity"], o["defer_ema"]), ("bf16", 0.5, False))
@@ -621,15 +815,29 @@ class StubSessionOptions(unittest.TestCase):
         self.assertEqual((o["defer_ema"], o["target_sparsity"]), (True, 0.7))
         with self.assertRaisesRegex(ValueError, "SPIND_DEFER_EMA must be 0 or 1, not 'yes'"):
             session_options({"SPIND_DEFER_EMA": "yes"})
+        # No env given: os.environ, every variable (SPIND_DEFER_EMA too).
+        with environ({"SPIND_DEFER_EMA": "1", "SPIND_SPARSITY": "0.25"}):
+            o = session_options()
+        self.assertEqual((o["defer_ema"], o["target_sparsity"]), (True, 0.25))
         # Every key is a spind.Session keyword (the worker passes them through).
         import inspect
         import spind
         params = inspect.signature(spind.Session.__init__).parameters
         self.assertEqual([k for k in o if k not in params], [])
 
+    def test_session_options_read_only_the_env_passed(self):
+        # SPIND_DEFER_EMA given only in the passed env; os.environ holds other values (an
+        # invalid one included), none of which may be read.
+        from spind_vllm.worker import session_options
+        with environ({"SPIND_DEFER_EMA": "yes", "SPIND_SPARSITY": "0.9", "SPIND_SEED": "99"}):
+            o = session_options(env={"SPIND_DEFER_EMA": "1"})
+            self.assertEqual((o["defer_ema"], o["target_sparsity"], o["seed"]), (True, 0.5, 1))
+            o = session_options(env={"SPIND_DEFER_EMA": "0"})
+            self.assertFalse(o["defer_ema"])
 
-class StubModelKey(unittest.TestCase):
-    def test_stub_model_key_is_a_safe_file_name(self):
+
+class ModelKey(unittest.TestCase):
+    def test_model_key_is_a_safe_file_name(self):
         from types import SimpleNamespace as ns
         from spind_vllm.worker import model_key
         self.assertEqual(model_key(ns(served_model_name=["deepseek-ai/DeepSeek-V3.2"])),
@@ -641,44 +849,67 @@ class StubModelKey(unittest.TestCase):
         self.assertEqual(model_key(ns()), "")
 
 
-class StubPreflight(unittest.TestCase):
-    SCRIPT = os.path.join(REPO, "scripts", "vllm-preflight")
+class Preflight(unittest.TestCase):
+    """scripts/vllm-preflight in a process of its own where the harness provides `vllm`: the
+    names it checks in vLLM's real files (vllm_real.REAL_MODULES) are checked against them;
+    the others against the harness's stubs (only that they are still spelled as pinned)."""
 
-    def run_preflight(self, stub_dir):
-        path = [stub_dir] + [p for p in os.environ.get("PYTHONPATH", "").split(":")
-                             if p and os.path.abspath(p) != STUB]
-        env = dict(os.environ, PYTHONPATH=":".join(path))
-        return subprocess.run([sys.executable, self.SCRIPT], env=env, capture_output=True,
+    SCRIPT = os.path.join(REPO, "scripts", "vllm-preflight")
+    RUN = ("import runpy, sys; sys.path.insert(0, {here!r}); import vllm_real; "
+           "vllm_real.install(); sys.argv = [{script!r}]; "
+           "runpy.run_path({script!r}, run_name='__main__')")
+
+    def run_preflight(self, src):
+        code = self.RUN.format(here=HERE, script=self.SCRIPT)
+        env = dict(os.environ, SPIND_VLLM_SRC=src)
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                               text=True, timeout=120)
 
-    def test_stub_preflight_passes_on_the_stub(self):
-        r = self.run_preflight(STUB)
+    def test_preflight_passes_over_the_real_files(self):
+        from spind_vllm import pinned
+        r = self.run_preflight(vllm_real.SRC)
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
-        self.assertIn("0.0.0+spind-stub", r.stdout)
+        self.assertIn("spind-vllm-real-9aaf83ef", r.stdout)  # the harness's vllm
+        self.assertIn("PASS", r.stdout)
         self.assertIn("SparseAttnIndexer", r.stdout)
         self.assertIn("spind_vllm::sparse_attn_indexer", r.stdout)
+        real = [f"{m}.{q}" for m, q, _ in pinned.SIGNATURES if m in vllm_real.REAL_MODULES]
+        self.assertGreaterEqual(len(real), 10)
+        ok = {line.split()[1].split("(")[0] for line in r.stdout.splitlines()
+              if line.startswith("  ok  ")}
+        self.assertEqual([w for w in real if w not in ok], [])
 
-    def test_stub_preflight_fails_on_a_broken_stub(self):
+    def test_preflight_fails_on_a_broken_copy(self):
         for rel, old, new, expect in [
             ("vllm/v1/attention/backends/mla/indexer.py",
-             "def build(self, common_prefix_len, common_attn_metadata, fast_build=False)",
-             "def build(self, common_attn_metadata, fast_build=False)",
+             "        self,\n        common_prefix_len: int,\n"
+             "        common_attn_metadata: CommonAttentionMetadata,\n",
+             "        self,\n        common_attn_metadata: CommonAttentionMetadata,\n",
              "DeepseekV32IndexerMetadataBuilder.build"),
             ("vllm/config/compilation.py", '"vllm::sparse_attn_indexer",', "",
              "vllm::sparse_attn_indexer"),
+            ("vllm/model_executor/layers/sparse_attn_indexer.py",
+             "        max_total_seq_len: int,\n", "        max_total_seq_lens: int,\n",
+             "SparseAttnIndexer.__init__"),
+            ("vllm/v1/core/sched/output.py",
+             "    req_id: str\n    prompt_token_ids:", "    request_id: str\n    prompt_token_ids:",
+             "NewRequestData"),
         ]:
-            with tempfile.TemporaryDirectory() as d:
-                broken = os.path.join(d, "stub")
-                shutil.copytree(STUB, broken)
+            with self.subTest(rel), tempfile.TemporaryDirectory() as d:
+                broken = os.path.join(d, "vllm-src")
+                shutil.copytree(vllm_real.SRC, broken, copy_function=shutil.copyfile)
+                for dirpath, _, _ in os.walk(broken):  # the shared copy is read-only
+                    os.chmod(dirpath, 0o755)
                 p = os.path.join(broken, rel)
                 with open(p) as f:
                     text = f.read()
-                self.assertIn(old, text)
+                self.assertEqual(text.count(old), 1, old)
                 with open(p, "w") as f:
                     f.write(text.replace(old, new))
                 r = self.run_preflight(broken)
-                self.assertNotEqual(r.returncode, 0, r.stdout)
-                self.assertIn(expect, r.stdout + r.stderr)
+                self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
+                self.assertIn("MISMATCH", r.stdout)
+                self.assertIn(expect, r.stdout)
 
 
 if __name__ == "__main__":

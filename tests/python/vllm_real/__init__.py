@@ -9,7 +9,7 @@ the two patches outside vLLM that an old torch / typing_extensions needs); kerne
 float32 stand-ins with the real kernels' semantics (kernels.py); Triton kernels in real files
 run in a small interpreter (triton_interp.py). REAL_MODULES lists what runs as written.
 
-Use (one process, the harness owns `vllm` there; not together with tests/python/stub_vllm):
+Use (one process, the harness owns `vllm` there):
 
     import vllm_real
     @unittest.skipUnless(vllm_real.available(), vllm_real.SKIP_REASON)

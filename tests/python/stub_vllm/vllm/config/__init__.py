@@ -1,2 +1,0 @@
-"""STUB (see vllm/__init__.py)."""
-from .compilation import CompilationConfig  # noqa: F401

@@ -1,1 +1,0 @@
-"""STUB (see vllm/__init__.py)."""
