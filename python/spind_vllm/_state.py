@@ -297,11 +297,13 @@ class PluginState:
         self.session.begin_step(seq, ctx, qpos, self.rows, dec.block_table)
         self.batch_size = nd
 
-    def _begin_dense(self, dec, nd, live, reason):
+    def _begin_dense(self, dec, nd, live, reason, replayable=False):
         """A dense decision: vLLM's own indexer runs where our op's Python runs (eager and
         piecewise steps), and a replayed CUDA graph holding the SPIN path (captured before the
         decision) selects every block of every live row through a dense step. If even that
-        step cannot begin, the replay would read a stale selection: fail the step loudly."""
+        step cannot begin for a batch a FULL graph may replay (`replayable`: a uniform decode
+        batch), the replay would read a stale selection: the step fails loudly instead. Other
+        batches run eagerly or piecewise, where the op's Python takes vLLM's path."""
         self._dense_step(reason)
         if dec is None or nd > self.max_seqs:
             return
@@ -309,9 +311,13 @@ class PluginState:
             self._begin(dec, nd, nd if live is None else live, None)
             self.counters["dense_steps"] += 1
         except Exception as e:  # noqa: BLE001
+            if not replayable:
+                log.exception("spind_vllm: the dense step could not begin (%s); this batch "
+                              "runs eagerly, vLLM's own indexer serves it", reason)
+                return
             raise DenseStepFailed(f"spind_vllm: this step is dense ({reason}) and its dense step "
-                               f"could not begin ({e}); a replayed CUDA graph would select "
-                               "stale blocks, so the step fails instead") from e
+                                  f"could not begin ({e}); a replayed CUDA graph would select "
+                                  "stale blocks, so the step fails instead") from e
 
     def _drafter_builder(self, builder):
         """The MTP drafter's own builder: every layer it builds for lies past the session's
@@ -326,7 +332,8 @@ class PluginState:
         """on_build failed unexpectedly: this step is dense, as every dense decision is."""
         if self.session is None or self.drafting:
             return self._dense_step(reason)
-        return self._begin_dense(metadata.decode, metadata.num_decodes, None, reason)
+        return self._begin_dense(metadata.decode, metadata.num_decodes, None, reason,
+                                 replayable=metadata.num_prefills == 0)
 
     def on_build(self, builder, common_attn_metadata, metadata):
         if self.session is None:
@@ -346,31 +353,36 @@ class PluginState:
         if dec is None:
             return self._dense_step("prefill batch")
         live = self._live_rows(common_attn_metadata, nd)
+        # A uniform decode batch (every live request next_n tokens, padding none) is what a
+        # FULL CUDA graph may replay; anything else runs eagerly or piecewise.
+        replayable = metadata.num_prefills == 0 and live is not None
+
+        def dense(reason, rows=live):
+            return self._begin_dense(dec, nd, rows, reason, replayable)
         if self.tp_dense:
-            return self._begin_dense(dec, nd, live,
-                                     "a tensor-parallel rank runs without a spind session")
+            return dense("a tensor-parallel rank runs without a spind session")
         if metadata.num_prefills > 0:
-            return self._begin_dense(dec, nd, live, "prefill or mixed batch")
+            return dense("prefill or mixed batch")
         if dec.seq_lens.dim() != 2 or dec.seq_lens.shape[1] != self.rows:
-            return self._begin_dense(dec, nd, live, "flattened MTP decode")
+            return dense("flattened MTP decode")
         if nd > self.max_seqs:
-            return self._begin_dense(dec, nd, live, "more decode requests than session slots")
+            return dense("more decode requests than session slots")
         if live is None:
-            return self._begin_dense(dec, nd, None, "non-uniform decode lengths")
+            return dense("non-uniform decode lengths", None)
         slots = []
         if real and live:
             req_ids = list(self.runner.input_batch.req_ids[:live]) if self.runner else []
             slots = [self.slots.get(r) for r in req_ids]
             if len(slots) != live or any(s is None for s in slots):
                 log.error("spind_vllm: decode requests without a sequence slot: %s", req_ids)
-                return self._begin_dense(dec, nd, live, "decode requests without a slot")
+                return dense("decode requests without a slot")
         elif not real:
             live = 0  # a dummy or capture run: padding entries, the SPIN path is captured
         try:
             self._begin(dec, nd, live, slots)
         except Exception:  # noqa: BLE001 - never fail vLLM's step for SPIN: this step is dense
             log.exception("spind_vllm: begin_step failed; this step runs dense")
-            return self._begin_dense(dec, nd, live, "begin_step failed")
+            return dense("begin_step failed")
         self.counters["begin_steps"] += 1
         self.live = live
         self.spin_step = True

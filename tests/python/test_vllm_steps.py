@@ -318,6 +318,24 @@ class DenseDecisions(unittest.TestCase):
         self.assertEqual(len(calls), 2, "the SPIN step failed, the dense step began")
         self.check_replay_is_dense(e, out, "begin_step failed")
 
+    def test_a_dense_step_that_cannot_begin(self):
+        # Every begin_step fails: a uniform decode batch (which a FULL graph may replay) fails
+        # the step loudly rather than replay a stale selection; a mixed batch (eager or
+        # piecewise: the op's Python serves it) runs vLLM's own indexer.
+        from spind_vllm._state import DenseStepFailed
+        e = self.warm()
+
+        def failing(*args):
+            raise RuntimeError("spind.begin_step: injected failure")
+        e.recorder.begin_step = failing
+        with self.assertRaises(DenseStepFailed):
+            e.step(decode=["a", "b", "c"], padded_to=4)
+        self.assertFalse(e.st.in_step)
+        out = e.step(decode=["a", "b"], prefill={"c": 40})
+        self.assertEqual(e.st.dense_reason, "prefill or mixed batch")
+        for layer, (eager, q, k, w) in out.items():
+            self.assertTrue(torch.equal(eager, e.vllm_dense(layer, e.md, q, k, w)))
+
     def test_a_mixed_batch(self):
         e = self.warm()
         out = e.step(decode=["a", "b"], prefill={"c": 40})
