@@ -551,7 +551,8 @@ class CudaGraphs(unittest.TestCase):
         torch.cuda.synchronize()
         return graph, st, snaps
 
-    def replay_step(self, e, graphs, live, order, new=None, before_build=None, check_sync=True):
+    def replay_step(self, e, graphs, live, order, new=None, finished=None, before_build=None,
+                    check_sync=True):
         """One engine step of the live requests `order` on the smallest captured graph that
         holds them: the persistent tensors filled, then execute_model (step boundary, vLLM's
         build, the graph's replay) under torch's sync debug mode "error"."""
@@ -579,7 +580,8 @@ class CudaGraphs(unittest.TestCase):
         if check_sync:
             torch.cuda.set_sync_debug_mode("error")
         try:
-            e.worker.execute_model(sched(new=list(new or ()), decode=list(order)))
+            e.worker.execute_model(sched(new=list(new or ()), decode=list(order),
+                                         finished=list(finished or ())))
         finally:
             torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()
@@ -626,7 +628,15 @@ class CudaGraphs(unittest.TestCase):
         return e, graphs, ids
 
     def test_captured_sizes_replay_live_batches(self):
-        self.run_sizes(0, (3, 5, 7))
+        e, graphs, ids = self.run_sizes(0, (3, 5, 7))
+        # A step boundary that finishes a request and opens a new one in its slot: the reset
+        # is queued on the stream behind the steps in flight, with no synchronising call.
+        slot = e.st.slots.get("r7")
+        md, st, snaps, padded = self.replay_step(e, graphs, 3, ids[:3], new=["z"],
+                                                 finished=["r7"])
+        self.assertEqual(e.st.slots.get("z"), slot)
+        e.cpu.reset_sequence(slot, _key("z"))
+        self.mirror(e, md, snaps, padded)
 
     def test_captured_mtp_replays(self):
         self.run_sizes(1, (3,))
