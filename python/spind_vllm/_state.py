@@ -235,6 +235,9 @@ class PluginState:
         spec = getattr(builder, "kv_cache_spec", None)
         if spec is not None and getattr(spec, "block_size", self.block_size) != self.block_size:
             return "indexer block size differs from the session's"
+        if getattr(builder, "use_flattening", False) and self.rows > 1:
+            # next_n > 2 on Hopper (or an FP4 cache): one row per token, 1-D lengths.
+            return "flattened MTP decode"
         dec = metadata.decode
         if dec is not None and (dec.block_table.dim() != 2 or
                                 dec.block_table.shape[1] < self.session.phys.shape[1]):
@@ -364,7 +367,7 @@ class PluginState:
         if metadata.num_prefills > 0:
             return dense("prefill or mixed batch")
         if dec.seq_lens.dim() != 2 or dec.seq_lens.shape[1] != self.rows:
-            return dense("flattened MTP decode")
+            return dense("decode rows differ from the session's")
         if nd > self.max_seqs:
             return dense("more decode requests than session slots")
         if live is None:

@@ -336,6 +336,20 @@ class DenseDecisions(unittest.TestCase):
         for layer, (eager, q, k, w) in out.items():
             self.assertTrue(torch.equal(eager, e.vllm_dense(layer, e.md, q, k, w)))
 
+    def test_flattened_mtp_is_dense_at_capture_and_after(self):
+        # next_n 3 on Hopper: vLLM flattens the rows (one per token). Fixed by the
+        # configuration, so the capture run already takes vLLM's path: nothing is begun.
+        e = Engine(spec=2)
+        self.assertTrue(e.builder.use_flattening)
+        e.step(new={"a": 300, "b": 200})
+        begun = e.st.counters["begin_steps"], e.st.counters["dense_steps"]
+        e.builder.build(0, vllm_real.capture_batch(2, next_n=3))
+        out = e.step(decode=["a", "b"])
+        self.assertEqual(e.st.dense_reason, "flattened MTP decode")
+        self.assertEqual((e.st.counters["begin_steps"], e.st.counters["dense_steps"]), begun)
+        for layer, (eager, q, k, w) in out.items():
+            self.assertTrue(torch.equal(eager, e.vllm_dense(layer, e.md, q, k, w)))
+
     def test_a_mixed_batch(self):
         e = self.warm()
         out = e.step(decode=["a", "b"], prefill={"c": 40})
