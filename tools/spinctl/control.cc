@@ -153,7 +153,7 @@ int CmdPolicySet(const ControlArgs& a, double sparsity, double exploration, floa
 
 int CmdPolicyDefaults(const ControlArgs& a, double sparsity, double exploration, float alpha,
                       int64_t probe_period, const std::string& budget, bool apply_to_live,
-                      bool clear) {
+                      bool clear, double miss_target) {
   auto stub = Stub(a);
   grpc::ClientContext c;
   Deadline(&c);
@@ -165,6 +165,8 @@ int CmdPolicyDefaults(const ControlArgs& a, double sparsity, double exploration,
   if (probe_period >= 0) d->set_probe_period(static_cast<uint32_t>(probe_period));
   if (budget == "uniform") d->set_budget_mode(pb::BUDGET_MODE_UNIFORM);
   if (budget == "per-layer") d->set_budget_mode(pb::BUDGET_MODE_PER_LAYER);
+  if (budget == "miss-target") d->set_budget_mode(pb::BUDGET_MODE_MISS_TARGET);
+  if (miss_target >= 0) d->set_miss_target(miss_target);
   q.set_apply_to_live(apply_to_live);
   q.set_clear(clear);
   pb::SetDefaultPolicyResponse r;
@@ -179,6 +181,8 @@ int CmdPolicyDefaults(const ControlArgs& a, double sparsity, double exploration,
   if (now.has_probe_period()) absl::StrAppendFormat(&line, " probe-period %u", now.probe_period());
   if (now.budget_mode() == pb::BUDGET_MODE_UNIFORM) line += " budget uniform";
   if (now.budget_mode() == pb::BUDGET_MODE_PER_LAYER) line += " budget per-layer";
+  if (now.budget_mode() == pb::BUDGET_MODE_MISS_TARGET) line += " budget miss-target";
+  if (now.has_miss_target()) absl::StrAppendFormat(&line, " miss-target %.4g", now.miss_target());
   if (now.ByteSizeLong() == 0) line += " none (sessions keep the policy they attach with)";
   std::printf("%s\n", line.c_str());
   if (apply_to_live) {
@@ -202,7 +206,9 @@ int CmdBudgets(const ControlArgs& a) {
   grpc::Status s = stub->GetBudgets(&c, q, &r);
   if (!s.ok()) return Fail("GetBudgets", s);
   std::printf("epoch %llu, %s\nlayer  sparsity\n", static_cast<unsigned long long>(r.epoch()),
-              r.budget_mode() == pb::BUDGET_MODE_PER_LAYER ? "per-layer" : "uniform");
+              r.budget_mode() == pb::BUDGET_MODE_PER_LAYER     ? "per-layer"
+              : r.budget_mode() == pb::BUDGET_MODE_MISS_TARGET ? "miss-target"
+                                                               : "uniform");
   for (int l = 0; l < r.layer_sparsity_size(); ++l) {
     std::printf("%5d  %.4f\n", l, r.layer_sparsity(l));
   }

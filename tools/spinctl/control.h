@@ -33,7 +33,7 @@ int CmdPolicySet(const ControlArgs& a, double sparsity, double exploration, floa
 /// and the sessions changed.
 int CmdPolicyDefaults(const ControlArgs& a, double sparsity, double exploration, float alpha,
                       int64_t probe_period, const std::string& budget, bool apply_to_live,
-                      bool clear);
+                      bool clear, double miss_target = -1);
 int CmdBudgets(const ControlArgs& a);
 int CmdStats(const ControlArgs& a);
 

@@ -1,7 +1,10 @@
 // spinctl: the command-line tool. Offline commands for now: gen-trace, trace-stats, replay.
 #include <unistd.h>
 
+#include <cctype>
 #include <chrono>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -11,7 +14,9 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "control.h"
 #include "daemon_replay.h"
 #include "eval.h"
@@ -26,6 +31,49 @@ namespace {
 int Fail(const absl::Status& s) {
   std::fprintf(stderr, "spinctl: error: %s\n", std::string(s.message()).c_str());
   return 1;
+}
+
+// A value refused before anything is sent: one line naming the flag, the value and the valid
+// range; exit status 2, as for CLI11's own usage errors.
+int BadValue(const std::string& message) {
+  std::fprintf(stderr, "spinctl: error: %s\n", message.c_str());
+  return 2;
+}
+
+// A given policy value in range (finite; in [lo, hi), or (lo, hi) when open_low), else the
+// message for BadValue. Checked before sending: spind checks too, but a NaN or a negative
+// value must not be read as "not given".
+std::string CheckPolicyValue(const char* flag, double v, double lo, double hi, bool open_low) {
+  const bool ok = std::isfinite(v) && (open_low ? v > lo : v >= lo) && v < hi;
+  if (ok) return "";
+  return absl::StrCat("policy set: ", flag, " ", absl::StrFormat("%g", v), " is out of range ",
+                      open_low ? "(" : "[", absl::StrFormat("%g", lo), ", ",
+                      absl::StrFormat("%g", hi), ")");
+}
+
+// The admin token file's first line, without the trailing whitespace (a newline, \r or a tab
+// from an editor or a Kubernetes Secret), as spind reads its own; an unreadable or empty file
+// is an error.
+absl::StatusOr<std::string> ReadAdminToken(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return absl::NotFoundError(absl::StrCat("--admin-token-file ", path, ": cannot read it"));
+  std::string token;
+  std::getline(f, token);
+  while (!token.empty() && std::isspace(static_cast<unsigned char>(token.back()))) token.pop_back();
+  while (!token.empty() && std::isspace(static_cast<unsigned char>(token.front()))) {
+    token.erase(token.begin());
+  }
+  if (token.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--admin-token-file ", path, " is empty"));
+  }
+  for (unsigned char ch : token) {
+    if (ch < 0x20 || ch == 0x7f) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--admin-token-file ", path,
+          ": the token holds a control character (a gRPC metadata value cannot)"));
+    }
+  }
+  return token;
 }
 
 // LoadTrace's limits are the data plane's: a trace that loads is one replay can run.
@@ -321,14 +369,17 @@ int main(int argc, char** argv) {
       "defaults", "Print the node's default policy (fields that override a new session's)");
   bool clear_defaults = false;
   pdef->add_flag("--clear", clear_defaults, "Drop the defaults (new sessions keep their own)");
-  pset->add_option("--sparsity", set_sparsity, "Target block sparsity in [0, 1)");
-  pset->add_option("--exploration", set_exploration, "Exploration share in [0, 1)");
-  pset->add_option("--alpha", set_alpha, "EMA decay in [0, 1)");
-  pset->add_option("--probe-period", set_probe, "Dense probe every P steps (0: never)");
+  CLI::Option* o_sparsity =
+      pset->add_option("--sparsity", set_sparsity, "Target block sparsity in [0, 1)");
+  CLI::Option* o_exploration =
+      pset->add_option("--exploration", set_exploration, "Exploration share in [0, 1)");
+  CLI::Option* o_alpha = pset->add_option("--alpha", set_alpha, "EMA decay in [0, 1)");
+  CLI::Option* o_probe = pset->add_option("--probe-period", set_probe,
+                                          "Dense probe every P steps (0: never), below 2^32");
   pset->add_option("--budget", set_budget, "uniform or per-layer")
       ->check(CLI::IsMember({"uniform", "per-layer"}));
   double set_miss_target = -1;
-  pset->add_option("--miss-target", set_miss_target,
+  CLI::Option* o_miss = pset->add_option("--miss-target", set_miss_target,
                    "Budget by quality: each layer at the highest sparsity whose predicted mean "
                    "miss is at most this, in (0, 1) (the session needs probe steps)");
   CLI::App* bud = app.add_subcommand("budgets", "Print a session's per-layer budgets");
@@ -339,8 +390,30 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   std::string admin_token;
   if (!admin_token_file.empty()) {
-    std::ifstream f(admin_token_file);
-    std::getline(f, admin_token);
+    absl::StatusOr<std::string> t = ReadAdminToken(admin_token_file);
+    if (!t.ok()) return BadValue(std::string(t.status().message()));
+    admin_token = *t;
+  }
+  if (pset->parsed()) {
+    // Every given value checked before anything is sent (exit 2, the range in the message).
+    std::string bad;
+    if (bad.empty() && o_sparsity->count() > 0)
+      bad = CheckPolicyValue("--sparsity", set_sparsity, 0, 1, false);
+    if (bad.empty() && o_exploration->count() > 0)
+      bad = CheckPolicyValue("--exploration", set_exploration, 0, 1, false);
+    if (bad.empty() && o_alpha->count() > 0)
+      bad = CheckPolicyValue("--alpha", set_alpha, 0, 1, false);
+    if (bad.empty() && o_miss->count() > 0)
+      bad = CheckPolicyValue("--miss-target", set_miss_target, 0, 1, true);
+    if (bad.empty() && o_probe->count() > 0 &&
+        (set_probe < 0 || set_probe > static_cast<int64_t>(UINT32_MAX))) {
+      bad = absl::StrCat("policy set: --probe-period ", set_probe, " is out of range [0, ",
+                         UINT32_MAX, "]");
+    }
+    if (!bad.empty()) return BadValue(bad);
+    if (o_miss->count() > 0 && !set_budget.empty()) {
+      return BadValue("policy set: --miss-target is a budget mode of its own; leave out --budget");
+    }
   }
 
   if (st->parsed() || hc->parsed() || ss->parsed() || pol->parsed() || bud->parsed() ||
@@ -356,16 +429,10 @@ int main(int argc, char** argv) {
         return Fail(
             absl::InvalidArgumentError("policy set: give one of --session ID, --all or --default"));
       }
+      if (o_miss->count() > 0) set_budget = "miss-target";
       if (set_all || set_default) {
         return CmdPolicyDefaults(ca, set_sparsity, set_exploration, set_alpha, set_probe,
-                                 set_budget, set_all, false);
-      }
-      if (set_miss_target >= 0) {
-        if (!set_budget.empty()) {
-          return Fail(absl::InvalidArgumentError(
-              "policy set: --miss-target is a budget mode of its own; leave out --budget"));
-        }
-        set_budget = "miss-target";
+                                 set_budget, set_all, false, set_miss_target);
       }
       return CmdPolicySet(ca, set_sparsity, set_exploration, set_alpha, set_probe, set_budget,
                           set_miss_target);
