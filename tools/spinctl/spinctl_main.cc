@@ -68,9 +68,9 @@ absl::StatusOr<std::string> ReadAdminToken(const std::string& path) {
   }
   for (unsigned char ch : token) {
     if (ch < 0x20 || ch == 0x7f) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--admin-token-file ", path,
-          ": the token holds a control character (a gRPC metadata value cannot)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--admin-token-file ", path,
+                       ": the token holds a control character (a gRPC metadata value cannot)"));
     }
   }
   return token;
@@ -379,9 +379,10 @@ int main(int argc, char** argv) {
   pset->add_option("--budget", set_budget, "uniform or per-layer")
       ->check(CLI::IsMember({"uniform", "per-layer"}));
   double set_miss_target = -1;
-  CLI::Option* o_miss = pset->add_option("--miss-target", set_miss_target,
-                   "Budget by quality: each layer at the highest sparsity whose predicted mean "
-                   "miss is at most this, in (0, 1) (the session needs probe steps)");
+  CLI::Option* o_miss =
+      pset->add_option("--miss-target", set_miss_target,
+                       "Budget by quality: each layer at the highest sparsity whose predicted mean "
+                       "miss is at most this, in (0, 1) (the session needs probe steps)");
   CLI::App* bud = app.add_subcommand("budgets", "Print a session's per-layer budgets");
   session_opts(bud);
   CLI::App* sts = app.add_subcommand("stats", "Print a session's per-layer statistics");
