@@ -170,8 +170,8 @@ class PluginState:
                          torch.zeros(max_seqs, **i32))
         # Pinned staging buffers for the slots (CUDA): a ring, so a step's host write never
         # races the previous steps' copies still queued on the stream.
-        self._ring = [(torch.empty(max_seqs, dtype=torch.int32, pin_memory=True), None)
-                      for _ in range(3)] if device.type == "cuda" else []
+        self._ring = [(torch.empty(max_seqs, dtype=torch.int32, pin_memory=True),
+                       torch.cuda.Event()) for _ in range(3)] if device.type == "cuda" else []
         self._ring_at = 0
         # Top-K over the compacted logits, remapped in place for all begun entries (padding
         # entries' rows become -1), then copied into the engine's buffer.
@@ -271,13 +271,11 @@ class PluginState:
             seq[:n] = torch.tensor(slots, dtype=torch.int32)
             return
         host, event = self._ring[self._ring_at]
-        if event is not None and not event.query():
+        if not event.query():
             event.synchronize()  # recorded steps ago: done unless the host ran far ahead
         host[:n] = torch.tensor(slots, dtype=torch.int32)
         seq[:n].copy_(host[:n], non_blocking=True)
-        event = torch.cuda.Event()
         event.record()
-        self._ring[self._ring_at] = (host, event)
         self._ring_at = (self._ring_at + 1) % len(self._ring)
 
     def _begin(self, dec, nd, live, slots):

@@ -43,13 +43,7 @@ PAGES = 1 + MAX_SEQS * MAX_LEN // BLOCK  # page 0 is vLLM's null block, never a 
 
 def setUpModule():
     global _DIST
-    if not vllm_real.available():
-        raise unittest.SkipTest(vllm_real.SKIP_REASON)
-    foreign = vllm_real._loader.foreign_vllm()
-    if foreign is not None:
-        raise unittest.SkipTest(f"another vllm is imported in this process "
-                                f"({getattr(foreign, '__file__', foreign)})")
-    vllm_real.install()
+    vllm_real.install_for_tests()
     # The entry point as `pip install ./python` declares it (python/pyproject.toml), found by
     # importlib.metadata on sys.path and loaded by vLLM's own load_general_plugins.
     project = pyproject()

@@ -24,13 +24,7 @@ PREFIX = "model.layers.0.self_attn.indexer.k_cache"
 
 
 def setUpModule():
-    if not vllm_real.available():
-        raise unittest.SkipTest(vllm_real.SKIP_REASON)
-    foreign = vllm_real._loader.foreign_vllm()
-    if foreign is not None:
-        raise unittest.SkipTest(f"another vllm is imported in this process "
-                                f"({getattr(foreign, '__file__', foreign)})")
-    vllm_real.install()
+    vllm_real.install_for_tests()
 
 
 def brute_topk(q, w, keys, n, k):

@@ -255,6 +255,19 @@ def install():
     import vllm.v1.attention.backends.mla.indexer  # noqa: F401
 
 
+def install_for_tests():
+    """A test module's setUpModule: install(), or unittest.SkipTest when vLLM's files are absent
+    or another vllm is already imported in this process."""
+    import unittest
+    if not available():
+        raise unittest.SkipTest(SKIP_REASON)
+    foreign = _loader.foreign_vllm()
+    if foreign is not None:
+        raise unittest.SkipTest(f"another vllm is imported in this process "
+                                f"({getattr(foreign, '__file__', foreign)})")
+    install()
+
+
 @contextlib.contextmanager
 def forward_context(attn_metadata_by_prefix, vllm_config=None, **kwargs):
     """Runs the block under vLLM's forward context with this attn_metadata (a dict layer
