@@ -69,9 +69,10 @@ absl::Status ValidatePolicy(const Policy& p) {
     return absl::InvalidArgumentError(
         absl::StrCat("EMA decay alpha ", p.alpha, " is out of range [0, 1)"));
   }
-  if (p.probe_period > (1u << 20)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "probe period ", p.probe_period, " is out of range [0, ", 1u << 20, "] (0 = no probes)"));
+  if (p.probe_period > kMaxProbePeriod) {
+    return absl::InvalidArgumentError(absl::StrCat("probe period ", p.probe_period,
+                                                   " is out of range [0, ", kMaxProbePeriod,
+                                                   "] (0 = no probes)"));
   }
   if (p.budget_mode != BudgetMode::kUniform && !TableFromProbes(p.budget_mode)) {
     return absl::InvalidArgumentError(

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # spinctl against a live spind: status, sessions, replay through the daemon (mapped arena and
-# remote mode) equal to offline replay, and one-line errors for bad control calls.
+# remote mode) equal to offline replay, one-line errors for bad control calls, and a strict
+# `policy set` (every value checked before sending: exit 2, nothing changed).
 set -uo pipefail
 spinctl="$1"
 spind="$2"
+helper="$3"  # attach_helper: holds one live session for the strictness checks
 work="$(mktemp -d)"
 sock="$work/spind.sock"
 "$spind" --listen "unix://$sock" 2>"$work/spind.log" &
@@ -112,6 +114,76 @@ rc=$?
 rc=$?
 [ "$rc" -ne 0 ] && grep -q "no session" "$work/err" && pass "operator policy get by id" \
   || fail "operator policy get of an unknown id: $(cat "$work/err")"
+# A strict policy set (issue 34): every bad value exits 2 with the valid range on one line and
+# changes nothing, neither a live session's policy nor its epoch nor the node default.
+"$helper" "unix://$sock" attach >"$work/helper.out" 2>"$work/helper.err" &
+hp=$!
+sid=""
+for _ in $(seq 100); do
+  sid=$(head -n 1 "$work/helper.out" 2>/dev/null)
+  [ -n "$sid" ] && break
+  sleep 0.05
+done
+[ -n "$sid" ] && pass "a live session for the strictness checks: $sid" \
+  || fail "attach_helper gave no session: $(cat "$work/helper.err")"
+"$spinctl" --target "unix://$sock" policy set --all --sparsity 0.4 >/dev/null 2>&1
+"$spinctl" --target "unix://$sock" policy get --session "$sid" >"$work/pol0" 2>&1
+"$spinctl" --target "unix://$sock" policy defaults >"$work/def0" 2>&1
+grep -q "^epoch " "$work/pol0" && pass "policy get of the live session" \
+  || fail "policy get of the live session: $(cat "$work/pol0")"
+strict() {  # strict WHAT RANGE-TEXT ARGS...: exit 2, one line naming the flag and range, no change
+  local what="$1" range="$2"
+  shift 2
+  "$spinctl" --target "unix://$sock" policy set "$@" >"$work/out" 2>"$work/err"
+  local rc=$?
+  "$spinctl" --target "unix://$sock" policy get --session "$sid" >"$work/pol1" 2>&1
+  "$spinctl" --target "unix://$sock" policy defaults >"$work/def1" 2>&1
+  if [ "$rc" -eq 2 ] && [ "$(wc -l <"$work/err")" -eq 1 ] && grep -q -- "$what" "$work/err" \
+    && grep -qF -- "$range" "$work/err" && cmp -s "$work/pol0" "$work/pol1" \
+    && cmp -s "$work/def0" "$work/def1"; then
+    pass "policy set $*: exit 2, nothing changed"
+  else
+    fail "policy set $*: rc $rc, $(cat "$work/err") $(cat "$work/out") $(diff "$work/pol0" "$work/pol1") $(diff "$work/def0" "$work/def1")"
+  fi
+}
+strict --sparsity "[0, 1)" --session "$sid" --sparsity nan
+strict --sparsity "[0, 1)" --session "$sid" --sparsity -0.5
+strict --sparsity "[0, 1)" --all --sparsity nan
+strict --sparsity "[0, 1)" --default --sparsity inf
+strict --alpha "[0, 1)" --session "$sid" --alpha nan
+strict --alpha "[0, 1)" --all --alpha 1
+strict --exploration "[0, 1)" --session "$sid" --exploration -1
+strict --probe-period "[0, 1048576]" --session "$sid" --probe-period -7
+strict --probe-period "[0, 1048576]" --all --probe-period 4294967297
+strict --miss-target "(0, 1)" --session "$sid" --miss-target nan
+strict --miss-target "(0, 1)" --all --miss-target 1
+# --miss-target with --all reaches the live session and becomes the node default; budgets
+# names the mode.
+"$spinctl" --target "unix://$sock" policy set --all --miss-target 0.03 --probe-period 8 \
+  >"$work/mt" 2>&1 \
+  && "$spinctl" --target "unix://$sock" policy get --session "$sid" | grep -q "^miss_target 0.0300" \
+  && "$spinctl" --target "unix://$sock" policy defaults | grep -q "miss" \
+  && "$spinctl" --target "unix://$sock" budgets --session "$sid" | head -n 1 | grep -q "miss-target" \
+  && pass "policy set --all --miss-target: live session, node default and budgets" \
+  || fail "policy set --all --miss-target: $(cat "$work/mt") $("$spinctl" --target "unix://$sock" budgets --session "$sid" 2>&1 | head -n 1)"
+# The admin token file as spind reads it: a trailing CRLF or tab trimmed, a control character
+# inside refused with one line (never an abort).
+printf 'tok\r\n' >"$work/tok-crlf"
+printf 'tok\t\n' >"$work/tok-tab"
+printf 't\001k\n' >"$work/tok-ctl"
+for f in tok-crlf tok-tab; do
+  "$spinctl" --target "unix://$sock" --admin-token-file "$work/$f" policy defaults \
+    >"$work/out" 2>"$work/err" && pass "admin token file $f trimmed" \
+    || fail "admin token file $f: rc $? $(cat "$work/err")"
+done
+"$spinctl" --target "unix://$sock" --admin-token-file "$work/tok-ctl" policy defaults \
+  >"$work/out" 2>"$work/err"
+rc=$?
+[ "$rc" -eq 2 ] && [ "$(wc -l <"$work/err")" -eq 1 ] && grep -q "admin-token-file" "$work/err" \
+  && pass "admin token file with a control character: $(cat "$work/err")" \
+  || fail "admin token file with a control character: rc $rc $(cat "$work/err")"
+"$spinctl" --target "unix://$sock" policy defaults --clear >/dev/null 2>&1
+{ kill -KILL "$hp" && wait "$hp"; } 2>/dev/null
 "$spinctl" --target "unix://$work/nothing.sock" status 2>"$work/err"
 rc=$?
 [ "$rc" -ne 0 ] && grep -q "not answering" "$work/err" && pass "no daemon" \

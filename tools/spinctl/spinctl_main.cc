@@ -375,7 +375,7 @@ int main(int argc, char** argv) {
       pset->add_option("--exploration", set_exploration, "Exploration share in [0, 1)");
   CLI::Option* o_alpha = pset->add_option("--alpha", set_alpha, "EMA decay in [0, 1)");
   CLI::Option* o_probe = pset->add_option("--probe-period", set_probe,
-                                          "Dense probe every P steps (0: never), below 2^32");
+                                          "Dense probe every P steps (0: never), at most 2^20");
   pset->add_option("--budget", set_budget, "uniform or per-layer")
       ->check(CLI::IsMember({"uniform", "per-layer"}));
   double set_miss_target = -1;
@@ -407,9 +407,9 @@ int main(int argc, char** argv) {
     if (bad.empty() && o_miss->count() > 0)
       bad = CheckPolicyValue("--miss-target", set_miss_target, 0, 1, true);
     if (bad.empty() && o_probe->count() > 0 &&
-        (set_probe < 0 || set_probe > static_cast<int64_t>(UINT32_MAX))) {
+        (set_probe < 0 || set_probe > static_cast<int64_t>(kMaxProbePeriod))) {
       bad = absl::StrCat("policy set: --probe-period ", set_probe, " is out of range [0, ",
-                         UINT32_MAX, "]");
+                         kMaxProbePeriod, "] (0: no probes)");
     }
     if (!bad.empty()) return BadValue(bad);
     if (o_miss->count() > 0 && !set_budget.empty()) {

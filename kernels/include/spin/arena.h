@@ -29,6 +29,8 @@ inline constexpr uint32_t kMaxLayers = 1024;
 inline constexpr uint32_t kMaxSequences = 4096;
 inline constexpr uint32_t kMaxSlots = 1u << 24;
 inline constexpr uint32_t kMaxRows = 16;
+// The longest probe period a policy may have (every P-th step dense; 0: no probes).
+inline constexpr uint32_t kMaxProbePeriod = 1u << 20;
 
 /// Element type of the V and D statistics.
 enum class StateDtype : uint32_t { kFp32 = 1, kBf16 = 2 };
