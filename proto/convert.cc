@@ -1,5 +1,7 @@
 #include "convert.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "spin/status_macros.h"
 
@@ -128,6 +130,24 @@ LayerStats FromProto(const pb::LayerStats& l) {
   m.probe_topk = l.probe_topk();
   m.probe_missed = l.probe_missed();
   return m;
+}
+
+uint64_t RemoteStepMessageBytes(const Geometry& g, const StepBatch& batch) {
+  // Framing per protobuf field: a 1-byte tag and a length varint of at most 5 bytes.
+  constexpr uint64_t kField = 6, kVarint = 5, kFixed = 4, kSlack = 1024;
+  const uint64_t max_blocks =
+      (static_cast<uint64_t>(g.max_slots) + g.block_size - 1) / g.block_size;
+  const uint64_t rows = static_cast<uint64_t>(std::max(batch.rows, 1));
+  uint64_t masks = kSlack, scores = kSlack + kField + kVarint * std::max(batch.n, 0);
+  for (int32_t e = 0; e < batch.n; ++e) {
+    // The blocks an entry's rows can reach: its context plus one slot per further row.
+    const int64_t ctx = std::max<int64_t>(batch.ctx_len[e], 0);
+    const uint64_t reach = ctx == 0 ? 0 : static_cast<uint64_t>(ctx) + rows - 1;
+    const uint64_t blocks = std::min(max_blocks, (reach + g.block_size - 1) / g.block_size);
+    masks += kField + 2 * kField + kVarint * (blocks + rows);
+    scores += rows * (2 * kField + kFixed * blocks * g.block_size);
+  }
+  return std::max(masks, scores);
 }
 
 }  // namespace spin

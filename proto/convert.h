@@ -2,8 +2,11 @@
 // spind and libspin_client so both sides map fields the same way.
 #pragma once
 
+#include <cstdint>
+
 #include "absl/status/statusor.h"
 #include "spin/arena.h"
+#include "spin/data_plane.h"
 #include "spin/v1/spin.pb.h"
 
 namespace spin {
@@ -23,5 +26,20 @@ absl::StatusOr<Policy> FromProto(const spin::v1::Policy& p);
 spin::v1::LayerStats ToProto(uint32_t layer, const LayerStats& st, double sparsity_budget);
 /// The counters of a LayerStats message (the inverse of ToProto, ratios dropped).
 LayerStats FromProto(const spin::v1::LayerStats& p);
+
+/// The largest gRPC message spind receives: gRPC's default 4 MiB, set explicitly. It is not
+/// raised because gRPC parses a request whole before a handler can refuse it, and small rows
+/// cost many times their wire size once parsed (docs/spind.md, "Threads and slow work"). What
+/// makes messages large is remote mode: an ObserveScores request carries every row's compacted
+/// scores (its PredictMasks response, 4-byte block ids against 64 4-byte scores a block, is far
+/// smaller and within libspin_client's own 4 MiB default).
+inline constexpr int kMaxMessageBytes = 4 << 20;
+
+/// An upper bound, in bytes, on the larger of a remote-mode step's messages: one PredictMasks
+/// response and one ObserveScores request for `batch` (every selected block at 5 varint bytes,
+/// every score at 4, with the protobuf framing), from the geometry and the entries' context
+/// lengths alone, so spind can refuse a step whose messages could not arrive before it begins.
+/// `batch` must have passed ValidateStepShape.
+uint64_t RemoteStepMessageBytes(const Geometry& g, const StepBatch& batch);
 
 }  // namespace spin

@@ -68,6 +68,7 @@ class CpuArenaStorage final : public ArenaStorage {
   absl::Status ResetSequence(int32_t seq, uint64_t key) override {
     return dp_->ResetSequence(seq, key);
   }
+  absl::Status CheckStep(const StepBatch& b) override { return ValidateStepBatch(host_, b); }
   absl::Status BeginStep(const StepBatch& b) override { return dp_->BeginStep(b); }
   absl::Status Select(int32_t layer) override { return dp_->Select(layer); }
   absl::Status Observe(int32_t layer, const float* logits, int64_t stride,

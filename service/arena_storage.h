@@ -46,6 +46,9 @@ class ArenaStorage {
   /// Remote mode: the data-plane operations with host inputs (staged to the device on CUDA,
   /// where each call completes before it returns). Outputs are read with PullOutputs().
   virtual absl::Status ResetSequence(int32_t seq, uint64_t key) = 0;
+  /// BeginStep's checks alone (ValidateStepBatch on current sequence records): what BeginStep
+  /// would refuse, with the same status, and nothing changed.
+  virtual absl::Status CheckStep(const StepBatch& host_batch) = 0;
   virtual absl::Status BeginStep(const StepBatch& host_batch) = 0;
   virtual absl::Status Select(int32_t layer) = 0;
   virtual absl::Status Observe(int32_t layer, const float* host_logits, int64_t stride,

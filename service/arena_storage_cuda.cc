@@ -133,11 +133,14 @@ class CudaArenaStorage final : public ArenaStorage {
     SPIN_RETURN_IF_ERROR(dp_->ResetSequence(seq, key));
     return CheckDeviceError("OpenSequences");
   }
-  absl::Status BeginStep(const StepBatch& b) override {
+  absl::Status CheckStep(const StepBatch& b) override {
     // The CPU backend's checks, on the mirror, before anything changes: same statuses.
     SPIN_RETURN_IF_ERROR(Use());
     SPIN_RETURN_IF_ERROR(PullSeqs());
-    SPIN_RETURN_IF_ERROR(ValidateStepBatch(host_, b));
+    return ValidateStepBatch(host_, b);
+  }
+  absl::Status BeginStep(const StepBatch& b) override {
+    SPIN_RETURN_IF_ERROR(CheckStep(b));
     const uint64_t n = static_cast<uint64_t>(std::max(b.n, 0));
     std::vector<int32_t> packed(3 * n);
     std::copy(b.seq, b.seq + n, packed.begin());

@@ -20,6 +20,14 @@ ParseResult ParseConfig(int argc, const char* const* argv) {
   app.add_option("--metrics-address", c.metrics_address,
                  "Serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any; empty: off)")
       ->envname("SPIND_METRICS_ADDRESS");
+  app.add_option(
+         "--metrics-layer-series", c.metrics_layer_series,
+         "Per-layer series (spin_layer_*) for at most this many (session, layer) pairs a "
+         "scrape, whole sessions, oldest first; every session always has its spin_session_* "
+         "series (0: no per-layer series)")
+      ->envname("SPIND_METRICS_LAYER_SERIES")
+      ->check(CLI::Range(0u, 1u << 20))
+      ->capture_default_str();
   app.add_option("--admin-token-file", c.admin_token_file,
                  "File whose content mutating calls over TCP must send as 'authorization: "
                  "Bearer <token>'")

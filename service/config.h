@@ -13,11 +13,12 @@ namespace spin::service {
 struct Config {
   std::string listen = "unix:///run/spin/spind.sock";  ///< gRPC on a Unix socket
   std::string tcp_listen;                              ///< optional HOST:PORT
-  std::string admin_token_file;  ///< its content is required by mutating calls over TCP
-  std::string metrics_address;   ///< Prometheus /metrics on HOST:PORT; empty = off
-  std::string backend = "auto";  ///< auto | cpu | cuda
-  int device = 0;                ///< CUDA device ordinal for the cuda backend
-  uint64_t max_arena_bytes = 0;  ///< over all sessions; 0 = from the memory there
+  std::string admin_token_file;          ///< its content is required by mutating calls over TCP
+  std::string metrics_address;           ///< Prometheus /metrics on HOST:PORT; empty = off
+  uint32_t metrics_layer_series = 4096;  ///< (session, layer) pairs with per-layer series
+  std::string backend = "auto";          ///< auto | cpu | cuda
+  int device = 0;                        ///< CUDA device ordinal for the cuda backend
+  uint64_t max_arena_bytes = 0;          ///< over all sessions; 0 = from the memory there
   uint32_t max_sessions = 64;
   std::string log_format = "text";   ///< text | json
   uint32_t client_grace_ms = 30000;  ///< a session outlives its last client by this much

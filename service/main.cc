@@ -18,6 +18,7 @@
 
 #include "budget_probe.h"
 #include "config.h"
+#include "convert.h"
 #include "fd_server.h"
 #include "google/protobuf/stubs/logging.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -162,7 +163,7 @@ int main(int argc, char** argv) {
       std::chrono::milliseconds(std::clamp<uint32_t>(c.client_grace_ms / 4, 10, 1000)),
       [&c](const std::string& line) { Log(c, "info", line); }, [] { malloc_trim(0); });
   Metrics metrics(&sessions, limits.backend == Backend::kCuda ? std::to_string(c.device) : "",
-                  uuid);
+                  uuid, c.metrics_layer_series);
   if (!c.metrics_address.empty()) {
     if (absl::Status s = metrics.Start(c.metrics_address); !s.ok()) {
       Log(c, "error", std::string(s.message()) + ": pick a free port with --metrics-address");
@@ -225,6 +226,8 @@ int main(int argc, char** argv) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  // gRPC's default, stated: PredictMasks refuses up front a step whose messages could not fit.
+  builder.SetMaxReceiveMessageSize(spin::kMaxMessageBytes);
   builder.AddListeningPort(c.listen, grpc::InsecureServerCredentials());
   int tcp_port = 0;
   if (!c.tcp_listen.empty()) {

@@ -1,5 +1,6 @@
 #include "metrics.h"
 
+#include <algorithm>
 #include <exception>
 
 #include "absl/strings/str_cat.h"
@@ -28,8 +29,9 @@ const char* CodeName(grpc::StatusCode c) {
 // is copied on the data path.
 class SessionCollector final : public prometheus::Collectable {
  public:
-  SessionCollector(SessionManager* sessions, std::string gpu, std::string uuid)
-      : sessions_(sessions) {
+  SessionCollector(SessionManager* sessions, std::string gpu, std::string uuid,
+                   uint32_t layer_series)
+      : sessions_(sessions), layer_series_(layer_series) {
     if (!gpu.empty()) device_ = {{"gpu", gpu}, {"UUID", uuid}};
   }
 
@@ -70,11 +72,40 @@ class SessionCollector final : public prometheus::Collectable {
     MetricFamily recomputes =
         family("spin_budget_recomputes_total",
                "Per-layer budget tables the probe thread's allocator wrote", MetricType::Counter);
+    // Per session, over all its layers (the counters summed, so the ratios are pooled): always
+    // there, whatever --metrics-layer-series leaves out.
+    MetricFamily s_layers =
+        family("spin_session_layers", "The session's layers", MetricType::Gauge);
+    MetricFamily s_realized =
+        family("spin_session_realized_sparsity_ratio",
+               "Skipped / total blocks over non-dense steps, all layers", MetricType::Gauge);
+    MetricFamily s_effective =
+        family("spin_session_effective_sparsity_ratio",
+               "Skipped / total blocks over all steps, all layers", MetricType::Gauge);
+    MetricFamily s_miss = family("spin_session_miss_ratio",
+                                 "Dense top-K slots outside the budget on probe steps, all layers",
+                                 MetricType::Gauge);
+    MetricFamily s_worst =
+        family("spin_session_worst_layer_miss_ratio",
+               "The highest spin_layer_miss_ratio of the session's layers", MetricType::Gauge);
+    MetricFamily s_steps =
+        family("spin_session_steps_total", "Sequence-steps selected, summed over layers",
+               MetricType::Counter);
+    MetricFamily s_probes =
+        family("spin_session_probe_steps_total",
+               "Probe steps with a miss-curve sample, summed over layers", MetricType::Counter);
+    MetricFamily s_bad =
+        family("spin_session_bad_scores_total", "Non-finite indexer scores skipped, all layers",
+               MetricType::Counter);
+    MetricFamily left_out =
+        family("spin_metrics_sessions_without_layer_series",
+               "Sessions whose per-layer series this scrape left out (--metrics-layer-series)",
+               MetricType::Gauge);
     const std::vector<std::shared_ptr<Session>> all = sessions_->List();
     ClientMetric c;
     c.gauge.value = static_cast<double>(all.size());
     count.metric.push_back(c);
-    uint64_t total = 0;
+    uint64_t total = 0, pairs = 0, without = 0;
     for (const std::shared_ptr<Session>& s : all) {
       total += s->bytes;
       // A session busy with a call is left out of this scrape rather than making the scrape
@@ -83,12 +114,39 @@ class SessionCollector final : public prometheus::Collectable {
       if (!lock.owns_lock() || s->freed) continue;
       if (!s->arena->PullControl().ok()) continue;  // a device error: skip, scrape the rest
       const ArenaView& v = s->arena->host();
+      const uint32_t n_layers = s->geometry.layers;
+      const bool per_layer = pairs + n_layers <= layer_series_;
+      if (per_layer) {
+        pairs += n_layers;
+      } else {
+        ++without;
+      }
       ClientMetric rc;
       rc.label = {{"session", s->id}};
       rc.counter.value = static_cast<double>(s->budget_recomputes);
       recomputes.metric.push_back(rc);
-      for (uint32_t l = 0; l < s->geometry.layers; ++l) {
+      LayerStats sum{};
+      double worst = 0, budget_sum = 0;
+      for (uint32_t l = 0; l < n_layers; ++l) {
         const LayerStats& st = v.stats[l];
+        // The counters are the arena's (written by the client's data plane); the budget is
+        // the table spind wrote. The same derived ratios GetStats reports.
+        const double layer_budget = s->budgets_written[l];
+        const spin::v1::LayerStats ratios = ToProto(l, st, layer_budget);
+        worst = std::max(worst, ratios.miss_rate());
+        budget_sum += layer_budget;
+        sum.steps += st.steps;
+        sum.dense_steps += st.dense_steps;
+        sum.probe_steps += st.probe_steps;
+        sum.blocks_kept += st.blocks_kept;
+        sum.blocks_total += st.blocks_total;
+        sum.sparse_blocks_kept += st.sparse_blocks_kept;
+        sum.sparse_blocks_total += st.sparse_blocks_total;
+        sum.observed += st.observed;
+        sum.bad_scores += st.bad_scores;
+        sum.probe_topk += st.probe_topk;
+        sum.probe_missed += st.probe_missed;
+        if (!per_layer) continue;
         ClientMetric m;
         m.label = {{"session", s->id}, {"layer", std::to_string(l)}};
         auto gauge = [&m](MetricFamily& f, double value) {
@@ -101,11 +159,6 @@ class SessionCollector final : public prometheus::Collectable {
           x.counter.value = static_cast<double>(value);
           f.metric.push_back(x);
         };
-        // The same derived ratios GetStats reports.
-        // The counters are the arena's (written by the client's data plane); the budget is
-        // the table spind wrote.
-        const double layer_budget = s->budgets_written[l];
-        const spin::v1::LayerStats ratios = ToProto(l, st, layer_budget);
         gauge(realized, ratios.realized_sparsity());
         gauge(effective, ratios.effective_sparsity());
         gauge(miss, ratios.miss_rate());
@@ -114,12 +167,39 @@ class SessionCollector final : public prometheus::Collectable {
         counter(probes, st.probe_steps);
         counter(bad, st.bad_scores);
       }
+      const spin::v1::LayerStats pooled =
+          ToProto(0, sum, n_layers > 0 ? budget_sum / n_layers : 0.0);
+      ClientMetric m;
+      m.label = {{"session", s->id}};
+      auto gauge = [&m](MetricFamily& f, double value) {
+        ClientMetric x = m;
+        x.gauge.value = value;
+        f.metric.push_back(x);
+      };
+      auto counter = [&m](MetricFamily& f, uint64_t value) {
+        ClientMetric x = m;
+        x.counter.value = static_cast<double>(value);
+        f.metric.push_back(x);
+      };
+      gauge(s_layers, n_layers);
+      gauge(s_realized, pooled.realized_sparsity());
+      gauge(s_effective, pooled.effective_sparsity());
+      gauge(s_miss, pooled.miss_rate());
+      gauge(s_worst, worst);
+      counter(s_steps, sum.steps);
+      counter(s_probes, sum.probe_steps);
+      counter(s_bad, sum.bad_scores);
     }
+    ClientMetric lo;
+    lo.gauge.value = static_cast<double>(without);
+    left_out.metric.push_back(lo);
     ClientMetric b;
     b.gauge.value = static_cast<double>(total);
     bytes.metric.push_back(b);
-    std::vector<MetricFamily> out = {info,   count, bytes,  realized, effective, miss,
-                                     budget, steps, probes, bad,      recomputes};
+    std::vector<MetricFamily> out = {info,       count,    bytes,      realized,    effective,
+                                     miss,       budget,   steps,      probes,      bad,
+                                     recomputes, s_layers, s_realized, s_effective, s_miss,
+                                     s_worst,    s_steps,  s_probes,   s_bad,       left_out};
     // Every series carries the GPU labels, so they join dcgm-exporter's.
     for (MetricFamily& f : out) {
       for (ClientMetric& m : f.metric) {
@@ -131,14 +211,15 @@ class SessionCollector final : public prometheus::Collectable {
 
  private:
   SessionManager* sessions_;
+  uint64_t layer_series_;  // (session, layer) pairs with per-layer series, a scrape
   std::vector<ClientMetric::Label> device_;
 };
 
 }  // namespace
 
-Metrics::Metrics(SessionManager* sessions, std::string gpu, std::string uuid)
+Metrics::Metrics(SessionManager* sessions, std::string gpu, std::string uuid, uint32_t layer_series)
     : registry_(std::make_shared<prometheus::Registry>()),
-      sessions_(std::make_shared<SessionCollector>(sessions, gpu, uuid)) {
+      sessions_(std::make_shared<SessionCollector>(sessions, gpu, uuid, layer_series)) {
   if (!gpu.empty()) device_labels_ = {{"gpu", gpu}, {"UUID", uuid}};
   policy_changes_ = &prometheus::BuildCounter()
                          .Name("spin_policy_changes_total")
@@ -163,11 +244,13 @@ absl::Status Metrics::Start(const std::string& address, int threads, int request
   // civetweb's defaults (a 30 s request timeout, keep-alive) let two idle TCP connections hold
   // both workers for 30 s. Each worker now drops a silent peer after the timeout, connections
   // are not kept alive between scrapes, and more workers than a scrape needs serve at once.
+  // No linger_timeout_ms: its 0 (an abortive close, SO_LINGER 0) reset every connection whose
+  // response the kernel had not sent yet, so scrapes over about 128 KB arrived cut off. Unset,
+  // civetweb closes gracefully (shutdown, then close once the peer's end is read).
   const std::vector<std::string> options = {
       "listening_ports",    address,
       "num_threads",        std::to_string(threads),
       "request_timeout_ms", std::to_string(request_timeout_ms),
-      "linger_timeout_ms",  "0",
       "enable_keep_alive",  "no",
       "max_request_size",   "16384",
   };

@@ -1,6 +1,6 @@
 // Prometheus metrics of spind (prometheus-cpp; names per CONVENTIONS.md): sessions, arena
-// bytes, build info, per-layer SPIN statistics read from the arenas at scrape time, and the
-// go-grpc-prometheus RPC metrics.
+// bytes, build info, per-session and (bounded) per-layer SPIN statistics read from the arenas at
+// scrape time, and the go-grpc-prometheus RPC metrics.
 #pragma once
 
 #include <map>
@@ -22,8 +22,11 @@ namespace spin::service {
 class Metrics {
  public:
   /// `gpu` and `uuid` (the device ordinal and UUID on the CUDA backend, as dcgm-exporter
-  /// labels them) go on every spin_ series; empty on the CPU backend.
-  Metrics(SessionManager* sessions, std::string gpu = "", std::string uuid = "");
+  /// labels them) go on every spin_ series; empty on the CPU backend. A scrape carries per-layer
+  /// series for at most `layer_series` (session, layer) pairs (whole sessions, oldest first);
+  /// the per-session series are always there.
+  Metrics(SessionManager* sessions, std::string gpu = "", std::string uuid = "",
+          uint32_t layer_series = 4096);
   ~Metrics();
 
   /// Serves /metrics on HOST:PORT (port 0 picks one) with `threads` HTTP workers, each giving

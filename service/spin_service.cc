@@ -773,9 +773,8 @@ grpc::ServerUnaryReactor* SpinService::PredictMasks(grpc::CallbackServerContext*
           "PredictMasks without begin_step needs a step begun earlier: set begin_step on the "
           "step's first call");
     }
-    SPIN_RETURN_IF_ERROR(sessions_->Bind(s, DriveMode::kRemote));
+    std::vector<int32_t> seq, ctx_len, q_pos;
     if (req->begin_step()) {
-      std::vector<int32_t> seq, ctx_len, q_pos;
       seq.reserve(req->entries_size());
       ctx_len.reserve(req->entries_size());
       q_pos.reserve(req->entries_size());
@@ -784,8 +783,23 @@ grpc::ServerUnaryReactor* SpinService::PredictMasks(grpc::CallbackServerContext*
         ctx_len.push_back(e.ctx_len());
         q_pos.push_back(e.q_pos());
       }
-      const StepBatch batch{seq.data(), ctx_len.data(), q_pos.data(),
-                            static_cast<int32_t>(seq.size()), static_cast<int32_t>(req->rows())};
+    }
+    const StepBatch batch{seq.data(), ctx_len.data(), q_pos.data(),
+                          static_cast<int32_t>(seq.size()), static_cast<int32_t>(req->rows())};
+    if (req->begin_step()) {
+      // Everything a refused step could trip on is checked before the session is bound to
+      // remote mode or its arena touched: a refused call changes nothing.
+      SPIN_RETURN_IF_ERROR(s.arena->CheckStep(batch));
+      const uint64_t bytes = RemoteStepMessageBytes(g, batch);
+      if (bytes > static_cast<uint64_t>(kMaxMessageBytes)) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "this step's masks or scores could take up to ", bytes, " bytes in one message (",
+            batch.n, " entries x ", batch.rows, " rows), over remote mode's ", kMaxMessageBytes,
+            "-byte message limit: send fewer entries per step, or map the arena (local mode)"));
+      }
+    }
+    SPIN_RETURN_IF_ERROR(sessions_->Bind(s, DriveMode::kRemote));
+    if (req->begin_step()) {
       SPIN_RETURN_IF_ERROR(s.arena->BeginStep(batch));
       s.remote_n = batch.n;
       s.remote_rows = batch.rows;

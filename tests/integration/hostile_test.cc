@@ -11,7 +11,9 @@
 #include <sys/stat.h>
 #include <sys/un.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -324,7 +326,8 @@ TEST(Hostile, OversizeAndOutOfRangeRequestsAreRefusedBeforeAllocating) {
   EXPECT_NE(st.error_message().find("no compacted row of this session is longer than 1024"),
             std::string::npos)
       << st.error_message();
-  // Past gRPC's 4 MiB message limit: refused by the transport before any handler runs.
+  // Past spind's 4 MiB message limit (kMaxMessageBytes, gRPC's default): refused by the
+  // transport before any handler runs.
   os.mutable_scores(0)->mutable_logits()->Resize(1100000, 0.0f);
   EXPECT_EQ(CALL(d, ObserveScores, os, &osr).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   os.mutable_scores(0)->mutable_logits()->Resize(len, 0.0f);
@@ -347,6 +350,90 @@ TEST(Hostile, OversizeAndOutOfRangeRequestsAreRefusedBeforeAllocating) {
   EXPECT_EQ(osr.bad_scores(), 2u);
   EXPECT_LT(RssPages(d.pid()), rss_before + 16384) << "oversize requests grew spind by >64 MiB";
   EXPECT_EQ(SessionCount(d), 1);
+}
+
+// Issue 34 item 6: a refused PredictMasks changes nothing. A step refused by its checks does not
+// bind the session to remote mode (its arena can still be mapped), and a step whose masks or
+// scores could not fit in one message (kMaxMessageBytes) is refused before it begins, not after
+// its masks were computed and the transport dropped them.
+TEST(Hostile, RefusedStepsChangeNothing) {
+  Daemon d;
+  ASSERT_TRUE(d.ready());
+  {
+    const pb::AttachResponse a = MustAttach(d);  // 2 layers, 1024 slots, 2 sequences
+    pb::PredictMasksRequest pm;
+    *pm.mutable_session() = Ref(a);
+    pm.set_begin_step(true);
+    pm.set_rows(1);
+    pm.set_layer(0);
+    pb::StepEntry* e = pm.add_entries();
+    e->set_sequence(0);  // never opened
+    e->set_ctx_len(512);
+    e->set_q_pos(511);
+    pb::PredictMasksResponse pmr;
+    grpc::Status st = CALL(d, PredictMasks, pm, &pmr);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+    e->set_sequence(-1);
+    e->set_ctx_len(5000);  // past max_slots
+    st = CALL(d, PredictMasks, pm, &pmr);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::OUT_OF_RANGE) << st.error_message();
+    int fd = -1;
+    const std::string reply =
+        FdSocketExchange(a.fd_socket(), "ATTACH " + a.session_id() + " " + a.token() + "\n", &fd);
+    EXPECT_GE(fd, 0) << "refused steps bound the session to remote mode: " << reply;
+    if (fd >= 0) close(fd);
+  }
+  // 64 sequences of 65536 slots at sparsity 0: a full step's scores are 64 x 256 KiB, past the
+  // 4 MiB limit; 15 entries fit.
+  pb::AttachRequest big = AttachReq(1, 65536, 64);
+  big.mutable_policy()->set_target_sparsity(0);
+  const pb::AttachResponse a = MustAttach(d, big);
+  pb::OpenSequencesRequest oq;
+  *oq.mutable_session() = Ref(a);
+  for (int i = 0; i < 64; ++i) oq.add_sequences()->set_sequence(i);
+  pb::OpenSequencesResponse oqr;
+  ASSERT_TRUE(CALL(d, OpenSequences, oq, &oqr).ok());
+  pb::PredictMasksRequest pm;
+  *pm.mutable_session() = Ref(a);
+  pm.set_begin_step(true);
+  pm.set_rows(1);
+  pm.set_layer(0);
+  for (int i = 0; i < 64; ++i) {
+    pb::StepEntry* e = pm.add_entries();
+    e->set_sequence(i);
+    e->set_ctx_len(65536);
+    e->set_q_pos(65535);
+  }
+  pb::PredictMasksResponse pmr;
+  grpc::Status st = CALL(d, PredictMasks, pm, &pmr);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_NE(st.error_message().find("message limit"), std::string::npos) << st.error_message();
+  // Nothing began: no step to continue, no step counted.
+  pm.set_begin_step(false);
+  st = CALL(d, PredictMasks, pm, &pmr);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  pb::GetStatsRequest gs;
+  *gs.mutable_session() = Ref(a);
+  pb::GetStatsResponse gsr;
+  ASSERT_TRUE(CALL(d, GetStats, gs, &gsr).ok());
+  ASSERT_EQ(gsr.layers_size(), 1);
+  EXPECT_EQ(gsr.layers(0).steps(), 0u);
+  // 15 entries fit: their masks (every block at sparsity 0) arrive, and their scores after them.
+  pm.set_begin_step(true);
+  pm.mutable_entries()->DeleteSubrange(15, 49);
+  st = CALL(d, PredictMasks, pm, &pmr);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  ASSERT_EQ(pmr.masks_size(), 15);
+  EXPECT_EQ(pmr.masks(14).blocks_size(), 1024);
+  pb::ObserveScoresRequest os;
+  *os.mutable_session() = Ref(a);
+  os.set_layer(0);
+  for (int i = 0; i < 15; ++i) {
+    os.add_scores()->mutable_logits()->Resize(pmr.masks(i).compact_len(0), 1.0f);
+  }
+  pb::ObserveScoresResponse osr;
+  st = CALL(d, ObserveScores, os, &osr);
+  EXPECT_TRUE(st.ok()) << st.error_message();
 }
 
 TEST(Hostile, ClientNamesAndSessionIdsAreBounded) {
@@ -677,6 +764,125 @@ TEST(Hostile, SlowBudgetWatchersAreCoalescedNotQueued) {
 }
 
 // Defect 4d: idle TCP peers and malformed HTTP on the metrics port do not starve a scrape.
+// One HTTP/1.0 scrape of /metrics on loopback: the body, or "" with *why set when the response
+// did not arrive whole (a read error such as a connection reset, no Content-Length, or a body
+// shorter or longer than it).
+std::string ScrapeWhole(int port, std::string* why) {
+  const int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(s);
+    *why = "connect failed";
+    return "";
+  }
+  const std::string get = "GET /metrics HTTP/1.0\r\n\r\n";
+  (void)!send(s, get.data(), get.size(), MSG_NOSIGNAL);
+  std::string all;
+  char buf[65536];
+  pollfd p{s, POLLIN, 0};
+  *why = "";
+  while (true) {
+    if (poll(&p, 1, 10000) != 1) {
+      *why = "no data for 10 s";
+      break;
+    }
+    const ssize_t n = read(s, buf, sizeof(buf));
+    if (n < 0) {
+      *why = std::string("read: ") + std::strerror(errno);
+      break;
+    }
+    if (n == 0) break;
+    all.append(buf, static_cast<size_t>(n));
+  }
+  close(s);
+  if (!why->empty()) return "";
+  const size_t head = all.find("\r\n\r\n");
+  const size_t cl = all.find("Content-Length: ");
+  if (head == std::string::npos || cl == std::string::npos || cl > head) {
+    *why = "no headers or no Content-Length: " + all.substr(0, 200);
+    return "";
+  }
+  const size_t want = std::strtoull(all.c_str() + cl + 16, nullptr, 10);
+  std::string body = all.substr(head + 4);
+  if (body.size() != want) {
+    *why =
+        "body of " + std::to_string(body.size()) + " bytes, Content-Length " + std::to_string(want);
+    return "";
+  }
+  return body;
+}
+
+// Issue 34 item 1: scrapes far past the socket buffers (16 sessions x 61 layers, the per-layer
+// series of a DeepSeek-sized node, and one 1024-layer session) arrive whole every time: before,
+// civetweb closed each connection with SO_LINGER 0, a reset that dropped what the kernel had
+// not sent yet (responses over about 128 KB, 6 of 8 scrapes).
+TEST(Hostile, LargeScrapesArriveWhole) {
+  for (const auto& [sessions, layers] : {std::pair{16, 61}, std::pair{1, 1024}}) {
+    Daemon d({"--metrics-address", "127.0.0.1:0", "--max-sessions", "32"});
+    ASSERT_TRUE(d.ready());
+    const int port = MetricsPort(d);
+    ASSERT_GT(port, 0) << d.log();
+    std::vector<std::string> ids;
+    for (int i = 0; i < sessions; ++i) {
+      ids.push_back(MustAttach(d, AttachReq(static_cast<uint32_t>(layers), 1024, 1)).session_id());
+    }
+    for (int k = 0; k < 20; ++k) {
+      std::string why;
+      const std::string body = ScrapeWhole(port, &why);
+      ASSERT_TRUE(why.empty()) << sessions << " x " << layers << ", scrape " << k << ": " << why;
+      EXPECT_GT(body.size(), 131072u);
+      // Every session's last layer is there (the per-layer series are on by default here).
+      for (const std::string& id : ids) {
+        const std::string last = "spin_layer_bad_scores_total{session=\"" + id + "\",layer=\"" +
+                                 std::to_string(layers - 1) + "\"}";
+        ASSERT_NE(body.find(last), std::string::npos) << last;
+      }
+    }
+  }
+}
+
+// Per-layer cardinality is bounded: --metrics-layer-series caps the (session, layer) pairs with
+// spin_layer_* series (whole sessions, oldest first); every session keeps its spin_session_*
+// series, and a gauge says how many sessions were left without per-layer series.
+TEST(Hostile, PerLayerSeriesAreBounded) {
+  Daemon d({"--metrics-address", "127.0.0.1:0", "--metrics-layer-series", "100"});
+  ASSERT_TRUE(d.ready());
+  const int port = MetricsPort(d);
+  ASSERT_GT(port, 0) << d.log();
+  std::vector<std::string> ids;
+  for (int i = 0; i < 3; ++i) ids.push_back(MustAttach(d, AttachReq(61, 1024, 1)).session_id());
+  std::string why;
+  const std::string body = ScrapeWhole(port, &why);
+  ASSERT_TRUE(why.empty()) << why;
+  auto count = [&body](const std::string& prefix) {
+    int n = 0;
+    for (size_t at = body.find("\n" + prefix); at != std::string::npos;
+         at = body.find("\n" + prefix, at + 1)) {
+      ++n;
+    }
+    return n;
+  };
+  EXPECT_EQ(count("spin_layer_miss_ratio{"), 61) << "one session's 61 layers fit in 100 pairs";
+  EXPECT_NE(body.find("spin_layer_miss_ratio{session=\"" + ids[0] + "\",layer=\"60\"}"),
+            std::string::npos)
+      << "the oldest session keeps its per-layer series";
+  EXPECT_EQ(count("spin_session_miss_ratio{"), 3);
+  EXPECT_EQ(count("spin_session_layers{"), 3);
+  EXPECT_NE(body.find("spin_session_layers{session=\"" + ids[2] + "\"} 61"), std::string::npos)
+      << body.substr(0, 2000);
+  EXPECT_NE(body.find("\nspin_metrics_sessions_without_layer_series 2"), std::string::npos);
+  Daemon none({"--metrics-address", "127.0.0.1:0", "--metrics-layer-series", "0"});
+  ASSERT_TRUE(none.ready());
+  MustAttach(none, AttachReq(4, 1024, 1));
+  const std::string b0 = ScrapeWhole(MetricsPort(none), &why);
+  ASSERT_TRUE(why.empty()) << why;
+  EXPECT_EQ(b0.find("\nspin_layer_miss_ratio{"), std::string::npos);
+  EXPECT_NE(b0.find("\nspin_session_steps_total{"), std::string::npos);
+}
+
 TEST(Hostile, IdleAndMalformedMetricsPeersDoNotStarveScrapes) {
   Daemon d({"--metrics-address", "127.0.0.1:0"});
   ASSERT_TRUE(d.ready());
