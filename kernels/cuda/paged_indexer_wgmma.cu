@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(CtaThreads<kFused>(), MinCtasPerSm<kFused>())
           const int2 info = d.ahead_info[at];
           d.union_count[seq] = live ? info.x : 0;
           if (seq == 0) d.batch->selected_layer = f.layer;
-          if (live) {
+          if (en.seq >= 0) {  // a sequence-less entry (dense or padding) counts nothing
             cuda_kernels::AddSelectCounts(d.stats + f.layer, info.x,
                                           cuda_kernels::BlocksOf(d, en.ctx_len + d.batch->rows - 1),
                                           info.y != 0);
