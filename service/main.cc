@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "budget_probe.h"
+#include "call_counter.h"
 #include "config.h"
 #include "convert.h"
 #include "fd_server.h"
@@ -162,8 +163,8 @@ int main(int argc, char** argv) {
   sessions.StartReaper(
       std::chrono::milliseconds(std::clamp<uint32_t>(c.client_grace_ms / 4, 10, 1000)),
       [&c](const std::string& line) { Log(c, "info", line); }, [] { malloc_trim(0); });
-  Metrics metrics(&sessions, limits.backend == Backend::kCuda ? std::to_string(c.device) : "",
-                  uuid, c.metrics_layer_series);
+  Metrics metrics(&sessions, limits.backend == Backend::kCuda ? std::to_string(c.device) : "", uuid,
+                  c.metrics_layer_series);
   if (!c.metrics_address.empty()) {
     if (absl::Status s = metrics.Start(c.metrics_address); !s.ok()) {
       Log(c, "error", std::string(s.message()) + ": pick a free port with --metrics-address");
@@ -228,6 +229,12 @@ int main(int argc, char** argv) {
   grpc::ServerBuilder builder;
   // gRPC's default, stated: PredictMasks refuses up front a step whose messages could not fit.
   builder.SetMaxReceiveMessageSize(spin::kMaxMessageBytes);
+  CallCounter calls;  // what SIGTERM waits for
+  {
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+    creators.push_back(calls.Factory());
+    builder.experimental().SetInterceptorCreators(std::move(creators));
+  }
   builder.AddListeningPort(c.listen, grpc::InsecureServerCredentials());
   int tcp_port = 0;
   if (!c.tcp_listen.empty()) {
@@ -275,7 +282,19 @@ int main(int argc, char** argv) {
         std::string("received ") + (sig == SIGTERM ? "SIGTERM" : "SIGINT") +
             ": not serving, draining");
     server->GetHealthCheckService()->SetServingStatus(false);
-    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    // Open WatchBudgets streams end now; calls in flight get up to 5 s to finish, and the
+    // server then shuts down at once (its own Shutdown deadline would also wait out every
+    // idle client connection, call_counter.h).
+    service.Drain();
+    const auto drain_end = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (calls.in_flight() > 0 && std::chrono::steady_clock::now() < drain_end) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    if (calls.in_flight() > 0) {
+      Log(c, "warning",
+          std::to_string(calls.in_flight()) + " calls still in flight after 5 s: cancelled");
+    }
+    server->Shutdown(std::chrono::system_clock::now());
   });
   server->Wait();
   waiter.join();

@@ -190,6 +190,10 @@ bool BudgetHub::Add(const std::string& session, BudgetWatcher* w, size_t max_per
   // A watcher whose OnDone already ran (it sets done before taking this lock to leave) is not
   // added: it would stay here after being deleted.
   if (w->done()) return true;
+  if (closed_) {
+    w->End(closed_status_);
+    return true;
+  }
   if (watchers_.count(session) >= max_per_session) return false;
   watchers_.emplace(session, w);
   return true;
@@ -215,6 +219,18 @@ void BudgetHub::EndAll(const std::string& session, const grpc::Status& status) {
   std::lock_guard<std::mutex> lock(mu_);
   auto [lo, hi] = watchers_.equal_range(session);
   for (auto it = lo; it != hi; ++it) it->second->End(status);
+}
+
+void BudgetHub::Close(const grpc::Status& status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  closed_ = true;
+  closed_status_ = status;
+  for (auto& [session, w] : watchers_) w->End(status);
+}
+
+void SpinService::Drain() {
+  hub_.Close(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                          "spind is stopping: attach again to the spind that replaces it"));
 }
 
 SpinService::SpinService(SessionManager* sessions, std::string fd_socket, Metrics* metrics,
@@ -415,9 +431,12 @@ grpc::ServerUnaryReactor* SpinService::Attach(grpc::CallbackServerContext* ctx,
       return Done(ctx, "Attach", t0, v);
     }
   }
+  const Policy requested = p;  // the engine's, before the node defaults
+  uint64_t generation = 0;
   {
     // The node-wide default policy's set fields override the engine's (SetDefaultPolicy).
     std::lock_guard<std::mutex> lock(defaults_mu_);
+    generation = defaults_generation_;
     absl::StatusOr<Policy> with = WithDefaults(defaults_, p);
     absl::Status v = with.ok() ? ValidatePolicy(*with) : with.status();
     if (!v.ok()) {
@@ -431,10 +450,11 @@ grpc::ServerUnaryReactor* SpinService::Attach(grpc::CallbackServerContext* ctx,
   // The arena is allocated and initialised on a worker: a large one takes a while, and the
   // threads that serve every other caller must not wait for it.
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  executor_.Post([this, reactor, req, resp, t0, g = *g, p] {
+  executor_.Post([this, reactor, req, resp, t0, g = *g, p, requested, generation] {
     absl::StatusOr<std::shared_ptr<Session>> s =
         sessions_->Attach(g, req->seed(), p, req->client_name(), req->engine_control());
     absl::Status st = s.status();
+    if (s.ok()) CatchUpDefaults(**s, requested, generation);
     if (s.ok()) StartWarm(**s, req->model());
     if (s.ok()) {
       const Session& session = **s;
@@ -447,7 +467,10 @@ grpc::ServerUnaryReactor* SpinService::Attach(grpc::CallbackServerContext* ctx,
       if (absl::StatusOr<ArenaHeader> h = MakeArenaHeader(g, req->seed()); h.ok()) header = *h;
       resp->set_arena_header(
           std::string(reinterpret_cast<const char*>(&header), sizeof(ArenaHeader)));
-      *resp->mutable_policy() = ToProto(p);
+      {
+        std::lock_guard<std::mutex> lock((*s)->mu);
+        *resp->mutable_policy() = ToProto((*s)->policy);  // after CatchUpDefaults
+      }
       resp->set_fd_socket(fd_socket_);
     }
     Finish(reactor, "Attach", t0, st);
@@ -520,6 +543,37 @@ grpc::ServerUnaryReactor* SpinService::SetPolicy(grpc::CallbackServerContext* ct
         resp->set_epoch(arena.host().policy->epoch);
         return absl::OkStatus();
       });
+}
+
+void SpinService::CatchUpDefaults(Session& s, const Policy& requested, uint64_t generation) {
+  pb::PolicyDefaults now;
+  {
+    std::lock_guard<std::mutex> lock(defaults_mu_);
+    if (defaults_generation_ == generation) return;  // the usual case: nothing changed
+    now = defaults_;
+  }
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.freed) return;
+  absl::StatusOr<Policy> p = WithDefaults(now, requested);
+  absl::Status st = p.status();
+  if (st.ok()) st = ValidatePolicy(*p);
+  const Policy& q = s.policy;
+  if (st.ok() && p->target_sparsity == q.target_sparsity && p->exploration == q.exploration &&
+      p->alpha == q.alpha && p->probe_period == q.probe_period && p->budget_mode == q.budget_mode &&
+      p->miss_target == q.miss_target) {
+    return;  // already so: SetDefaultPolicy(apply_to_live) found the session listed
+  }
+  if (st.ok()) st = s.arena->PullControl();
+  if (st.ok()) {
+    st =
+        ChangePolicy(s, *p, "spind (the node default policy changed during the attach)", "default");
+  }
+  if (!st.ok() && log_) {
+    log_("error", absl::StrCat("session ", s.id,
+                               ": the node default policy set during its "
+                               "attach not applied: ",
+                               st.message()));
+  }
 }
 
 void SpinService::StartWarm(Session& s, const std::string& model) {
@@ -624,6 +678,7 @@ grpc::ServerUnaryReactor* SpinService::SetDefaultPolicy(grpc::CallbackServerCont
   {
     std::lock_guard<std::mutex> lock(defaults_mu_);
     defaults_ = next;
+    if (changes) ++defaults_generation_;  // attaches in flight catch up (CatchUpDefaults)
     if (changes && !options_.defaults_file.empty()) {
       // The change holds either way; a node that cannot keep it says so.
       std::string json;

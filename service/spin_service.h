@@ -27,10 +27,15 @@ class BudgetHub {
   void Notify(const std::string& session, const spin::v1::GetBudgetsResponse& update);
   /// Ends every stream of `session` with `status`.
   void EndAll(const std::string& session, const grpc::Status& status);
+  /// Ends every stream of every session with `status`, and every stream added later at once
+  /// (spind is stopping).
+  void Close(const grpc::Status& status);
 
  private:
   std::mutex mu_;
   std::multimap<std::string, BudgetWatcher*> watchers_;
+  bool closed_ = false;
+  grpc::Status closed_status_;
 };
 
 /// Converts an absl::Status to the gRPC status with the same code and message.
@@ -85,6 +90,10 @@ class SpinService final : public spin::v1::Spin::CallbackService {
     return o;
   }
 
+  /// Before the server's Shutdown: ends every WatchBudgets stream, open or opened later, with
+  /// UNAVAILABLE, so the drain waits only for calls that are in flight (a stream stays open
+  /// as long as its session).
+  void Drain();
   /// Sends the session's budget table to its WatchBudgets streams (caller holds its lock and
   /// pulled its control region).
   void PublishBudgets(const Session& s);
@@ -157,6 +166,12 @@ class SpinService final : public spin::v1::Spin::CallbackService {
   // Warm budgets: records the session's model and, for a per-layer session of a model with
   // saved curves, starts its controller and table from them (logged either way).
   void StartWarm(Session& s, const std::string& model);
+  // An attach takes its policy from the node defaults when the call arrives (generation
+  // `generation`) but lists its session only once the arena is made; a SetDefaultPolicy in
+  // between applies to listed sessions only. Once listed, the session catches up: when the
+  // defaults changed meanwhile, its policy becomes the engine's `requested` one under the
+  // current defaults.
+  void CatchUpDefaults(Session& s, const Policy& requested, uint64_t generation);
   // Who made a call, for the log: the session's engine, or an operator and how it got in.
   std::string Caller(grpc::CallbackServerContext* ctx, bool with_token) const;
   // Writes `p` as session `s`'s policy (and re-sizes its budgets), logs the change with `who`
@@ -176,6 +191,7 @@ class SpinService final : public spin::v1::Spin::CallbackService {
   Executor executor_;
   mutable std::mutex defaults_mu_;
   spin::v1::PolicyDefaults defaults_;  // the node-wide default policy (SetDefaultPolicy)
+  uint64_t defaults_generation_ = 0;   // bumped with every change of defaults_
   std::function<void(const char*, const std::string&)> log_;
 };
 
