@@ -577,14 +577,21 @@ void SpinService::CatchUpDefaults(Session& s, const Policy& requested, uint64_t 
 }
 
 void SpinService::StartWarm(Session& s, const std::string& model) {
-  std::lock_guard<std::mutex> lock(s.mu);
-  s.model = model;
-  s.warm = options_.warm;
-  if (model.empty() || !s.warm || !s.warm->enabled() || !TableFromProbes(s.policy.budget_mode)) {
-    return;
+  // The file is read before the session's lock is taken: whatever is in --state-dir, the
+  // session's other callers (and the reaper, metrics, probe thread) never wait on it.
+  bool wanted = false;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.model = model;
+    s.warm = options_.warm;
+    wanted = !model.empty() && s.warm && s.warm->enabled() && TableFromProbes(s.policy.budget_mode);
   }
-  std::optional<WarmCurves> w = s.warm->Load(model, s.geometry);
+  if (!wanted) return;
+  std::optional<WarmCurves> w = options_.warm->Load(model, s.geometry);
   if (!w) return;
+  std::lock_guard<std::mutex> lock(s.mu);
+  // The mode may have changed while the file was read (an operator's SetPolicy).
+  if (s.freed || !TableFromProbes(s.policy.budget_mode)) return;
   s.budgets = std::make_unique<BudgetController>(s.geometry);
   absl::StatusOr<BudgetUpdate> u =
       s.budgets->Warm(w->curves, w->num_blocks, s.policy.target_sparsity,
@@ -632,11 +639,6 @@ absl::Status SpinService::ChangePolicy(Session& s, const Policy& p, const std::s
 void SpinService::RestoreDefaults() {
   const std::string& path = options_.defaults_file;
   if (path.empty()) return;
-  std::error_code ec;
-  if (!std::filesystem::exists(path, ec)) return;  // none kept yet
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
   auto ignored = [&](const std::string& why) {
     if (log_) {
       log_("warning", absl::StrCat("node default policy in ", path, " ignored: ", why,
@@ -644,9 +646,13 @@ void SpinService::RestoreDefaults() {
                                    "the defaults again (spinctl policy set --default ...)"));
     }
   };
-  if (!in) return ignored("cannot read it");
+  // A regular file of at most kMaxDefaultsFileBytes: a FIFO, a device or a symlink there can
+  // neither hang start-up nor make spind read without bound.
+  absl::StatusOr<std::string> text = ReadStateFile(path, kMaxDefaultsFileBytes);
+  if (absl::IsNotFound(text.status())) return;  // none kept yet
+  if (!text.ok()) return ignored(std::string(text.status().message()));
   pb::PolicyDefaults d;
-  if (const auto st = google::protobuf::util::JsonStringToMessage(text.str(), &d); !st.ok()) {
+  if (const auto st = google::protobuf::util::JsonStringToMessage(*text, &d); !st.ok()) {
     return ignored(absl::StrCat("not a spin.v1.PolicyDefaults in JSON (", st.ToString(), ")"));
   }
   if (absl::Status v = ValidateDefaults(d); !v.ok()) return ignored(std::string(v.message()));

@@ -1,13 +1,15 @@
 #include "warm_budgets.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
-#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
@@ -46,8 +48,6 @@ std::string WarmBudgets::PathOf(const std::string& model) const {
 std::optional<WarmCurves> WarmBudgets::Load(const std::string& model, const Geometry& g) const {
   if (!enabled() || !ValidateModelName(model).ok()) return std::nullopt;
   const std::string path = PathOf(model);
-  std::ifstream in(path);
-  if (!in) return std::nullopt;  // none yet: the usual first run of a model
   auto ignore = [&](const std::string& why) {
     if (log_) {
       log_("warning", absl::StrCat("warm budgets of model ", model, " (", path, ") ignored: ", why,
@@ -56,12 +56,11 @@ std::optional<WarmCurves> WarmBudgets::Load(const std::string& model, const Geom
     }
     return std::nullopt;
   };
-  nlohmann::json j;
-  try {
-    in >> j;
-  } catch (const std::exception& e) {
-    return ignore(absl::StrCat("not JSON (", e.what(), ")"));
-  }
+  absl::StatusOr<std::string> text = ReadStateFile(path, kMaxWarmFileBytes);
+  if (absl::IsNotFound(text.status())) return std::nullopt;  // the usual first run of a model
+  if (!text.ok()) return ignore(std::string(text.status().message()));
+  nlohmann::json j = nlohmann::json::parse(*text, nullptr, false);
+  if (j.is_discarded()) return ignore("not JSON");
   try {
     if (!j.is_object() || j.value("version", 0) != kFormatVersion) {
       return ignore(absl::StrCat("not a version ", kFormatVersion, " budgets file"));
@@ -76,8 +75,14 @@ std::optional<WarmCurves> WarmBudgets::Load(const std::string& model, const Geom
                                  g.topk));
     }
     WarmCurves w;
-    w.saved_unix = j.at("saved_unix").get<int64_t>();
-    const int64_t age = static_cast<int64_t>(std::time(nullptr)) - w.saved_unix;
+    const nlohmann::json& saved = j.at("saved_unix");
+    const int64_t now = static_cast<int64_t>(std::time(nullptr));
+    if (!saved.is_number_integer() || saved.get<int64_t>() < 0 ||
+        saved.get<int64_t>() > now + kMaxFutureSeconds) {
+      return ignore(absl::StrCat("saved_unix ", saved.dump(), " is not a time from 1970 to now"));
+    }
+    w.saved_unix = saved.get<int64_t>();
+    const int64_t age = now - w.saved_unix;
     if (age > max_age_.count()) {
       return ignore(absl::StrCat("saved ", age / 3600, " hours ago, past --warm-max-age-hours ",
                                  max_age_.count() / 3600));
@@ -126,27 +131,88 @@ void WarmBudgets::Save(const std::string& model, const Geometry& g,
 }
 
 absl::Status WriteFileAtomically(const std::string& path, const std::string& text) {
-  std::ostringstream tmp_name;
-  tmp_name << path << ".tmp." << getpid() << "."
-           << std::hash<std::thread::id>{}(std::this_thread::get_id());
-  const std::string tmp = tmp_name.str();
-  std::error_code ec;
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << text;
-    out.flush();
-    if (!out) {
-      std::filesystem::remove(tmp, ec);
-      return absl::UnavailableError(absl::StrCat("cannot write ", tmp));
-    }
+  std::string tmp = path + ".tmp.XXXXXX";
+  const int fd = mkostemp(tmp.data(), O_CLOEXEC);
+  if (fd < 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot create a temporary file beside ", path, ": ", std::strerror(errno)));
   }
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    const std::string why = ec.message();
-    std::filesystem::remove(tmp, ec);
+  auto fail = [&](const char* step) {
+    const std::string why = std::strerror(errno);
+    close(fd);
+    unlink(tmp.c_str());
+    return absl::UnavailableError(absl::StrCat("cannot ", step, " ", tmp, ": ", why));
+  };
+  for (size_t done = 0; done < text.size();) {
+    const ssize_t n = write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return fail("write");
+    done += static_cast<size_t>(n);
+  }
+  if (fchmod(fd, 0644) != 0) return fail("set the mode of");
+  if (fsync(fd) != 0) return fail("sync");
+  if (close(fd) != 0) {
+    const std::string why = std::strerror(errno);
+    unlink(tmp.c_str());
+    return absl::UnavailableError(absl::StrCat("cannot close ", tmp, ": ", why));
+  }
+  if (rename(tmp.c_str(), path.c_str()) != 0) {
+    const std::string why = std::strerror(errno);
+    unlink(tmp.c_str());
     return absl::UnavailableError(absl::StrCat("cannot rename ", tmp, " into ", path, ": ", why));
   }
+  // The rename itself survives a crash once the directory is synced.
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  const int dfd = open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    fsync(dfd);
+    close(dfd);
+  }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadStateFile(const std::string& path, size_t max_bytes) {
+  const int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return absl::NotFoundError(absl::StrCat(path, " does not exist"));
+    if (errno == ELOOP) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(path, " is a symlink; spind reads only regular files in --state-dir"));
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
+  }
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    close(fd);
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, " is not a regular file; spind reads only regular files in --state-dir"));
+  }
+  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
+    close(fd);
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, " has ", st.st_size, " bytes, over the ", max_bytes, "-byte limit for this file"));
+  }
+  std::string text(max_bytes + 1, '\0');
+  size_t got = 0;
+  while (got < text.size()) {
+    const ssize_t n = read(fd, text.data() + got, text.size() - got);
+    if (n < 0 && (errno == EINTR)) continue;
+    if (n < 0) {
+      const std::string why = std::strerror(errno);
+      close(fd);
+      return absl::FailedPreconditionError(absl::StrCat("cannot read ", path, ": ", why));
+    }
+    if (n == 0) break;
+    got += static_cast<size_t>(n);
+  }
+  close(fd);
+  if (got > max_bytes) {  // it grew since fstat
+    return absl::FailedPreconditionError(
+        absl::StrCat(path, " is over the ", max_bytes, "-byte limit for this file"));
+  }
+  text.resize(got);
+  return text;
 }
 
 }  // namespace spin::service

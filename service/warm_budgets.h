@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "spin/arena.h"
 #include "spin/budget.h"
 
@@ -27,10 +28,27 @@ struct WarmCurves {
 /// Checks a model name for use as a file name: 1-128 of [A-Za-z0-9._-], not starting with '.'.
 absl::Status ValidateModelName(const std::string& model);
 
-/// The state directory's store. Thread-safe (files are written whole, then renamed).
-/// Writes `text` to `path` whole or not at all: a temporary file of this process and thread next
-/// to it, renamed over it. The error says which step failed (for files in --state-dir).
+/// Writes `text` to `path` whole or not at all: a new temporary file beside it with an
+/// unpredictable name, created exclusively (mkostemp: O_CREAT | O_EXCL, so a planted file or
+/// symlink is never written through), synced, then renamed over `path` (which replaces a
+/// symlink there rather than following it) and the directory synced. The error says which step
+/// failed (for files in --state-dir).
 absl::Status WriteFileAtomically(const std::string& path, const std::string& text);
+
+/// Reads a state file of at most `max_bytes`: NOT_FOUND when there is none; FAILED_PRECONDITION
+/// for a symlink (O_NOFOLLOW), a FIFO, device or directory (only regular files are read, opened
+/// O_NONBLOCK so nothing can hang the open), or a file larger than `max_bytes`.
+absl::StatusOr<std::string> ReadStateFile(const std::string& path, size_t max_bytes);
+
+/// The largest warm-budget file read (1024 layers of curves take about 0.5 MiB).
+inline constexpr size_t kMaxWarmFileBytes = 2u << 20;
+/// The largest node-defaults.json read (a few hundred bytes in use).
+inline constexpr size_t kMaxDefaultsFileBytes = 64u << 10;
+/// Saved times accepted: from the epoch to a day past now (a clock set back a little); anything
+/// else (a negative or huge saved_unix) is not trusted as fresh.
+inline constexpr int64_t kMaxFutureSeconds = 86400;
+
+/// The state directory's store. Thread-safe (files are written whole, then renamed).
 
 class WarmBudgets {
  public:

@@ -9,7 +9,7 @@ work="$(mktemp -d)"
 sock="$work/spind.sock"
 state="$work/state"
 pid=""
-trap '[ -n "$pid" ] && kill -TERM $pid 2>/dev/null; wait 2>/dev/null; rm -rf "$work"' EXIT
+trap '[ -n "$pid" ] && kill -KILL $pid 2>/dev/null; wait 2>/dev/null; rm -rf "$work"' EXIT
 fails=0
 pass() { echo "ok   $1"; }
 fail() { echo "FAIL $1"; fails=$((fails + 1)); }
@@ -58,6 +58,40 @@ start log5 || exit 1
 grep -q "node-defaults.json ignored: .*sparsity" "$work/log5" \
   && pass "an out-of-range default is ignored: $(grep -o 'ignored: [^;]*' "$work/log5" | head -1)" \
   || fail "out-of-range file: $(cat "$work/log5")"
+stop
+# Issue 34 item 2: what else may sit there cannot stop spind from starting (before, a FIFO hung
+# start-up, a symlink to /dev/zero never started, a sparse 1 GiB file took GBs of memory): each
+# is ignored at once with a log line naming why, and spind serves. A planted symlink is replaced
+# by spind's own regular file on the next change, never written through.
+n=6
+for kind in fifo zero sparse; do
+  rm -f "$state/node-defaults.json"
+  case $kind in
+    fifo) mkfifo "$state/node-defaults.json"; want="not a regular file" ;;
+    zero) ln -s /dev/zero "$state/node-defaults.json"; want="symlink" ;;
+    sparse) truncate -s 1G "$state/node-defaults.json"; want="over the" ;;
+  esac
+  start "log$n" || exit 1
+  grep -q "node-defaults.json ignored: .*$want" "$work/log$n" \
+    && pass "node-defaults.json as a $kind: ignored ($(grep -o 'ignored: [^;]*' "$work/log$n" | head -1))" \
+    || fail "node-defaults.json as a $kind: $(cat "$work/log$n")"
+  rss=$(awk '/VmRSS/ {print $2}' "/proc/$pid/status")
+  [ "${rss:-999999}" -lt 262144 ] && pass "  spind's RSS ${rss} kB" || fail "  spind's RSS ${rss} kB"
+  stop
+  n=$((n + 1))
+done
+rm -f "$state/node-defaults.json"
+victim="$work/victim"
+echo precious >"$victim"
+ln -s "$victim" "$state/node-defaults.json"
+start "log$n" || exit 1
+ctl policy set --default --sparsity 0.45 >/dev/null 2>&1 || fail "policy set --default over a symlink"
+[ "$(cat "$victim")" = precious ] && [ -f "$state/node-defaults.json" ] \
+  && [ ! -L "$state/node-defaults.json" ] \
+  && pass "a planted symlink is replaced, not written through" \
+  || fail "planted symlink: victim '$(cat "$victim")', $(ls -l "$state")"
+ls "$state" | grep -q "tmp" && fail "temporary files left: $(ls "$state")" \
+  || pass "no temporary file left"
 stop
 echo "$fails failure(s)"
 [ "$fails" -eq 0 ]

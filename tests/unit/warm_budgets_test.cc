@@ -3,12 +3,16 @@
 // out-of-range values; model names that are not safe file names.
 #include "warm_budgets.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <limits>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -126,6 +130,105 @@ TEST(WarmBudgets, DisabledAndUnwritableStoresDoNothingButLog) {
   missing.Save("m", Geo(), Curves(), 10);
   ASSERT_EQ(logs.size(), 1u);
   EXPECT_NE(logs[0].find("exists and is writable"), std::string::npos) << logs[0];
+}
+
+// Issue 34 item 2: the state dir cannot be turned against spind.
+// Writes go to a new, exclusively created temporary file with an unpredictable name: symlinks
+// planted at every name the old code used (path.tmp.<pid>.<thread hash>) or at the file itself
+// are never written through; the file ends up a regular file of spind's.
+TEST(StateDir, WritesNeverFollowAPlantedSymlink) {
+  Store s;
+  const std::string victim = s.dir + "/../victim-" + std::to_string(getpid());
+  { std::ofstream(victim) << "precious\n"; }
+  const std::string path = s.warm.PathOf("m");
+  const std::string learnable =
+      path + ".tmp." + std::to_string(getpid()) + "." +
+      std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id()));
+  std::filesystem::create_symlink(victim, learnable);
+  std::filesystem::create_symlink(victim, path);
+  s.warm.Save("m", Geo(), Curves(), 90);
+  std::ifstream in(victim);
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_EQ(text, "precious\n") << "a file outside the state dir was written";
+  EXPECT_TRUE(std::filesystem::is_regular_file(std::filesystem::symlink_status(path)));
+  ASSERT_TRUE(s.warm.Load("m", Geo()).has_value());
+  // Nothing left behind but the planted link itself.
+  int tmp = 0;
+  for (const auto& e : std::filesystem::directory_iterator(s.dir)) {
+    if (e.path().string().find(".tmp.") != std::string::npos && e.path() != learnable) ++tmp;
+  }
+  EXPECT_EQ(tmp, 0);
+  std::filesystem::remove(victim);
+}
+
+// Only regular files are read, never past a size cap, and none can hang the reader: a FIFO, a
+// symlink (to /dev/zero), a directory and an oversize (sparse) file are each refused at once with
+// a reason, and Load ignores them with a log line.
+TEST(StateDir, ReadsOnlyBoundedRegularFiles) {
+  Store s;
+  const std::string fifo = s.dir + "/fifo";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  absl::StatusOr<std::string> r = ReadStateFile(fifo, 1024);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_NE(r.status().message().find("not a regular file"), std::string::npos) << r.status();
+  const std::string zero = s.dir + "/zero";
+  std::filesystem::create_symlink("/dev/zero", zero);
+  r = ReadStateFile(zero, 1024);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_NE(r.status().message().find("symlink"), std::string::npos) << r.status();
+  r = ReadStateFile(s.dir, 1024);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  const std::string big = s.dir + "/big";
+  { std::ofstream f(big); }
+  std::filesystem::resize_file(big, std::uintmax_t{1} << 30);  // sparse: no disk used
+  r = ReadStateFile(big, kMaxDefaultsFileBytes);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_NE(r.status().message().find("over the"), std::string::npos) << r.status();
+  EXPECT_EQ(ReadStateFile(s.dir + "/none", 1024).status().code(), absl::StatusCode::kNotFound);
+  { std::ofstream(s.dir + "/ok") << "{}"; }
+  r = ReadStateFile(s.dir + "/ok", 2);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(*r, "{}");
+  EXPECT_FALSE(ReadStateFile(s.dir + "/ok", 1).ok());
+
+  // Through Load: a FIFO, a symlink to /dev/zero and a 32 MB file as a model's warm file.
+  ASSERT_EQ(mkfifo(s.warm.PathOf("fifo").c_str(), 0600), 0);
+  std::filesystem::create_symlink("/dev/zero", s.warm.PathOf("zero"));
+  {
+    std::ofstream f(s.warm.PathOf("huge"));
+    f << std::string(32u << 20, ' ');
+  }
+  for (const char* model : {"fifo", "zero", "huge"}) {
+    s.logs.clear();
+    EXPECT_FALSE(s.warm.Load(model, Geo()).has_value()) << model;
+    ASSERT_EQ(s.logs.size(), 1u) << model;
+    EXPECT_NE(s.logs[0].find("ignored"), std::string::npos) << s.logs[0];
+  }
+}
+
+// A saved time outside [1970, now + a day] never makes a stale file look fresh (before, -2^63 or
+// 1e300 overflowed the age).
+TEST(StateDir, OutOfRangeSavedTimesAreIgnored) {
+  Store s;
+  s.warm.Save("m", Geo(), Curves(), 90);
+  nlohmann::json j;
+  {
+    std::ifstream in(s.warm.PathOf("m"));
+    in >> j;
+  }
+  const int64_t now = static_cast<int64_t>(std::time(nullptr));
+  for (const nlohmann::json& t :
+       {nlohmann::json(std::numeric_limits<int64_t>::min()), nlohmann::json(1e300),
+        nlohmann::json(-1), nlohmann::json(now + 10 * 86400), nlohmann::json("1700000000")}) {
+    j["saved_unix"] = t;
+    std::ofstream(s.warm.PathOf("m"), std::ios::trunc) << j.dump();
+    s.logs.clear();
+    EXPECT_FALSE(s.warm.Load("m", Geo()).has_value()) << t.dump();
+    ASSERT_EQ(s.logs.size(), 1u) << t.dump();
+  }
+  j["saved_unix"] = now - 60;
+  std::ofstream(s.warm.PathOf("m"), std::ios::trunc) << j.dump();
+  EXPECT_TRUE(s.warm.Load("m", Geo()).has_value());
 }
 
 }  // namespace
