@@ -33,6 +33,14 @@ ParseResult ParseConfig(int argc, const char* const* argv) {
                  "Bearer <token>'")
       ->envname("SPIND_ADMIN_TOKEN_FILE")
       ->check(CLI::ExistingFile);
+  app.add_option("--operators", c.operators,
+                 "Who may make operator calls (a session by id without its token, the node "
+                 "default policy, the session list) on the Unix socket: token (callers with the "
+                 "admin token), socket (any process that can open the socket), or auto (token "
+                 "when --admin-token-file is given, else socket)")
+      ->envname("SPIND_OPERATORS")
+      ->check(CLI::IsMember({"auto", "token", "socket"}))
+      ->capture_default_str();
   app.add_option("--backend", c.backend,
                  "Where session arenas live: cuda (device memory shared with the engine by CUDA "
                  "VMM), cpu (a memfd), or auto (cuda when a GPU is usable, else cpu)")

@@ -14,6 +14,7 @@ struct Config {
   std::string listen = "unix:///run/spin/spind.sock";  ///< gRPC on a Unix socket
   std::string tcp_listen;                              ///< optional HOST:PORT
   std::string admin_token_file;          ///< its content is required by mutating calls over TCP
+  std::string operators = "auto";        ///< auto | token | socket: operators on the socket
   std::string metrics_address;           ///< Prometheus /metrics on HOST:PORT; empty = off
   uint32_t metrics_layer_series = 4096;  ///< (session, layer) pairs with per-layer series
   std::string backend = "auto";          ///< auto | cpu | cuda

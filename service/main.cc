@@ -190,10 +190,24 @@ int main(int argc, char** argv) {
         c.tcp_allow_unauthenticated
             ? "--tcp-allow-unauthenticated: anyone who reaches " + c.tcp_listen +
                   " can attach, detach and change policy"
-            : "--tcp-listen without --admin-token-file: state-changing calls over TCP are "
-              "refused (read-only calls are served)");
+            : "--tcp-listen without --admin-token-file: state-changing and operator calls over "
+              "TCP are refused (a session's own read-only calls are served)");
   }
+  if (c.operators == "token" && admin_token.empty()) {
+    Log(c, "error",
+        "--operators token needs --admin-token-file (the token operators must send on the Unix "
+        "socket)");
+    return 2;
+  }
+  const bool unix_operators_need_token =
+      c.operators == "token" || (c.operators == "auto" && !admin_token.empty());
+  Log(c, "info",
+      unix_operators_need_token
+          ? "operator calls need the admin token, on the Unix socket too"
+          : "operator calls on the Unix socket need no token: any process that can open it may "
+            "read and retune every session (give --admin-token-file on a shared node)");
   ServiceOptions service_options;
+  service_options.unix_operators_need_token = unix_operators_need_token;
   if (!c.state_dir.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(c.state_dir, ec);

@@ -302,6 +302,15 @@ grpc::ServerWriteReactor<pb::GetBudgetsResponse>* SpinService::WatchBudgets(
 
 void SpinService::PublishBudgets(const Session& s) { hub_.Notify(s.id, Budgets(s)); }
 
+bool SpinService::HasAdminToken(grpc::CallbackServerContext* ctx) const {
+  if (options_.admin_token.empty()) return false;
+  const auto& md = ctx->client_metadata();
+  auto it = md.find("authorization");
+  return it != md.end() &&
+         ConstantTimeEquals(std::string_view(it->second.data(), it->second.size()),
+                            "Bearer " + options_.admin_token);
+}
+
 absl::Status SpinService::CheckAdmin(grpc::CallbackServerContext* ctx) const {
   if (ctx->peer().rfind("unix:", 0) == 0) return absl::OkStatus();
   if (options_.admin_token.empty()) {
@@ -311,15 +320,19 @@ absl::Status SpinService::CheckAdmin(grpc::CallbackServerContext* ctx) const {
         "--admin-token-file (and send 'authorization: Bearer <token>'), use the Unix socket, or "
         "accept the risk with --tcp-allow-unauthenticated");
   }
-  const auto& md = ctx->client_metadata();
-  auto it = md.find("authorization");
-  if (it != md.end() && ConstantTimeEquals(std::string_view(it->second.data(), it->second.size()),
-                                           "Bearer " + options_.admin_token)) {
-    return absl::OkStatus();
-  }
+  if (HasAdminToken(ctx)) return absl::OkStatus();
   return absl::PermissionDeniedError(
       "state-changing calls over TCP need spind's admin token: send metadata 'authorization: "
       "Bearer <token>' (spinctl --admin-token-file)");
+}
+
+absl::Status SpinService::CheckOperator(grpc::CallbackServerContext* ctx) const {
+  if (ctx->peer().rfind("unix:", 0) != 0) return CheckAdmin(ctx);
+  if (!options_.unix_operators_need_token || HasAdminToken(ctx)) return absl::OkStatus();
+  return absl::PermissionDeniedError(
+      "operator calls (a session by id without its token, the node default policy, the session "
+      "list) need spind's admin token on this node, on the Unix socket too (spind --operators "
+      "token): send 'authorization: Bearer <token>' (spinctl --admin-token-file FILE)");
 }
 
 void SpinService::Finish(grpc::ServerUnaryReactor* reactor, const char* method,
@@ -348,7 +361,11 @@ grpc::Status ToGrpc(const absl::Status& s) {
 std::string SpinService::Caller(grpc::CallbackServerContext* ctx, bool with_token) const {
   if (with_token) return "the session's engine (session token)";
   const std::string peer = ctx->peer();
-  if (peer.rfind("unix:", 0) == 0) return "an operator on the Unix socket";
+  if (peer.rfind("unix:", 0) == 0) {
+    return options_.unix_operators_need_token
+               ? "an operator with the admin token on the Unix socket"
+               : "an operator on the Unix socket";
+  }
   return absl::StrCat("an operator with the admin token from ", peer);
 }
 
@@ -357,9 +374,9 @@ grpc::ServerUnaryReactor* SpinService::OnSession(
     bool operator_ok, std::function<absl::Status(Session&, const std::string&)> body) {
   const auto t0 = Clock::now();
   const bool as_operator = operator_ok && ref.token().empty();
-  if (mutating || as_operator) {
-    if (absl::Status a = CheckAdmin(ctx); !a.ok()) {
-      if (as_operator && !mutating) {
+  if (as_operator) {
+    if (absl::Status a = CheckOperator(ctx); !a.ok()) {
+      if (!mutating && ctx->peer().rfind("unix:", 0) != 0) {
         a = absl::PermissionDeniedError(absl::StrCat(
             "reading a session without its token is for operators: use the Unix socket, or send "
             "spind's admin token over TCP (",
@@ -367,6 +384,8 @@ grpc::ServerUnaryReactor* SpinService::OnSession(
       }
       return Done(ctx, method, t0, a);
     }
+  } else if (mutating) {
+    if (absl::Status a = CheckAdmin(ctx); !a.ok()) return Done(ctx, method, t0, a);
   }
   auto s = as_operator ? sessions_->Find(ref.session_id())
                        : sessions_->Get(ref.session_id(), ref.token());
@@ -669,7 +688,7 @@ grpc::ServerUnaryReactor* SpinService::SetDefaultPolicy(grpc::CallbackServerCont
                                                         const pb::SetDefaultPolicyRequest* req,
                                                         pb::SetDefaultPolicyResponse* resp) {
   const auto t0 = Clock::now();
-  if (absl::Status a = CheckAdmin(ctx); !a.ok()) return Done(ctx, "SetDefaultPolicy", t0, a);
+  if (absl::Status a = CheckOperator(ctx); !a.ok()) return Done(ctx, "SetDefaultPolicy", t0, a);
   pb::PolicyDefaults next;
   {
     std::lock_guard<std::mutex> lock(defaults_mu_);
@@ -981,6 +1000,8 @@ grpc::ServerUnaryReactor* SpinService::ListSessions(grpc::CallbackServerContext*
                                                     const pb::ListSessionsRequest*,
                                                     pb::ListSessionsResponse* resp) {
   const auto t0 = Clock::now();
+  // Other tenants' session ids, client names and sizes are for operators.
+  if (absl::Status a = CheckOperator(ctx); !a.ok()) return Done(ctx, "ListSessions", t0, a);
   for (const std::shared_ptr<Session>& s : sessions_->List()) {
     pb::SessionInfo* o = resp->add_sessions();
     o->set_session_id(s->id);

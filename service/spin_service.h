@@ -48,6 +48,10 @@ struct ServiceOptions {
   /// Without an admin token, state-changing calls over TCP are refused unless this is set
   /// (spind --tcp-allow-unauthenticated; logged as a warning at start).
   bool allow_unauthenticated_tcp = false;
+  /// Operator calls (a session by id without its token, SetDefaultPolicy, ListSessions) on the
+  /// Unix socket need the admin token too (spind --operators token; the default whenever an
+  /// admin token is configured). Off: any process that can open the socket is an operator.
+  bool unix_operators_need_token = false;
   /// Worker threads for slow work (attach, data-plane calls, waits on a session's lock).
   size_t workers = 4;
   /// WatchBudgets streams one session may have open.
@@ -182,6 +186,11 @@ class SpinService final : public spin::v1::Spin::CallbackService {
   // OK for Unix-socket peers, and over TCP for calls carrying the admin token; without an admin
   // token, TCP callers pass only with allow_unauthenticated_tcp. PERMISSION_DENIED otherwise.
   absl::Status CheckAdmin(grpc::CallbackServerContext* ctx) const;
+  // Operator authority (docs/spind.md, "Operator control"): CheckAdmin's rule, and on the Unix
+  // socket the admin token too when unix_operators_need_token.
+  absl::Status CheckOperator(grpc::CallbackServerContext* ctx) const;
+  // Whether the call carries the admin token ("authorization: Bearer <token>").
+  bool HasAdminToken(grpc::CallbackServerContext* ctx) const;
 
   SessionManager* sessions_;
   std::string fd_socket_;

@@ -190,8 +190,10 @@ rc=$?
   || fail "no daemon: $(cat "$work/err")"
 # spind's own flags: --help names the backends; a bad --backend or (without a GPU) --backend
 # cuda exits non-zero with one line.
-"$spind" --help | grep -q -- "--device" && "$spind" --help | grep -q "cuda" && pass "spind --help" \
-  || fail "spind --help"
+# (captured first: `grep -q` leaving early would end spind --help with SIGPIPE under pipefail)
+help=$("$spind" --help 2>&1)
+grep -q -- "--device" <<<"$help" && grep -q "cuda" <<<"$help" && grep -q -- "--operators" <<<"$help" \
+  && pass "spind --help" || fail "spind --help: $(head -c 300 <<<"$help")"
 "$spind" --listen "unix://$work/x.sock" --backend tpu 2>"$work/err"
 rc=$?
 [ "$rc" -eq 2 ] && [ "$(wc -l <"$work/err")" -eq 1 ] && pass "spind --backend tpu" \

@@ -634,14 +634,121 @@ TEST(Hostile, TcpWithoutAnAdminTokenRefusesStateChangingCalls) {
     } else {
       EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED);
       EXPECT_NE(st.error_message().find("--admin-token-file"), std::string::npos);
-      EXPECT_NE(log.find("state-changing calls over TCP are refused"), std::string::npos) << log;
+      EXPECT_NE(log.find("state-changing and operator calls over TCP are refused"),
+                std::string::npos)
+          << log;
     }
-    // Read-only calls are served either way.
+    // The session list is an operator call: served over TCP only as state changes are.
     pb::ListSessionsResponse ls;
     grpc::ClientContext c2;
-    EXPECT_TRUE(tcp->ListSessions(&c2, pb::ListSessionsRequest(), &ls).ok());
-    EXPECT_EQ(ls.sessions_size(), allow ? 1 : 0);
+    const grpc::Status listed = tcp->ListSessions(&c2, pb::ListSessionsRequest(), &ls);
+    if (allow) {
+      EXPECT_TRUE(listed.ok()) << listed.error_message();
+      EXPECT_EQ(ls.sessions_size(), 1);
+    } else {
+      EXPECT_EQ(listed.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+    }
   }
+}
+
+// Issue 34 item 3: on a node with an admin token, the Unix socket alone makes no one an operator.
+// An engine that can open the socket attaches and drives its own session (with its token), but
+// reading or retuning another session by id, the node default policy and the session list need
+// the admin token there too (--operators auto = token). --operators socket keeps the old rule;
+// --operators token without a token file does not start.
+TEST(Hostile, OperatorCallsOnTheUnixSocketNeedTheAdminToken) {
+  const std::string token_file = ::testing::TempDir() + "/admin-" + std::to_string(getpid());
+  { std::ofstream(token_file) << "op-s3cret\n"; }
+  Daemon d({"--admin-token-file", token_file});
+  ASSERT_TRUE(d.ready());
+  const pb::AttachResponse victim = MustAttach(d);
+  pb::SessionRef by_id;
+  by_id.set_session_id(victim.session_id());
+  auto with = [](grpc::ClientContext* c, const char* token) {
+    c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    if (token != nullptr) c->AddMetadata("authorization", std::string("Bearer ") + token);
+  };
+  // Every operator call, made with `token` (nullptr: none); returns the status codes.
+  auto operator_calls = [&](const char* token) {
+    std::vector<grpc::StatusCode> codes;
+    {
+      grpc::ClientContext c;
+      with(&c, token);
+      pb::GetPolicyRequest q;
+      *q.mutable_session() = by_id;
+      pb::GetPolicyResponse r;
+      codes.push_back(d.stub().GetPolicy(&c, q, &r).error_code());
+    }
+    {
+      grpc::ClientContext c;
+      with(&c, token);
+      pb::SetPolicyRequest q;
+      *q.mutable_session() = by_id;
+      q.set_target_sparsity(0.9);
+      pb::SetPolicyResponse r;
+      codes.push_back(d.stub().SetPolicy(&c, q, &r).error_code());
+    }
+    {
+      grpc::ClientContext c;
+      with(&c, token);
+      pb::GetStatsRequest q;
+      *q.mutable_session() = by_id;
+      pb::GetStatsResponse r;
+      codes.push_back(d.stub().GetStats(&c, q, &r).error_code());
+    }
+    {
+      grpc::ClientContext c;
+      with(&c, token);
+      pb::SetDefaultPolicyRequest q;
+      q.mutable_defaults()->set_target_sparsity(0.8);
+      q.set_apply_to_live(true);
+      pb::SetDefaultPolicyResponse r;
+      codes.push_back(d.stub().SetDefaultPolicy(&c, q, &r).error_code());
+    }
+    {
+      grpc::ClientContext c;
+      with(&c, token);
+      pb::ListSessionsResponse r;
+      codes.push_back(d.stub().ListSessions(&c, pb::ListSessionsRequest(), &r).error_code());
+    }
+    return codes;
+  };
+  const std::vector<grpc::StatusCode> denied(5, grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(operator_calls(nullptr), denied);
+  EXPECT_EQ(operator_calls("wrong"), denied);
+  // Nothing changed: the victim's policy is still its own.
+  pb::GetPolicyRequest own;
+  *own.mutable_session() = Ref(victim);
+  pb::GetPolicyResponse pol;
+  ASSERT_TRUE(CALL(d, GetPolicy, own, &pol).ok());
+  EXPECT_DOUBLE_EQ(pol.policy().target_sparsity(), 0.5);
+  // The engine with its session token needs no admin token for its own session.
+  pb::SetPolicyRequest sp;
+  *sp.mutable_session() = Ref(victim);
+  sp.set_target_sparsity(0.6);
+  pb::SetPolicyResponse spr;
+  EXPECT_TRUE(CALL(d, SetPolicy, sp, &spr).ok());
+  // With the admin token every operator call is served.
+  EXPECT_EQ(operator_calls("op-s3cret"), std::vector<grpc::StatusCode>(5, grpc::StatusCode::OK));
+  ASSERT_TRUE(CALL(d, GetPolicy, own, &pol).ok());
+  EXPECT_DOUBLE_EQ(pol.policy().target_sparsity(), 0.8) << "the default applied to live sessions";
+
+  // --operators socket: the old rule, chosen explicitly.
+  Daemon open_socket({"--admin-token-file", token_file, "--operators", "socket"});
+  ASSERT_TRUE(open_socket.ready());
+  pb::ListSessionsResponse ls;
+  EXPECT_TRUE(CALL(open_socket, ListSessions, pb::ListSessionsRequest(), &ls).ok());
+  // --operators token needs a token to require.
+  const std::string cmd = std::string(SPIND_PATH) + " --listen unix://" + ::testing::TempDir() +
+                          "/never.sock --operators token 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  char buf[512];
+  for (size_t n; (n = std::fread(buf, 1, sizeof(buf), p)) > 0;) out.append(buf, n);
+  EXPECT_EQ(WEXITSTATUS(pclose(p)), 2) << out;
+  EXPECT_NE(out.find("--operators token needs --admin-token-file"), std::string::npos) << out;
+  std::remove(token_file.c_str());
 }
 
 // Defect 8: client-supplied text cannot break JSON log lines.

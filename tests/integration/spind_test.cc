@@ -864,8 +864,10 @@ TEST(Spind, LiveSetPolicyTakesEffectAtTheNextStep) {
 TEST(Spind, OperatorChangesLiveSessionsWithoutTheirTokens) {
   const std::string token_file = ::testing::TempDir() + "/spind-operator-token";
   std::ofstream(token_file) << "0p3rat0r\n";
+  // --operators socket: by id over the Unix socket without a token, as a single-tenant node
+  // runs (Hostile.OperatorCallsOnTheUnixSocketNeedTheAdminToken has the token rule).
   Daemon d({"--tcp-listen", "127.0.0.1:0", "--admin-token-file", token_file, "--metrics-address",
-            "127.0.0.1:0"});
+            "127.0.0.1:0", "--operators", "socket"});
   ASSERT_TRUE(d.ready());
   LiveEngine engine(d);
   ASSERT_TRUE(engine.ok());

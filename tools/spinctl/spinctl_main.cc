@@ -186,7 +186,8 @@ int main(int argc, char** argv) {
       ->envname("SPIN_TARGET");
   std::string admin_token_file;
   app.add_option("--admin-token-file", admin_token_file,
-                 "spind's admin token (needed for changes over TCP)")
+                 "spind's admin token: operator calls (on the Unix socket too when spind has a "
+                 "token) and changes over TCP")
       ->envname("SPIN_ADMIN_TOKEN_FILE")
       ->check(CLI::ExistingFile);
 
