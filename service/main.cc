@@ -243,10 +243,10 @@ int main(int argc, char** argv) {
   grpc::ServerBuilder builder;
   // gRPC's default, stated: PredictMasks refuses up front a step whose messages could not fit.
   builder.SetMaxReceiveMessageSize(spin::kMaxMessageBytes);
-  CallCounter calls;  // what SIGTERM waits for
   {
+    // Counts the calls in flight: what SIGTERM waits for.
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
-    creators.push_back(calls.Factory());
+    creators.push_back(CallCounter::Factory());
     builder.experimental().SetInterceptorCreators(std::move(creators));
   }
   builder.AddListeningPort(c.listen, grpc::InsecureServerCredentials());
@@ -301,12 +301,12 @@ int main(int argc, char** argv) {
     // idle client connection, call_counter.h).
     service.Drain();
     const auto drain_end = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-    while (calls.in_flight() > 0 && std::chrono::steady_clock::now() < drain_end) {
+    while (CallCounter::in_flight() > 0 && std::chrono::steady_clock::now() < drain_end) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
-    if (calls.in_flight() > 0) {
+    if (CallCounter::in_flight() > 0) {
       Log(c, "warning",
-          std::to_string(calls.in_flight()) + " calls still in flight after 5 s: cancelled");
+          std::to_string(CallCounter::in_flight()) + " calls still in flight after 5 s: cancelled");
     }
     server->Shutdown(std::chrono::system_clock::now());
   });
