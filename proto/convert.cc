@@ -67,15 +67,25 @@ absl::StatusOr<BudgetMode> ModeFromProto(pb::BudgetMode m, BudgetMode keep) {
   }
 }
 
+pb::BudgetMode ModeToProto(BudgetMode m) {
+  switch (m) {
+    case BudgetMode::kUniform:
+      return pb::BUDGET_MODE_UNIFORM;
+    case BudgetMode::kPerLayer:
+      return pb::BUDGET_MODE_PER_LAYER;
+    case BudgetMode::kMissTarget:
+      return pb::BUDGET_MODE_MISS_TARGET;
+  }
+  return pb::BUDGET_MODE_UNSPECIFIED;
+}
+
 pb::Policy ToProto(const Policy& p) {
   pb::Policy o;
   o.set_target_sparsity(p.target_sparsity);
   o.set_exploration(p.exploration);
   o.set_alpha(p.alpha);
   o.set_probe_period(p.probe_period);
-  o.set_budget_mode(p.budget_mode == BudgetMode::kPerLayer     ? pb::BUDGET_MODE_PER_LAYER
-                    : p.budget_mode == BudgetMode::kMissTarget ? pb::BUDGET_MODE_MISS_TARGET
-                                                               : pb::BUDGET_MODE_UNIFORM);
+  o.set_budget_mode(ModeToProto(p.budget_mode));
   o.set_miss_target(p.miss_target);
   return o;
 }

@@ -17,6 +17,7 @@ absl::StatusOr<Geometry> FromProto(const spin::v1::Geometry& p);
 spin::v1::Geometry ToProto(const Geometry& g);
 /// A budget mode; UNSPECIFIED means `keep`.
 absl::StatusOr<BudgetMode> ModeFromProto(spin::v1::BudgetMode m, BudgetMode keep);
+spin::v1::BudgetMode ModeToProto(BudgetMode m);
 /// The message of a policy.
 spin::v1::Policy ToProto(const Policy& p);
 /// A policy from its message: an unset alpha is the default, an unspecified budget mode is

@@ -35,10 +35,9 @@ pb::Backend BackendProto(Backend b) {
 std::string PolicyText(const Policy& p) {
   return absl::StrFormat("sparsity %.4g, exploration %.4g, alpha %.4g, probe period %u, %s",
                          p.target_sparsity, p.exploration, p.alpha, p.probe_period,
-                         p.budget_mode == BudgetMode::kPerLayer ? std::string("per-layer")
-                         : p.budget_mode == BudgetMode::kMissTarget
-                             ? absl::StrFormat("miss target %.4g", p.miss_target)
-                             : std::string("uniform"));
+                         p.budget_mode == BudgetMode::kMissTarget
+                             ? absl::StrFormat("miss-target %.4g", p.miss_target)
+                             : std::string(BudgetModeName(p.budget_mode)));
 }
 
 // The defaults' set fields over `p`.

@@ -146,10 +146,9 @@ std::shared_ptr<Handle> Get(int64_t h) {
 }
 
 BudgetMode ModeOf(const std::string& m) {
-  if (m == "uniform") return BudgetMode::kUniform;
-  if (m == "per-layer") return BudgetMode::kPerLayer;
-  if (m == "miss-target") return BudgetMode::kMissTarget;
-  TORCH_CHECK(false, "spind: budget mode '", m, "': use uniform, per-layer or miss-target");
+  const std::optional<BudgetMode> mode = spin::ParseBudgetMode(m);
+  TORCH_CHECK(mode.has_value(), "spind: budget mode '", m, "': use ", spin::kBudgetModeChoices);
+  return *mode;
 }
 
 // geometry: [layers, block_size, topk, max_sequences, max_slots, max_rows, state (1 fp32,

@@ -128,12 +128,6 @@ struct StepContext {
 
 }  // namespace
 
-const char* BudgetModeName(BudgetMode m) {
-  return m == BudgetMode::kPerLayer     ? "per-layer"
-         : m == BudgetMode::kMissTarget ? "miss-target"
-                                        : "uniform";
-}
-
 absl::StatusOr<MtpObserve> ParseMtpObserve(const std::string& name) {
   if (name == "same-step") return MtpObserve::kSameStep;
   if (name == "row0") return MtpObserve::kRow0;
@@ -460,7 +454,7 @@ std::string SummaryJson(const ReplaySummary& s) {
   j["bad_scores"] = s.bad_scores;
   j["worst_layer_mean_miss"] = s.worst_layer_mean_miss;
   j["worst_layer"] = s.worst_layer;
-  j["budget_mode"] = BudgetModeName(s.budget_mode);
+  j["budget_mode"] = std::string(BudgetModeName(s.budget_mode));
   j["budget_recomputes"] = s.budget_recomputes;
   j["epoch_advance"] = s.epoch_advance;
   j["per_layer"] = nlohmann::json::array();
@@ -494,7 +488,7 @@ std::string SummaryTable(const ReplaySummary& s) {
                         "layer-steps\n",
                         s.steps, s.layers, s.sparse_steps, s.dense_steps);
   absl::StrAppendFormat(&out, "worst layer %d: mean miss %.4f; %s budgets", s.worst_layer,
-                        s.worst_layer_mean_miss, BudgetModeName(s.budget_mode));
+                        s.worst_layer_mean_miss, std::string(BudgetModeName(s.budget_mode)));
   if (TableFromProbes(s.budget_mode)) {
     absl::StrAppendFormat(&out, ", %d recomputes", s.budget_recomputes);
   }

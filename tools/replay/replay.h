@@ -33,9 +33,6 @@ enum class MtpObserve {
   kLate,      ///< rows 0..accepted-1 at the next step, after its selection
 };
 
-/// "uniform", "per-layer" or "miss-target".
-const char* BudgetModeName(BudgetMode m);
-
 /// Parses "same-step", "row0", "all", "deferred" or "late".
 absl::StatusOr<MtpObserve> ParseMtpObserve(const std::string& name);
 

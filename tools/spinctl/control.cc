@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "convert.h"
 #include "grpcpp/grpcpp.h"
 #include "spin/v1/spin.grpc.pb.h"
 
@@ -42,14 +43,19 @@ pb::SessionRef Ref(const ControlArgs& a) {
   return r;
 }
 
+// A mode on the wire in its one text form (spin/arena.h); unset reads as uniform, as spind
+// treats it.
+std::string ModeName(pb::BudgetMode m) {
+  const absl::StatusOr<BudgetMode> mode = ModeFromProto(m, BudgetMode::kUniform);
+  return mode.ok() ? std::string(BudgetModeName(*mode)) : "unknown";
+}
+
 void PrintPolicy(const pb::Policy& p, uint64_t epoch) {
   std::printf(
       "target_sparsity %.4f\nexploration %.4f\nalpha %.4f\nprobe_period %u\n"
       "budget_mode %s\n",
       p.target_sparsity(), p.exploration(), p.alpha(), p.probe_period(),
-      p.budget_mode() == pb::BUDGET_MODE_PER_LAYER     ? "per-layer"
-      : p.budget_mode() == pb::BUDGET_MODE_MISS_TARGET ? "miss-target"
-                                                       : "uniform");
+      ModeName(p.budget_mode()).c_str());
   if (p.budget_mode() == pb::BUDGET_MODE_MISS_TARGET) {
     std::printf("miss_target %.4f\n", p.miss_target());
   }
@@ -140,9 +146,7 @@ int CmdPolicySet(const ControlArgs& a, double sparsity, double exploration, floa
   if (exploration >= 0) q.set_exploration(exploration);
   if (alpha >= 0) q.set_alpha(alpha);
   if (probe_period >= 0) q.set_probe_period(static_cast<uint32_t>(probe_period));
-  if (budget == "uniform") q.set_budget_mode(pb::BUDGET_MODE_UNIFORM);
-  if (budget == "per-layer") q.set_budget_mode(pb::BUDGET_MODE_PER_LAYER);
-  if (budget == "miss-target") q.set_budget_mode(pb::BUDGET_MODE_MISS_TARGET);
+  if (auto m = ParseBudgetMode(budget)) q.set_budget_mode(ModeToProto(*m));
   if (miss_target >= 0) q.set_miss_target(miss_target);
   pb::SetPolicyResponse r;
   grpc::Status s = stub->SetPolicy(&c, q, &r);
@@ -163,9 +167,7 @@ int CmdPolicyDefaults(const ControlArgs& a, double sparsity, double exploration,
   if (exploration >= 0) d->set_exploration(exploration);
   if (alpha >= 0) d->set_alpha(alpha);
   if (probe_period >= 0) d->set_probe_period(static_cast<uint32_t>(probe_period));
-  if (budget == "uniform") d->set_budget_mode(pb::BUDGET_MODE_UNIFORM);
-  if (budget == "per-layer") d->set_budget_mode(pb::BUDGET_MODE_PER_LAYER);
-  if (budget == "miss-target") d->set_budget_mode(pb::BUDGET_MODE_MISS_TARGET);
+  if (auto m = ParseBudgetMode(budget)) d->set_budget_mode(ModeToProto(*m));
   if (miss_target >= 0) d->set_miss_target(miss_target);
   q.set_apply_to_live(apply_to_live);
   q.set_clear(clear);
@@ -179,9 +181,9 @@ int CmdPolicyDefaults(const ControlArgs& a, double sparsity, double exploration,
   if (now.has_exploration()) absl::StrAppendFormat(&line, " exploration %.4g", now.exploration());
   if (now.has_alpha()) absl::StrAppendFormat(&line, " alpha %.4g", now.alpha());
   if (now.has_probe_period()) absl::StrAppendFormat(&line, " probe-period %u", now.probe_period());
-  if (now.budget_mode() == pb::BUDGET_MODE_UNIFORM) line += " budget uniform";
-  if (now.budget_mode() == pb::BUDGET_MODE_PER_LAYER) line += " budget per-layer";
-  if (now.budget_mode() == pb::BUDGET_MODE_MISS_TARGET) line += " budget miss-target";
+  if (now.budget_mode() != pb::BUDGET_MODE_UNSPECIFIED) {
+    line += " budget " + ModeName(now.budget_mode());
+  }
   if (now.has_miss_target()) absl::StrAppendFormat(&line, " miss-target %.4g", now.miss_target());
   if (now.ByteSizeLong() == 0) line += " none (sessions keep the policy they attach with)";
   std::printf("%s\n", line.c_str());
@@ -206,9 +208,7 @@ int CmdBudgets(const ControlArgs& a) {
   grpc::Status s = stub->GetBudgets(&c, q, &r);
   if (!s.ok()) return Fail("GetBudgets", s);
   std::printf("epoch %llu, %s\nlayer  sparsity\n", static_cast<unsigned long long>(r.epoch()),
-              r.budget_mode() == pb::BUDGET_MODE_PER_LAYER     ? "per-layer"
-              : r.budget_mode() == pb::BUDGET_MODE_MISS_TARGET ? "miss-target"
-                                                               : "uniform");
+              ModeName(r.budget_mode()).c_str());
   for (int l = 0; l < r.layer_sparsity_size(); ++l) {
     std::printf("%5d  %.4f\n", l, r.layer_sparsity(l));
   }

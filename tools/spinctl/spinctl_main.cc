@@ -472,7 +472,7 @@ int main(int argc, char** argv) {
   // replay
   ro.dtype = state == "bf16" ? StateDtype::kBf16 : StateDtype::kFp32;
   ro.backend = backend == "cuda" ? ReplayBackend::kCuda : ReplayBackend::kCpu;
-  ro.policy.budget_mode = budget == "per-layer" ? BudgetMode::kPerLayer : BudgetMode::kUniform;
+  ro.policy.budget_mode = ParseBudgetMode(budget).value_or(BudgetMode::kUniform);  // checked above
   if (ro.policy.miss_target != 0) {
     if (budget == "per-layer") {
       return Fail(absl::InvalidArgumentError(

@@ -7,6 +7,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
+#include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -42,6 +44,28 @@ inline constexpr uint32_t StateBytes(StateDtype d) { return d == StateDtype::kBf
 /// kMissTarget: per-layer budgets too, each layer at the highest sparsity whose predicted miss
 /// stays within Policy::miss_target (docs/budgets.md), instead of a total at target_sparsity.
 enum class BudgetMode : uint32_t { kUniform = 1, kPerLayer = 2, kMissTarget = 3 };
+
+/// The one text form of a budget mode, used by spind's logs, spinctl, replay and Python:
+/// "uniform", "per-layer", "miss-target". ParseBudgetMode is its inverse (nullopt for any
+/// other text; kBudgetModeChoices names the accepted ones for an error message).
+inline constexpr std::string_view BudgetModeName(BudgetMode m) {
+  switch (m) {
+    case BudgetMode::kUniform:
+      return "uniform";
+    case BudgetMode::kPerLayer:
+      return "per-layer";
+    case BudgetMode::kMissTarget:
+      return "miss-target";
+  }
+  return "unknown";
+}
+inline constexpr std::optional<BudgetMode> ParseBudgetMode(std::string_view text) {
+  for (BudgetMode m : {BudgetMode::kUniform, BudgetMode::kPerLayer, BudgetMode::kMissTarget}) {
+    if (text == BudgetModeName(m)) return m;
+  }
+  return std::nullopt;
+}
+inline constexpr std::string_view kBudgetModeChoices = "uniform, per-layer or miss-target";
 
 /// True for the modes whose table the probe side computes (per-layer and miss-target).
 inline constexpr bool TableFromProbes(BudgetMode m) {
