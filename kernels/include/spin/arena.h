@@ -40,10 +40,25 @@ enum class StateDtype : uint32_t { kFp32 = 1, kBf16 = 2 };
 /// Bytes of one state element.
 inline constexpr uint32_t StateBytes(StateDtype d) { return d == StateDtype::kBf16 ? 2 : 4; }
 
+/// The text form of a state dtype, as flags and Python spell it: "fp32", "bf16".
+/// ParseStateDtype is its inverse (nullopt for any other text).
+inline constexpr std::string_view StateDtypeName(StateDtype d) {
+  return d == StateDtype::kBf16 ? "bf16" : "fp32";
+}
+inline constexpr std::optional<StateDtype> ParseStateDtype(std::string_view text) {
+  for (StateDtype d : {StateDtype::kFp32, StateDtype::kBf16}) {
+    if (text == StateDtypeName(d)) return d;
+  }
+  return std::nullopt;
+}
+
 /// Budget mode of a session (per-layer budgets come from the daemon's probe thread).
 /// kMissTarget: per-layer budgets too, each layer at the highest sparsity whose predicted miss
 /// stays within Policy::miss_target (docs/budgets.md), instead of a total at target_sparsity.
 enum class BudgetMode : uint32_t { kUniform = 1, kPerLayer = 2, kMissTarget = 3 };
+/// Every budget mode, in the order choices are listed (the Python package takes its from here).
+inline constexpr BudgetMode kBudgetModes[] = {BudgetMode::kUniform, BudgetMode::kPerLayer,
+                                              BudgetMode::kMissTarget};
 
 /// The one text form of a budget mode, used by spind's logs, spinctl, replay and Python:
 /// "uniform", "per-layer", "miss-target". ParseBudgetMode is its inverse (nullopt for any
@@ -60,7 +75,7 @@ inline constexpr std::string_view BudgetModeName(BudgetMode m) {
   return "unknown";
 }
 inline constexpr std::optional<BudgetMode> ParseBudgetMode(std::string_view text) {
-  for (BudgetMode m : {BudgetMode::kUniform, BudgetMode::kPerLayer, BudgetMode::kMissTarget}) {
+  for (BudgetMode m : kBudgetModes) {
     if (text == BudgetModeName(m)) return m;
   }
   return std::nullopt;

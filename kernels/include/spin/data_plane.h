@@ -155,6 +155,15 @@ class DataPlane {
                    static_cast<int32_t>(a.max_blocks),
                    static_cast<int32_t>(a.geometry.max_rows)};
   }
+
+  /// Makes this data plane the owner of the memory its arena lives in (NewDataPlane,
+  /// spin/data_plane_setup.h): released when the data plane is destroyed.
+  void OwnArenaMemory(std::shared_ptr<void> memory) { arena_memory_ = std::move(memory); }
+
+ private:
+  // A member of the base class: released after the backend's destructor and members, which may
+  // still use the arena.
+  std::shared_ptr<void> arena_memory_;
 };
 
 /// BeginStep's checks, made before anything changes (DESIGN §7), on a host-readable view whose
