@@ -48,21 +48,30 @@ BINARY_SUFFIXES = (
 class Reporter:
     """Prints timestamped lines to stderr and keeps them for log.txt."""
 
-    def __init__(self, quiet=False):
+    def __init__(self, quiet=False, live_log=None):
         self.start = time.time()
         self.lines = []
         self.quiet = quiet
         self.phases = []  # (name, seconds)
+        # Lines are also appended to live_log as they come, so that a run killed at a time
+        # limit leaves its progress behind; the finished run rewrites the file whole.
+        self.live_log = live_log
+
+    def _keep(self, line):
+        self.lines.append(line)
+        if self.live_log:
+            with open(self.live_log, "a") as f:
+                f.write(line + "\n")
 
     def say(self, msg):
         line = "[%7.1fs] %s" % (time.time() - self.start, msg)
-        self.lines.append(line)
+        self._keep(line)
         if not self.quiet:
             print("attention-traces: " + line, file=sys.stderr, flush=True)
 
     def note(self, msg):
         """A log line that is not printed (details for log.txt)."""
-        self.lines.append("          " + msg)
+        self._keep("          " + msg)
 
     def phase_done(self, name, seconds):
         self.phases.append((name, seconds))
@@ -751,7 +760,7 @@ def parse_args(argv):
                    help="last fraction of training run at the full --context so that the "
                         "model has seen every position it is traced at (default 0.25)")
     g.add_argument("--batch-tokens", type=int, default=0,
-                   help="tokens per optimizer step (default 131072 on cuda, 8192 on cpu)")
+                   help="tokens per optimizer step (default 65536 on cuda, 8192 on cpu)")
     g.add_argument("--lr", type=float, default=1.5e-3, help="peak AdamW learning rate")
     g.add_argument("--seed", type=int, default=1, help="seed of init and data order (default 1)")
     g.add_argument("--threads", type=int, default=0,
@@ -807,7 +816,7 @@ def parse_args(argv):
         bad("--train-context must be at least 2")
     args.train_context = min(args.train_context, args.context)
     if args.batch_tokens <= 0:
-        args.batch_tokens = 131072 if args.device == "cuda" else 8192
+        args.batch_tokens = 65536 if args.device == "cuda" else 8192
     if not 0 < args.holdout_percent < 100:
         bad("--holdout-percent must be in (0, 100)")
     try:
@@ -820,10 +829,16 @@ def parse_args(argv):
 
 
 def git_commit(repo_root):
+    """HEAD of the checkout, with " (this script modified)" when the script differs from it."""
     try:
         r = subprocess.run(["git", "-C", repo_root, "rev-parse", "HEAD"], capture_output=True,
                            text=True, timeout=10)
-        return r.stdout.strip() if r.returncode == 0 else None
+        if r.returncode != 0:
+            return None
+        d = subprocess.run(["git", "-C", repo_root, "status", "--porcelain", "--",
+                            "bench/attention-traces", "bench/attention_traces_lib.py"],
+                           capture_output=True, text=True, timeout=10)
+        return r.stdout.strip() + (" (this script modified)" if d.stdout.strip() else "")
     except (OSError, subprocess.TimeoutExpired):
         return None
 
@@ -953,11 +968,14 @@ def train(model, stream, args, device, rep):
 
 def run(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    rep = Reporter(quiet=args.quiet)
     t_all = time.time()
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
+    live = os.path.join(out, "log.txt")
+    with open(live, "w") as f:
+        f.write("command: %s\n(run in progress; rewritten when it ends)\n" % command_line())
+    rep = Reporter(quiet=args.quiet, live_log=live)
     try:
         return _run(args, rep, out, repo_root, t_all)
     except UserError as e:
@@ -967,9 +985,13 @@ def run(argv=None):
         return 2
 
 
+def command_line():
+    return " ".join(shlex.quote(a) for a in [sys.argv[0]] + sys.argv[1:])
+
+
 def _write_log(out, args, rep, header):
     with open(os.path.join(out, "log.txt"), "w") as f:
-        f.write("command: %s\n" % " ".join(shlex.quote(a) for a in [sys.argv[0]] + sys.argv[1:]))
+        f.write("command: %s\n" % command_line())
         for k, v in header.items():
             f.write("%s: %s\n" % (k, v))
         if rep.phases:

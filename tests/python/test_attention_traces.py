@@ -89,6 +89,26 @@ class StatsTest(unittest.TestCase):
             self.assertEqual(meta["rows"], 1)
 
 
+class CommittedTracesTest(unittest.TestCase):
+    """bench/traces/attn-cpu-*: valid traces whose statistics are the ones summary.json and
+    docs/lab/attention-traces.md state."""
+
+    def test_committed_traces(self):
+        base = os.path.join(REPO, "bench", "traces")
+        runs = sorted(d for d in os.listdir(base) if d.startswith("attn-cpu-"))
+        self.assertTrue(runs)
+        for run in runs:
+            with open(os.path.join(base, run, "summary.json")) as f:
+                summary = json.load(f)
+            for tr in summary["traces"]:
+                meta, scores = lib.check_trace(os.path.join(base, run, tr["dir"]))
+                st = lib.trace_stats(np.asarray(scores[:, :, 0, :]), meta["ctx_len"],
+                                     meta["topk"], meta["block_size"])
+                want = tr["stats"][summary["score"]]
+                self.assertAlmostEqual(st["prev_iter_pearson"], want["prev_iter_pearson"], 9)
+                self.assertAlmostEqual(st["prev_iter_recall"], want["prev_iter_recall"], 9)
+
+
 @unittest.skipUnless(HAVE_TORCH, "torch is not importable")
 class ModelTest(unittest.TestCase):
     def test_chunked_attention_is_exact(self):
