@@ -4,42 +4,18 @@
 
 #include <chrono>
 #include <functional>
-#include <map>
-#include <mutex>
+#include <memory>
 #include <string>
 
+#include "budget_stream.h"
 #include "executor.h"
+#include "to_grpc.h"
 #include "metrics.h"
+#include "node_defaults.h"
 #include "session_manager.h"
 #include "spin/v1/spin.grpc.pb.h"
 
 namespace spin::service {
-
-class BudgetWatcher;
-
-/// The open WatchBudgets streams, by session.
-class BudgetHub {
- public:
-  /// Registers a stream; false when `session` already has `max_per_session` streams.
-  bool Add(const std::string& session, BudgetWatcher* w, size_t max_per_session);
-  void Remove(BudgetWatcher* w);
-  /// Sends `update` to every stream of `session`.
-  void Notify(const std::string& session, const spin::v1::GetBudgetsResponse& update);
-  /// Ends every stream of `session` with `status`.
-  void EndAll(const std::string& session, const grpc::Status& status);
-  /// Ends every stream of every session with `status`, and every stream added later at once
-  /// (spind is stopping).
-  void Close(const grpc::Status& status);
-
- private:
-  std::mutex mu_;
-  std::multimap<std::string, BudgetWatcher*> watchers_;
-  bool closed_ = false;
-  grpc::Status closed_status_;
-};
-
-/// Converts an absl::Status to the gRPC status with the same code and message.
-grpc::Status ToGrpc(const absl::Status& s);
 
 /// How the service treats its callers.
 struct ServiceOptions {
@@ -67,8 +43,6 @@ struct ServiceOptions {
 
 /// Longest client_name accepted at attach.
 inline constexpr size_t kMaxClientName = 256;
-/// Remote-mode ObserveScores: the largest logits buffer (floats) spind assembles for one call.
-inline constexpr int64_t kMaxObserveFloats = int64_t{1} << 26;
 
 /// The service. Holds no state beyond the session manager (and its worker pool).
 class SpinService final : public spin::v1::Spin::CallbackService {
@@ -182,6 +156,10 @@ class SpinService final : public spin::v1::Spin::CallbackService {
   // and counts it under `source` (caller holds the session's lock).
   absl::Status ChangePolicy(Session& s, const Policy& p, const std::string& who,
                             const char* source);
+  // SetDefaultPolicy with apply_to_live: `d` over every live session's policy, each changed
+  // one listed in `resp` (a session that fails is logged and skipped).
+  void ApplyDefaultsToLive(const spin::v1::PolicyDefaults& d, const std::string& who,
+                           spin::v1::SetDefaultPolicyResponse* resp);
 
   // OK for Unix-socket peers, and over TCP for calls carrying the admin token; without an admin
   // token, TCP callers pass only with allow_unauthenticated_tcp. PERMISSION_DENIED otherwise.
@@ -196,11 +174,9 @@ class SpinService final : public spin::v1::Spin::CallbackService {
   std::string fd_socket_;
   Metrics* metrics_;
   ServiceOptions options_;
+  NodeDefaults defaults_;  // the node-wide default policy (SetDefaultPolicy)
   BudgetHub hub_;
   Executor executor_;
-  mutable std::mutex defaults_mu_;
-  spin::v1::PolicyDefaults defaults_;  // the node-wide default policy (SetDefaultPolicy)
-  uint64_t defaults_generation_ = 0;   // bumped with every change of defaults_
   std::function<void(const char*, const std::string&)> log_;
 };
 
