@@ -50,6 +50,17 @@ std::string ModeName(pb::BudgetMode m) {
   return mode.ok() ? std::string(BudgetModeName(*mode)) : "unknown";
 }
 
+// The set fields into a SetPolicyRequest or a PolicyDefaults (the same fields by name).
+template <typename Message>
+void SetFields(const PolicyFields& f, Message* m) {
+  if (f.sparsity) m->set_target_sparsity(*f.sparsity);
+  if (f.exploration) m->set_exploration(*f.exploration);
+  if (f.alpha) m->set_alpha(*f.alpha);
+  if (f.probe_period) m->set_probe_period(static_cast<uint32_t>(*f.probe_period));
+  if (f.budget) m->set_budget_mode(ModeToProto(*f.budget));
+  if (f.miss_target) m->set_miss_target(*f.miss_target);
+}
+
 void PrintPolicy(const pb::Policy& p, uint64_t epoch) {
   std::printf(
       "target_sparsity %.4f\nexploration %.4f\nalpha %.4f\nprobe_period %u\n"
@@ -135,19 +146,13 @@ int CmdPolicyGet(const ControlArgs& a) {
   return 0;
 }
 
-int CmdPolicySet(const ControlArgs& a, double sparsity, double exploration, float alpha,
-                 int64_t probe_period, const std::string& budget, double miss_target) {
+int CmdPolicySet(const ControlArgs& a, const PolicyFields& f) {
   auto stub = Stub(a);
   grpc::ClientContext c;
   Deadline(&c);
   pb::SetPolicyRequest q;
   *q.mutable_session() = Ref(a);
-  if (sparsity >= 0) q.set_target_sparsity(sparsity);
-  if (exploration >= 0) q.set_exploration(exploration);
-  if (alpha >= 0) q.set_alpha(alpha);
-  if (probe_period >= 0) q.set_probe_period(static_cast<uint32_t>(probe_period));
-  if (auto m = ParseBudgetMode(budget)) q.set_budget_mode(ModeToProto(*m));
-  if (miss_target >= 0) q.set_miss_target(miss_target);
+  SetFields(f, &q);
   pb::SetPolicyResponse r;
   grpc::Status s = stub->SetPolicy(&c, q, &r);
   if (!s.ok()) return Fail("SetPolicy", s);
@@ -155,20 +160,12 @@ int CmdPolicySet(const ControlArgs& a, double sparsity, double exploration, floa
   return 0;
 }
 
-int CmdPolicyDefaults(const ControlArgs& a, double sparsity, double exploration, float alpha,
-                      int64_t probe_period, const std::string& budget, bool apply_to_live,
-                      bool clear, double miss_target) {
+int CmdPolicyDefaults(const ControlArgs& a, const PolicyFields& f, bool apply_to_live, bool clear) {
   auto stub = Stub(a);
   grpc::ClientContext c;
   Deadline(&c);
   pb::SetDefaultPolicyRequest q;
-  pb::PolicyDefaults* d = q.mutable_defaults();
-  if (sparsity >= 0) d->set_target_sparsity(sparsity);
-  if (exploration >= 0) d->set_exploration(exploration);
-  if (alpha >= 0) d->set_alpha(alpha);
-  if (probe_period >= 0) d->set_probe_period(static_cast<uint32_t>(probe_period));
-  if (auto m = ParseBudgetMode(budget)) d->set_budget_mode(ModeToProto(*m));
-  if (miss_target >= 0) d->set_miss_target(miss_target);
+  SetFields(f, q.mutable_defaults());
   q.set_apply_to_live(apply_to_live);
   q.set_clear(clear);
   pb::SetDefaultPolicyResponse r;

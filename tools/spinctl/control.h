@@ -3,10 +3,12 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "replay.h"
+#include "spin/arena.h"
 #include "trace.h"
 
 namespace spin {
@@ -25,15 +27,22 @@ int CmdStatus(const ControlArgs& a);
 int CmdHealth(const ControlArgs& a, const std::string& service, int timeout_ms);
 int CmdSessions(const ControlArgs& a);
 int CmdPolicyGet(const ControlArgs& a);
-/// Negative values (or an empty budget) leave a field unchanged.
-int CmdPolicySet(const ControlArgs& a, double sparsity, double exploration, float alpha,
-                 int64_t probe_period, const std::string& budget, double miss_target = -1);
-/// The node's default policy: set the given fields (negative or empty: not set), optionally
-/// after clearing it, and with `apply_to_live` every live session's too; prints the defaults
-/// and the sessions changed.
-int CmdPolicyDefaults(const ControlArgs& a, double sparsity, double exploration, float alpha,
-                      int64_t probe_period, const std::string& budget, bool apply_to_live,
-                      bool clear, double miss_target = -1);
+/// The policy fields a command changes; the ones left unset stay as they are. Values are sent
+/// as given: spinctl checks their ranges before (spind checks again).
+struct PolicyFields {
+  std::optional<double> sparsity;
+  std::optional<double> exploration;
+  std::optional<float> alpha;
+  std::optional<int64_t> probe_period;  ///< 64-bit: a 33-bit value is refused, never wrapped
+  std::optional<BudgetMode> budget;
+  std::optional<double> miss_target;
+};
+
+/// Changes the set fields of one session's policy; prints the policy.
+int CmdPolicySet(const ControlArgs& a, const PolicyFields& f);
+/// The node's default policy: sets the set fields, after clearing it with `clear`, and with
+/// `apply_to_live` every live session's too; prints the defaults and the sessions changed.
+int CmdPolicyDefaults(const ControlArgs& a, const PolicyFields& f, bool apply_to_live, bool clear);
 int CmdBudgets(const ControlArgs& a);
 int CmdStats(const ControlArgs& a);
 

@@ -1,4 +1,7 @@
-// spinctl: the command-line tool. Offline commands for now: gen-trace, trace-stats, replay.
+// spinctl: the command-line tool. Trace tools offline (gen-trace, trace-stats, replay, eval) and
+// control of a running spind (status, health, sessions, policy, budgets, stats; replay through
+// a session in it). Each command registers its subcommand, its flags and a callback; main()
+// parses the command line and runs the one command given.
 #include <unistd.h>
 
 #include <cctype>
@@ -8,9 +11,13 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
+#include <memory>
+#include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "CLI/CLI.hpp"
 #include "absl/status/status.h"
@@ -164,39 +171,31 @@ int CmdEval(EvalOptions eo, const std::string& out, bool quiet) {
   return 0;
 }
 
-}  // namespace
-}  // namespace spin
+// What every command gets once the command line is parsed: the global flags.
+struct Globals {
+  std::string target;       ///< --target; empty: offline (replay then runs in process)
+  std::string admin_token;  ///< read from --admin-token-file
+};
 
-int main(int argc, char** argv) {
-  using namespace spin;
-  CLI::App app{
-      "spinctl: tools for spind, the SPIN (Shadow Predictive Indexer) sidecar.\n"
-      "Offline: generate synthetic indexer-score traces and replay them through the real\n"
-      "data plane to measure miss rate and block sparsity."};
-  app.require_subcommand(1);
-  // Usage errors: one line, like every other error.
-  app.failure_message([](const CLI::App*, const CLI::Error& e) {
-    return std::string("spinctl: error: ") + e.what() + " (see --help)\n";
-  });
-  app.set_version_flag("--version", "spinctl 0.1.0");
-  std::string target;
-  app.add_option("--target", target,
-                 "spind address (unix:///run/spin/spind.sock or HOST:PORT); replay then runs "
-                 "through a session in the daemon")
-      ->envname("SPIN_TARGET");
-  std::string admin_token_file;
-  app.add_option("--admin-token-file", admin_token_file,
-                 "spind's admin token: operator calls (on the Unix socket too when spind has a "
-                 "token) and changes over TCP")
-      ->envname("SPIN_ADMIN_TOKEN_FILE")
-      ->check(CLI::ExistingFile);
+// The body of a command, run by main() after parsing.
+using Run = std::function<int(const Globals&)>;
 
-  // gen-trace
-  GenTraceOptions gen;
-  std::string gen_out;
-  bool gen_json = false;
+// Makes `body` what main() runs when `cmd` is the command given: CLI11 calls a subcommand's
+// callback once parsing is done, and only the one given is parsed.
+void OnParsed(CLI::App* cmd, Run* run, Run body) {
+  cmd->callback([run, body = std::move(body)] { *run = body; });
+}
+
+void AddGenTrace(CLI::App& app, Run* run) {
+  struct Args {
+    GenTraceOptions gen;
+    std::string out;
+    bool json = false;
+  };
+  auto a = std::make_shared<Args>();
+  GenTraceOptions& gen = a->gen;
   CLI::App* g = app.add_subcommand("gen-trace", "Write a synthetic trace (meta.json + scores.npy)");
-  g->add_option("OUT", gen_out, "Output directory (created if missing)")->required();
+  g->add_option("OUT", a->out, "Output directory (created if missing)")->required();
   g->add_option("--layers", gen.layers, "Indexer layers")->capture_default_str();
   g->add_option("--slots", gen.slots, "Slots per sequence (the scores' last axis)")
       ->capture_default_str();
@@ -221,20 +220,113 @@ int main(int argc, char** argv) {
   g->add_option("--nonfinite-rate", gen.nonfinite_rate,
                 "Fraction of scores replaced by NaN/inf (to exercise bad-score handling)")
       ->capture_default_str();
-  g->add_flag("--json", gen_json, "Print the trace statistics as JSON");
+  g->add_flag("--json", a->json, "Print the trace statistics as JSON");
+  OnParsed(g, run, [a](const Globals&) {
+    if (absl::Status s = GenerateTrace(a->out, a->gen); !s.ok()) return Fail(s);
+    absl::StatusOr<Trace> t = OpenTrace(a->out);
+    if (!t.ok()) return Fail(t.status());
+    absl::StatusOr<TraceStats> st = ComputeTraceStats(*t);
+    if (!st.ok()) return Fail(st.status());
+    if (a->json) {
+      std::printf("{\"trace\":\"%s\",\"prev_iter_pearson\":%.6f,\"prev_iter_recall\":%.6f}\n",
+                  a->out.c_str(), st->prev_iter_pearson, st->prev_iter_recall);
+    } else {
+      std::printf("wrote %s: %d steps x %d layers x %d rows x %d slots\n%s", a->out.c_str(),
+                  t->meta().steps, t->meta().layers, t->meta().rows, static_cast<int>(t->n_max()),
+                  FormatTraceStats(*st).c_str());
+    }
+    return 0;
+  });
+}
 
-  // trace-stats
-  std::string stats_dir;
+void AddTraceStats(CLI::App& app, Run* run) {
+  auto dir = std::make_shared<std::string>();
   CLI::App* ts = app.add_subcommand("trace-stats", "Print prev-iter Pearson and top-K recall");
-  ts->add_option("TRACE", stats_dir, "Trace directory")->required();
+  ts->add_option("TRACE", *dir, "Trace directory")->required();
+  OnParsed(ts, run, [dir](const Globals&) {
+    absl::StatusOr<Trace> t = OpenTrace(*dir);
+    if (!t.ok()) return Fail(t.status());
+    absl::StatusOr<TraceStats> st = ComputeTraceStats(*t);
+    if (!st.ok()) return Fail(st.status());
+    std::printf("%s", FormatTraceStats(*st).c_str());
+    return 0;
+  });
+}
 
-  // replay
+struct ReplayArgs {
   ReplayOptions ro;
   std::string trace_dir, budget = "uniform", state = "fp32", backend = "cpu";
-  bool json = false, quiet = false;
+  std::string mtp_observe = "same-step";
+  bool json = false, quiet = false, remote = false;
+  int pace_ms = 0;
+};
+
+// In process, or through a session in spind with --target (--remote: spind runs the data plane).
+int RunReplay(const Globals& g, const ReplayArgs& a) {
+  ReplayOptions ro = a.ro;
+  ro.dtype = a.state == "bf16" ? StateDtype::kBf16 : StateDtype::kFp32;
+  ro.backend = a.backend == "cuda" ? ReplayBackend::kCuda : ReplayBackend::kCpu;
+  ro.policy.budget_mode = ParseBudgetMode(a.budget).value_or(BudgetMode::kUniform);  // checked
+  // 0, the policy's own value, is no miss target (a given one must be in (0, 1)).
+  if (ro.policy.miss_target != 0) {
+    if (a.budget == "per-layer") {
+      return Fail(absl::InvalidArgumentError(
+          "--miss-target and --budget per-layer are two budget modes: give one"));
+    }
+    ro.policy.budget_mode = BudgetMode::kMissTarget;
+  }
+  if (absl::StatusOr<MtpObserve> m = ParseMtpObserve(a.mtp_observe); m.ok()) {
+    ro.mtp_observe = *m;
+  } else {
+    return Fail(m.status());
+  }
+  if (absl::Status s = ValidatePolicy(ro.policy); !s.ok()) return Fail(s);
+  if (TableFromProbes(ro.policy.budget_mode)) {
+    if (ro.policy.probe_period == 0) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat(
+          ro.policy.budget_mode == BudgetMode::kPerLayer ? "--budget per-layer" : "--miss-target",
+          " needs --probe-period > 0 (probe steps measure the miss curves)")));
+    }
+    if (absl::Status s = ValidateBudgetTuning(ro.budget_tuning); !s.ok()) return Fail(s);
+  }
+  // Through spind the daemon's probe thread owns the table.
+  ro.local_budgets = g.target.empty();
+  absl::StatusOr<Trace> t = OpenTrace(a.trace_dir);
+  if (!t.ok()) return Fail(t.status());
+  Progress progress("replay", a.quiet);
+  ro.progress = [&progress, pace_ms = a.pace_ms](int done, int total) {
+    progress.Update(done, total);
+    if (pace_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pace_ms));
+  };
+  absl::StatusOr<ReplaySummary> sum;
+  std::string where;
+  if (g.target.empty()) {
+    if (a.remote) return Fail(absl::InvalidArgumentError("--remote needs --target"));
+    sum = Replay(*t, ro);
+  } else {
+    sum = ReplayThroughDaemon(g.target, *t, ro, a.remote, g.admin_token, &where);
+  }
+  if (!sum.ok()) return Fail(sum.status());
+  if (a.json) {
+    std::printf("%s\n", SummaryJson(*sum).c_str());
+  } else {
+    std::printf(
+        "replay of %s: sparsity %.2f, exploration %.2f, alpha %.2f, probe period %u, "
+        "%s budgets, %s state, %s backend\n%s",
+        a.trace_dir.c_str(), ro.policy.target_sparsity, ro.policy.exploration, ro.policy.alpha,
+        ro.policy.probe_period, a.budget.c_str(), a.state.c_str(), a.backend.c_str(),
+        SummaryTable(*sum).c_str());
+    if (!where.empty()) std::printf("%s\n", where.c_str());
+  }
+  return 0;
+}
+
+void AddReplay(CLI::App& app, Run* run) {
+  auto a = std::make_shared<ReplayArgs>();
+  ReplayOptions& ro = a->ro;
   CLI::App* r = app.add_subcommand(
       "replay", "Replay a trace through the CPU data plane and report miss rate and sparsity");
-  r->add_option("--trace", trace_dir, "Trace directory (meta.json + scores.npy)")->required();
+  r->add_option("--trace", a->trace_dir, "Trace directory (meta.json + scores.npy)")->required();
   r->add_option("--sparsity", ro.policy.target_sparsity, "Target block sparsity rho in [0, 1)")
       ->capture_default_str();
   r->add_option("--exploration", ro.policy.exploration,
@@ -245,7 +337,7 @@ int main(int argc, char** argv) {
   r->add_option("--probe-period", ro.policy.probe_period,
                 "Every P-th step is a dense probe step (0: none)")
       ->capture_default_str();
-  r->add_option("--budget", budget,
+  r->add_option("--budget", a->budget,
                 "Budget mode: uniform, or per-layer (keep fractions from the probe steps' miss "
                 "curves, recomputed in process when they drift; needs --probe-period)")
       ->check(CLI::IsMember({"uniform", "per-layer"}))
@@ -262,14 +354,13 @@ int main(int argc, char** argv) {
   r->add_option("--seed", ro.seed, "Session seed of the exploration draws")->capture_default_str();
   r->add_option("--key", ro.sequence_key, "Sequence key of the exploration draws")
       ->capture_default_str();
-  r->add_option("--state", state, "State dtype")
+  r->add_option("--state", a->state, "State dtype")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str();
-  r->add_option("--backend", backend, "Data plane: cpu (reference) or cuda (needs a GPU)")
+  r->add_option("--backend", a->backend, "Data plane: cpu (reference) or cuda (needs a GPU)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
-  std::string mtp_observe = "same-step";
-  r->add_option("--mtp-observe", mtp_observe,
+  r->add_option("--mtp-observe", a->mtp_observe,
                 "MTP traces: when draft rows are observed: same-step (acceptance known, offline), "
                 "row0 (the engine contract: drafts never), all (every row, accepted or not), "
                 "or the emulated deferred (drafts at the "
@@ -279,28 +370,32 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   r->add_option("--dump", ro.dump_path,
                 "Write JSONL, one line per (step, layer): selected blocks and row-0 miss");
-  bool remote = false;
-  r->add_flag("--remote", remote,
+  r->add_flag("--remote", a->remote,
               "With --target: run the data plane inside spind (PredictMasks/ObserveScores) "
               "instead of on the mapped arena");
-  int pace_ms = 0;
-  r->add_option("--pace-ms", pace_ms,
+  r->add_option("--pace-ms", a->pace_ms,
                 "Wait this long after each step, as an engine's decode cadence (demos, live "
                 "tuning); 0: as fast as possible")
       ->check(CLI::Range(0, 60000))
       ->capture_default_str();
-  r->add_flag("--json", json, "Print the summary as one JSON object");
-  r->add_flag("--quiet", quiet, "No progress on stderr");
+  r->add_flag("--json", a->json, "Print the summary as one JSON object");
+  r->add_flag("--quiet", a->quiet, "No progress on stderr");
+  OnParsed(r, run, [a](const Globals& g) { return RunReplay(g, *a); });
+}
 
-  // eval: the quality study
-  EvalOptions eo;
-  std::string eval_out;
-  bool eval_quiet = false;
+void AddEval(CLI::App& app, Run* run) {
+  struct Args {
+    EvalOptions eo;
+    std::string out;
+    bool quiet = false;
+  };
+  auto a = std::make_shared<Args>();
+  EvalOptions& eo = a->eo;
   CLI::App* ev = app.add_subcommand(
       "eval",
       "Quality study on generated traces: prediction signals, SPIN with and without "
       "exploration, uniform against per-layer budgets, over a range of sparsities");
-  ev->add_option("--out", eval_out,
+  ev->add_option("--out", a->out,
                  "Output directory: results.json, results.md, gnuplot data (*.dat), traces/")
       ->required();
   ev->add_option("--seeds", eo.seeds, "Trace seeds (one trace each)")->capture_default_str();
@@ -326,202 +421,216 @@ int main(int argc, char** argv) {
   ev->add_option("--budget-drift", eo.tuning.drift_threshold,
                  "Recompute when a smoothed curve moved by more than this, in [0, 1]")
       ->capture_default_str();
-  ev->add_flag("--quiet", eval_quiet, "No progress on stderr");
+  ev->add_flag("--quiet", a->quiet, "No progress on stderr");
+  OnParsed(ev, run, [a](const Globals&) { return CmdEval(a->eo, a->out, a->quiet); });
+}
 
-  // Control commands (need --target).
-  std::string session_id, token;
-  auto session_opts = [&](CLI::App* c, bool required = true) {
-    CLI::Option* o = c->add_option("--session", session_id, "Session id (from `spinctl sessions`)");
-    if (required) o->required();
-    c->add_option("--token", token,
-                  "The session's token; without it, operator access by id (the Unix socket, or "
-                  "TCP with --admin-token-file)")
-        ->envname("SPIN_TOKEN");
-  };
+// Control commands: they talk to spind at --target, or at its default socket.
+
+// --session and --token, for the commands that name a session.
+struct SessionFlags {
+  std::string id, token;
+};
+
+void AddSessionFlags(CLI::App* c, SessionFlags* s, bool required = true) {
+  CLI::Option* o = c->add_option("--session", s->id, "Session id (from `spinctl sessions`)");
+  if (required) o->required();
+  c->add_option("--token", s->token,
+                "The session's token; without it, operator access by id (the Unix socket, or "
+                "TCP with --admin-token-file)")
+      ->envname("SPIN_TOKEN");
+}
+
+ControlArgs Control(const Globals& g, const SessionFlags& s = {}) {
+  return {g.target.empty() ? "unix:///run/spin/spind.sock" : g.target, s.id, s.token,
+          g.admin_token};
+}
+
+void AddStatus(CLI::App& app, Run* run) {
   CLI::App* st = app.add_subcommand("status", "Is spind serving, and what does it hold");
+  OnParsed(st, run, [](const Globals& g) { return CmdStatus(Control(g)); });
+}
+
+void AddHealth(CLI::App& app, Run* run) {
+  struct Args {
+    std::string service;
+    int timeout_ms = 2000;
+  };
+  auto a = std::make_shared<Args>();
   CLI::App* hc = app.add_subcommand(
       "health", "Ask spind's grpc.health.v1 service; exit 0 only when SERVING (exec probes)");
-  std::string health_service;
-  int health_timeout_ms = 2000;
-  hc->add_option("--service", health_service,
+  hc->add_option("--service", a->service,
                  "The service to ask about (empty: spind as a whole; or spin.v1.Spin)");
-  hc->add_option("--timeout-ms", health_timeout_ms, "Give up after this long")
+  hc->add_option("--timeout-ms", a->timeout_ms, "Give up after this long")
       ->check(CLI::Range(1, 600000));
+  OnParsed(hc, run,
+           [a](const Globals& g) { return CmdHealth(Control(g), a->service, a->timeout_ms); });
+}
+
+void AddSessions(CLI::App& app, Run* run) {
   CLI::App* ss = app.add_subcommand("sessions", "List the sessions in spind");
-  CLI::App* pol = app.add_subcommand("policy", "Read or change a session's policy");
-  pol->require_subcommand(1);
+  OnParsed(ss, run, [](const Globals& g) { return CmdSessions(Control(g)); });
+}
+
+// A flag that sets `field` only when given: an unset field is nullopt, never a sentinel value.
+template <typename T>
+CLI::Option* AddOptional(CLI::App* c, const std::string& flag, std::optional<T>* field,
+                         const std::string& help) {
+  return c->add_option_function<T>(
+      flag, [field](const T& v) { *field = v; }, help);
+}
+
+struct PolicySetArgs {
+  SessionFlags session;
+  bool all = false, default_only = false;
+  PolicyFields fields;
+};
+
+// One session's policy, or the node default (--default) and every live session's (--all).
+// Every given value is checked before anything is sent: exit 2 with the range.
+int RunPolicySet(const Globals& g, const PolicySetArgs& a) {
+  const PolicyFields& f = a.fields;
+  std::string bad;
+  if (f.sparsity) bad = CheckPolicyValue("--sparsity", *f.sparsity, 0, 1, false);
+  if (bad.empty() && f.exploration) {
+    bad = CheckPolicyValue("--exploration", *f.exploration, 0, 1, false);
+  }
+  if (bad.empty() && f.alpha) bad = CheckPolicyValue("--alpha", *f.alpha, 0, 1, false);
+  if (bad.empty() && f.miss_target) {
+    bad = CheckPolicyValue("--miss-target", *f.miss_target, 0, 1, true);
+  }
+  if (bad.empty() && f.probe_period &&
+      (*f.probe_period < 0 || *f.probe_period > static_cast<int64_t>(kMaxProbePeriod))) {
+    bad = absl::StrCat("policy set: --probe-period ", *f.probe_period, " is out of range [0, ",
+                       kMaxProbePeriod, "] (0: no probes)");
+  }
+  if (!bad.empty()) return BadValue(bad);
+  if (f.miss_target && f.budget) {
+    return BadValue("policy set: --miss-target is a budget mode of its own; leave out --budget");
+  }
+  if ((a.all || a.default_only) == !a.session.id.empty() || (a.all && a.default_only)) {
+    return Fail(
+        absl::InvalidArgumentError("policy set: give one of --session ID, --all or --default"));
+  }
+  PolicyFields send = f;
+  if (f.miss_target) send.budget = BudgetMode::kMissTarget;
+  const ControlArgs ca = Control(g, a.session);
+  if (a.all || a.default_only) return CmdPolicyDefaults(ca, send, a.all, false);
+  return CmdPolicySet(ca, send);
+}
+
+void AddPolicyGet(CLI::App* pol, Run* run) {
+  auto s = std::make_shared<SessionFlags>();
   CLI::App* pget = pol->add_subcommand("get", "Print the policy");
-  session_opts(pget);
+  AddSessionFlags(pget, s.get());
+  OnParsed(pget, run, [s](const Globals& g) { return CmdPolicyGet(Control(g, *s)); });
+}
+
+void AddPolicySet(CLI::App* pol, Run* run) {
+  auto a = std::make_shared<PolicySetArgs>();
+  PolicyFields* f = &a->fields;
   CLI::App* pset = pol->add_subcommand(
       "set",
       "Change the given fields (the rest stay) of one session, of every live session and "
       "new ones (--all), or of new ones only (--default)");
-  session_opts(pset, false);
-  bool set_all = false, set_default = false;
-  pset->add_flag("--all", set_all,
+  AddSessionFlags(pset, &a->session, false);
+  pset->add_flag("--all", a->all,
                  "Set the node's default policy and apply it to every live session now");
-  pset->add_flag("--default", set_default,
+  pset->add_flag("--default", a->default_only,
                  "Set the node's default policy: new sessions attach with it");
-  double set_sparsity = -1, set_exploration = -1;
-  float set_alpha = -1;
-  int64_t set_probe = -1;
-  std::string set_budget;
+  AddOptional(pset, "--sparsity", &f->sparsity, "Target block sparsity in [0, 1)");
+  AddOptional(pset, "--exploration", &f->exploration, "Exploration share in [0, 1)");
+  AddOptional(pset, "--alpha", &f->alpha, "EMA decay in [0, 1)");
+  AddOptional(pset, "--probe-period", &f->probe_period,
+              "Dense probe every P steps (0: never), at most 2^20");
+  pset->add_option_function<std::string>(
+          "--budget", [f](const std::string& v) { f->budget = ParseBudgetMode(v); },
+          "uniform or per-layer")
+      ->check(CLI::IsMember({"uniform", "per-layer"}));
+  AddOptional(pset, "--miss-target", &f->miss_target,
+              "Budget by quality: each layer at the highest sparsity whose predicted mean miss is "
+              "at most this, in (0, 1) (the session needs probe steps)");
+  OnParsed(pset, run, [a](const Globals& g) { return RunPolicySet(g, *a); });
+}
+
+void AddPolicyDefaults(CLI::App* pol, Run* run) {
+  auto clear = std::make_shared<bool>(false);
   CLI::App* pdef = pol->add_subcommand(
       "defaults", "Print the node's default policy (fields that override a new session's)");
-  bool clear_defaults = false;
-  pdef->add_flag("--clear", clear_defaults, "Drop the defaults (new sessions keep their own)");
-  CLI::Option* o_sparsity =
-      pset->add_option("--sparsity", set_sparsity, "Target block sparsity in [0, 1)");
-  CLI::Option* o_exploration =
-      pset->add_option("--exploration", set_exploration, "Exploration share in [0, 1)");
-  CLI::Option* o_alpha = pset->add_option("--alpha", set_alpha, "EMA decay in [0, 1)");
-  CLI::Option* o_probe = pset->add_option("--probe-period", set_probe,
-                                          "Dense probe every P steps (0: never), at most 2^20");
-  pset->add_option("--budget", set_budget, "uniform or per-layer")
-      ->check(CLI::IsMember({"uniform", "per-layer"}));
-  double set_miss_target = -1;
-  CLI::Option* o_miss =
-      pset->add_option("--miss-target", set_miss_target,
-                       "Budget by quality: each layer at the highest sparsity whose predicted mean "
-                       "miss is at most this, in (0, 1) (the session needs probe steps)");
+  pdef->add_flag("--clear", *clear, "Drop the defaults (new sessions keep their own)");
+  // Sets no field: prints the defaults (after dropping them with --clear).
+  OnParsed(pdef, run, [clear](const Globals& g) {
+    return CmdPolicyDefaults(Control(g), PolicyFields{}, false, *clear);
+  });
+}
+
+void AddPolicy(CLI::App& app, Run* run) {
+  CLI::App* pol = app.add_subcommand("policy", "Read or change a session's policy");
+  pol->require_subcommand(1);
+  AddPolicyGet(pol, run);
+  AddPolicySet(pol, run);
+  AddPolicyDefaults(pol, run);
+}
+
+void AddBudgets(CLI::App& app, Run* run) {
+  auto s = std::make_shared<SessionFlags>();
   CLI::App* bud = app.add_subcommand("budgets", "Print a session's per-layer budgets");
-  session_opts(bud);
+  AddSessionFlags(bud, s.get());
+  OnParsed(bud, run, [s](const Globals& g) { return CmdBudgets(Control(g, *s)); });
+}
+
+void AddStats(CLI::App& app, Run* run) {
+  auto s = std::make_shared<SessionFlags>();
   CLI::App* sts = app.add_subcommand("stats", "Print a session's per-layer statistics");
-  session_opts(sts);
+  AddSessionFlags(sts, s.get());
+  OnParsed(sts, run, [s](const Globals& g) { return CmdStats(Control(g, *s)); });
+}
+
+}  // namespace
+}  // namespace spin
+
+int main(int argc, char** argv) {
+  using namespace spin;
+  CLI::App app{
+      "spinctl: tools for spind, the SPIN (Shadow Predictive Indexer) sidecar.\n"
+      "Offline: generate synthetic indexer-score traces and replay them through the real\n"
+      "data plane to measure miss rate and block sparsity."};
+  app.require_subcommand(1);
+  // Usage errors: one line, like every other error.
+  app.failure_message([](const CLI::App*, const CLI::Error& e) {
+    return std::string("spinctl: error: ") + e.what() + " (see --help)\n";
+  });
+  app.set_version_flag("--version", "spinctl 0.1.0");
+  Globals globals;
+  app.add_option("--target", globals.target,
+                 "spind address (unix:///run/spin/spind.sock or HOST:PORT); replay then runs "
+                 "through a session in the daemon")
+      ->envname("SPIN_TARGET");
+  std::string admin_token_file;
+  app.add_option("--admin-token-file", admin_token_file,
+                 "spind's admin token: operator calls (on the Unix socket too when spind has a "
+                 "token) and changes over TCP")
+      ->envname("SPIN_ADMIN_TOKEN_FILE")
+      ->check(CLI::ExistingFile);
+  // In this order in --help.
+  Run run;
+  AddGenTrace(app, &run);
+  AddTraceStats(app, &run);
+  AddReplay(app, &run);
+  AddEval(app, &run);
+  AddStatus(app, &run);
+  AddHealth(app, &run);
+  AddSessions(app, &run);
+  AddPolicy(app, &run);
+  AddBudgets(app, &run);
+  AddStats(app, &run);
 
   CLI11_PARSE(app, argc, argv);
-  std::string admin_token;
+  // Read for every command, so a bad token file fails the same way whatever the command.
   if (!admin_token_file.empty()) {
     absl::StatusOr<std::string> t = ReadAdminToken(admin_token_file);
     if (!t.ok()) return BadValue(std::string(t.status().message()));
-    admin_token = *t;
+    globals.admin_token = *t;
   }
-  if (pset->parsed()) {
-    // Every given value checked before anything is sent (exit 2, the range in the message).
-    std::string bad;
-    if (bad.empty() && o_sparsity->count() > 0)
-      bad = CheckPolicyValue("--sparsity", set_sparsity, 0, 1, false);
-    if (bad.empty() && o_exploration->count() > 0)
-      bad = CheckPolicyValue("--exploration", set_exploration, 0, 1, false);
-    if (bad.empty() && o_alpha->count() > 0)
-      bad = CheckPolicyValue("--alpha", set_alpha, 0, 1, false);
-    if (bad.empty() && o_miss->count() > 0)
-      bad = CheckPolicyValue("--miss-target", set_miss_target, 0, 1, true);
-    if (bad.empty() && o_probe->count() > 0 &&
-        (set_probe < 0 || set_probe > static_cast<int64_t>(kMaxProbePeriod))) {
-      bad = absl::StrCat("policy set: --probe-period ", set_probe, " is out of range [0, ",
-                         kMaxProbePeriod, "] (0: no probes)");
-    }
-    if (!bad.empty()) return BadValue(bad);
-    if (o_miss->count() > 0 && !set_budget.empty()) {
-      return BadValue("policy set: --miss-target is a budget mode of its own; leave out --budget");
-    }
-  }
-
-  if (st->parsed() || hc->parsed() || ss->parsed() || pol->parsed() || bud->parsed() ||
-      sts->parsed()) {
-    if (target.empty()) target = "unix:///run/spin/spind.sock";
-    ControlArgs ca{target, session_id, token, admin_token};
-    if (st->parsed()) return CmdStatus(ca);
-    if (hc->parsed()) return CmdHealth(ca, health_service, health_timeout_ms);
-    if (ss->parsed()) return CmdSessions(ca);
-    if (pget->parsed()) return CmdPolicyGet(ca);
-    if (pset->parsed()) {
-      if ((set_all || set_default) == !session_id.empty() || (set_all && set_default)) {
-        return Fail(
-            absl::InvalidArgumentError("policy set: give one of --session ID, --all or --default"));
-      }
-      if (o_miss->count() > 0) set_budget = "miss-target";
-      if (set_all || set_default) {
-        return CmdPolicyDefaults(ca, set_sparsity, set_exploration, set_alpha, set_probe,
-                                 set_budget, set_all, false, set_miss_target);
-      }
-      return CmdPolicySet(ca, set_sparsity, set_exploration, set_alpha, set_probe, set_budget,
-                          set_miss_target);
-    }
-    if (pdef->parsed()) return CmdPolicyDefaults(ca, -1, -1, -1, -1, "", false, clear_defaults);
-    if (bud->parsed()) return CmdBudgets(ca);
-    return CmdStats(ca);
-  }
-
-  if (g->parsed()) {
-    if (absl::Status s = GenerateTrace(gen_out, gen); !s.ok()) return Fail(s);
-    absl::StatusOr<Trace> t = OpenTrace(gen_out);
-    if (!t.ok()) return Fail(t.status());
-    absl::StatusOr<TraceStats> st = ComputeTraceStats(*t);
-    if (!st.ok()) return Fail(st.status());
-    if (gen_json) {
-      std::printf("{\"trace\":\"%s\",\"prev_iter_pearson\":%.6f,\"prev_iter_recall\":%.6f}\n",
-                  gen_out.c_str(), st->prev_iter_pearson, st->prev_iter_recall);
-    } else {
-      std::printf("wrote %s: %d steps x %d layers x %d rows x %d slots\n%s", gen_out.c_str(),
-                  t->meta().steps, t->meta().layers, t->meta().rows, static_cast<int>(t->n_max()),
-                  FormatTraceStats(*st).c_str());
-    }
-    return 0;
-  }
-  if (ev->parsed()) return CmdEval(eo, eval_out, eval_quiet);
-  if (ts->parsed()) {
-    absl::StatusOr<Trace> t = OpenTrace(stats_dir);
-    if (!t.ok()) return Fail(t.status());
-    absl::StatusOr<TraceStats> st = ComputeTraceStats(*t);
-    if (!st.ok()) return Fail(st.status());
-    std::printf("%s", FormatTraceStats(*st).c_str());
-    return 0;
-  }
-  // replay
-  ro.dtype = state == "bf16" ? StateDtype::kBf16 : StateDtype::kFp32;
-  ro.backend = backend == "cuda" ? ReplayBackend::kCuda : ReplayBackend::kCpu;
-  ro.policy.budget_mode = ParseBudgetMode(budget).value_or(BudgetMode::kUniform);  // checked above
-  if (ro.policy.miss_target != 0) {
-    if (budget == "per-layer") {
-      return Fail(absl::InvalidArgumentError(
-          "--miss-target and --budget per-layer are two budget modes: give one"));
-    }
-    ro.policy.budget_mode = BudgetMode::kMissTarget;
-  }
-  if (absl::StatusOr<MtpObserve> m = ParseMtpObserve(mtp_observe); m.ok()) {
-    ro.mtp_observe = *m;
-  } else {
-    return Fail(m.status());
-  }
-  if (absl::Status s = ValidatePolicy(ro.policy); !s.ok()) return Fail(s);
-  if (TableFromProbes(ro.policy.budget_mode)) {
-    if (ro.policy.probe_period == 0) {
-      return Fail(absl::InvalidArgumentError(absl::StrCat(
-          ro.policy.budget_mode == BudgetMode::kPerLayer ? "--budget per-layer" : "--miss-target",
-          " needs --probe-period > 0 (probe steps measure the miss curves)")));
-    }
-    if (absl::Status s = ValidateBudgetTuning(ro.budget_tuning); !s.ok()) return Fail(s);
-  }
-  // Through spind the daemon's probe thread owns the table.
-  ro.local_budgets = target.empty();
-  absl::StatusOr<Trace> t = OpenTrace(trace_dir);
-  if (!t.ok()) return Fail(t.status());
-  Progress progress("replay", quiet);
-  ro.progress = [&progress, pace_ms](int done, int total) {
-    progress.Update(done, total);
-    if (pace_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pace_ms));
-  };
-  absl::StatusOr<ReplaySummary> sum;
-  std::string where;
-  if (target.empty()) {
-    if (remote) return Fail(absl::InvalidArgumentError("--remote needs --target"));
-    sum = Replay(*t, ro);
-  } else {
-    sum = ReplayThroughDaemon(target, *t, ro, remote, admin_token, &where);
-  }
-  if (!sum.ok()) return Fail(sum.status());
-  if (json) {
-    std::printf("%s\n", SummaryJson(*sum).c_str());
-  } else {
-    std::printf(
-        "replay of %s: sparsity %.2f, exploration %.2f, alpha %.2f, probe period %u, "
-        "%s budgets, %s state, %s backend\n%s",
-        trace_dir.c_str(), ro.policy.target_sparsity, ro.policy.exploration, ro.policy.alpha,
-        ro.policy.probe_period, budget.c_str(), state.c_str(), backend.c_str(),
-        SummaryTable(*sum).c_str());
-    if (!where.empty()) std::printf("%s\n", where.c_str());
-  }
-  return 0;
+  return run(globals);
 }
