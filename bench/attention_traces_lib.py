@@ -721,8 +721,9 @@ def parse_args(argv):
             "examples:\n"
             "  attention-traces --device cuda --context 32768 --steps 64 --layers 8 \\\n"
             "      --train-seconds 300 --docs 4 --out /tmp/attn\n"
-            "  attention-traces --device cpu --context 2560 --layers 4 --dim 128 --heads 4 \\\n"
-            "      --train-context 512 --train-seconds 240 --docs 2 --out /tmp/attn-cpu"))
+            "  attention-traces --device cpu --context 2560 --layers 4 --dim 96 --heads 3 \\\n"
+            "      --train-context 256 --batch-tokens 2048 --long-fraction 0.1 --lr 3e-3 \\\n"
+            "      --train-steps 300 --docs 2 --out /tmp/attn-cpu   (bench/traces/attn-cpu-2560)"))
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="where to train and run the model (default cuda)")
     p.add_argument("--out", required=True, metavar="DIR",
