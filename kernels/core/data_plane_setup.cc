@@ -8,6 +8,7 @@
 #include "spin/status_macros.h"
 
 namespace spin {
+#if !SPIN_HAVE_CUDA
 namespace {
 
 absl::Status NoCudaBackend() {
@@ -16,6 +17,7 @@ absl::Status NoCudaBackend() {
 }
 
 }  // namespace
+#endif
 
 absl::StatusOr<std::unique_ptr<DataPlane>> MakeDataPlane(void* base, uint64_t bytes,
                                                          const DataPlaneSpec& spec) {

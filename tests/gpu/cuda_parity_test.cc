@@ -18,6 +18,7 @@
 #include "require_gpu.h"
 #include "spin/budget.h"
 #include "spin/cuda_data_plane.h"
+#include "spin/data_plane_setup.h"
 #include "spin/paged_indexer.h"
 #include "test_arena.h"
 
@@ -41,6 +42,18 @@ struct DevBuf {
     return static_cast<T*>(p);
   }
 };
+
+// What a CUDA data plane over a device arena of this geometry, seed and policy is made of.
+DataPlaneSpec DeviceSpec(const Geometry& g, uint64_t seed, const Policy& p,
+                         const CudaDataPlaneOptions& options = {}) {
+  DataPlaneSpec spec;
+  spec.geometry = g;
+  spec.seed = seed;
+  spec.policy = p;
+  spec.on_device = true;
+  spec.cuda = options;
+  return spec;
+}
 
 // A one-layer geometry of two sequences of 512 slots, and a step of two entries on it: the
 // host arrays copied to the device (kept alive with the object), as the CUDA BeginStep reads them.
@@ -149,12 +162,10 @@ class Twin {
       : cpu_(g, p, seed), g_(g) {
     bytes_ = ArenaBytes(g);
     dev_ = std::make_unique<DevBuf>(bytes_);
-    auto v = InitDeviceArena(dev_->p, bytes_, g, seed, p);
-    EXPECT_TRUE(v.ok()) << v.status();
-    dview_ = *v;
-    auto dp = MakeCudaDataPlane(dview_, options);
+    auto dp = MakeDataPlane(dev_->p, bytes_, DeviceSpec(g, seed, p, options));
     EXPECT_TRUE(dp.ok()) << dp.status();
     gpu_ = std::move(*dp);
+    dview_ = gpu_->arena();
     const size_t S = g.max_seqs, R = g.max_rows, MB = cpu_.view().max_blocks;
     stride_ = static_cast<int64_t>(MB) * g.block_size + stride_pad;
     d_seq_ = std::make_unique<DevBuf>(S * 4);
@@ -810,10 +821,9 @@ TEST_F(CudaTest, SelectIndexAndObserveRefusesBadArgumentsAndChangesNothing) {
   Policy p;
   const uint64_t bytes = ArenaBytes(g);
   DevBuf arena(bytes);
-  auto view = InitDeviceArena(arena.p, bytes, g, 5, p);
-  ASSERT_TRUE(view.ok());
-  auto dp = MakeCudaDataPlane(*view);
+  auto dp = MakeDataPlane(arena.p, bytes, DeviceSpec(g, 5, p));
   ASSERT_TRUE(dp.ok());
+  const ArenaView* view = &(*dp)->arena();
   const int64_t MB = view->max_blocks;
   FusedInputs in(g.max_seqs, 1, MB);
   DevBuf d_table(in.table.size() * 4), logits(g.max_seqs * MB * 64 * 4);
@@ -880,10 +890,9 @@ TEST_F(CudaTest, SelectIndexAndObserveRefusesBadArgumentsAndChangesNothing) {
   g32.block_size = 32;
   const uint64_t bytes32 = ArenaBytes(g32);
   DevBuf arena32(bytes32);
-  auto view32 = InitDeviceArena(arena32.p, bytes32, g32, 5, p);
-  ASSERT_TRUE(view32.ok());
-  auto dp32 = MakeCudaDataPlane(*view32);
+  auto dp32 = MakeDataPlane(arena32.p, bytes32, DeviceSpec(g32, 5, p));
   ASSERT_TRUE(dp32.ok());
+  const ArenaView* view32 = &(*dp32)->arena();
   expect(SelectIndexAndObserve(**dp32, 0, table, view32->max_blocks, f),
          absl::StatusCode::kFailedPrecondition, "32-slot blocks");
 }
@@ -906,10 +915,9 @@ TEST_F(CudaTest, ALogitsStrideBelowARowIsAnErrorAndOnlyThatEntryIsNotApplied) {
     Policy p;
     const uint64_t bytes = ArenaBytes(g);
     DevBuf arena(bytes);
-    auto view = InitDeviceArena(arena.p, bytes, g, 3, p);
-    ASSERT_TRUE(view.ok());
-    auto dp = MakeCudaDataPlane(*view);
+    auto dp = MakeDataPlane(arena.p, bytes, DeviceSpec(g, 3, p));
     ASSERT_TRUE(dp.ok());
+    const ArenaView* view = &(*dp)->arena();
     const int64_t MB = view->max_blocks, stride = 1000;
     for (int s = 0; s < 2; ++s) ASSERT_TRUE((*dp)->ResetSequence(s, 20 + s).ok());
     // Fresh pairs select densely: the compacted rows are the contexts, 1280 (above the stride)
@@ -994,12 +1002,10 @@ TEST_F(CudaTest, FusedStepInAGraphEqualsEager) {
     p.probe_period = 4;
     const uint64_t bytes = ArenaBytes(g);
     DevBuf ea(bytes), ga(bytes);
-    auto ev = InitDeviceArena(ea.p, bytes, g, 7, p);
-    auto gv = InitDeviceArena(ga.p, bytes, g, 7, p);
-    ASSERT_TRUE(ev.ok() && gv.ok());
-    auto edp = MakeCudaDataPlane(*ev);
-    auto gdp = MakeCudaDataPlane(*gv);
+    auto edp = MakeDataPlane(ea.p, bytes, DeviceSpec(g, 7, p));
+    auto gdp = MakeDataPlane(ga.p, bytes, DeviceSpec(g, 7, p));
     ASSERT_TRUE(edp.ok() && gdp.ok());
+    const ArenaView *ev = &(*edp)->arena(), *gv = &(*gdp)->arena();
     const int n = 4, rows = 2, L = 3;
     const int64_t MB = ev->max_blocks, stride = MB * 64;
     FusedInputs in(g.max_seqs, g.max_rows, MB);
@@ -1351,16 +1357,12 @@ void GraphReplayScenario(bool step_table, bool defer_ema = false) {
       q2.target_sparsity = 0.75;
       q2.exploration = 0.05;
       if (step == 25) q2.budget_mode = BudgetMode::kPerLayer;
-      ASSERT_TRUE(WritePolicy(t.cpu().view(), q2).ok());
-      ASSERT_TRUE(WriteDevicePolicy(t.dview(), q2).ok());
+      ASSERT_TRUE(WriteArenaPolicy(t.cpu().dp(), q2).ok());
+      ASSERT_TRUE(WriteArenaPolicy(t.gpu(), q2).ok());
       if (step == 25) {
         const std::vector<double> table = {0.2, 0.4, 0.6, 0.9};
-        ASSERT_TRUE(WriteBudgetTable(t.cpu().view(), table).ok());
-        ASSERT_TRUE(CopyToDevice(t.dview().sparsity, table.data(), table.size() * 8).ok());
-        ArenaPolicy ap;
-        ASSERT_TRUE(CopyToHost(&ap, t.dview().policy, sizeof(ap)).ok());
-        ap.epoch += 1;
-        ASSERT_TRUE(CopyToDevice(t.dview().policy, &ap, sizeof(ap)).ok());
+        ASSERT_TRUE(WriteArenaBudgets(t.cpu().dp(), table).ok());
+        ASSERT_TRUE(WriteArenaBudgets(t.gpu(), table).ok());
       }
     }
     std::vector<int32_t> q(n), acc(n);

@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "require_gpu.h"
 #include "spin/cuda_data_plane.h"
+#include "spin/data_plane_setup.h"
 
 namespace spin::testing {
 namespace {
@@ -301,16 +302,15 @@ TEST_P(IndexerTest, SparseStageEqualsDenseRestrictedToSelectedBlocks) {
   g.block_size = kPageSlots;
   g.topk = K;
   g.max_rows = 1;
-  Policy p;
-  p.target_sparsity = 0.5;
-  p.exploration = 0.1;
-  const uint64_t bytes = ArenaBytes(g);
-  void* arena = nullptr;
-  ASSERT_EQ(cudaMalloc(&arena, bytes), cudaSuccess);
-  auto view = InitDeviceArena(arena, bytes, g, 3, p);
-  ASSERT_TRUE(view.ok()) << view.status();
-  auto dp = MakeCudaDataPlane(*view);
+  DataPlaneSpec spec;
+  spec.geometry = g;
+  spec.seed = 3;
+  spec.policy.target_sparsity = 0.5;
+  spec.policy.exploration = 0.1;
+  spec.on_device = true;
+  auto dp = NewDataPlane(spec);
   ASSERT_TRUE(dp.ok()) << dp.status();
+  const ArenaView* view = &(*dp)->arena();
   const int pages = batch * pages_per_seq;
   Problem pr(pages, batch, 4);
   std::vector<int32_t> table(pages);
@@ -416,7 +416,6 @@ TEST_P(IndexerTest, SparseStageEqualsDenseRestrictedToSelectedBlocks) {
   auto err = ReadDeviceError(*view);
   ASSERT_TRUE(err.ok());
   EXPECT_EQ(*err, 0u);
-  cudaFree(arena);
 }
 
 INSTANTIATE_TEST_SUITE_P(Kernels, IndexerTest,

@@ -65,7 +65,9 @@ TEST(DataPlaneSetup, RefusesBadSpecs) {
   EXPECT_FALSE(NewDataPlane(s).ok());
   s = Spec();
   s.on_device = true;
-  if (!CudaAvailable()) EXPECT_FALSE(NewDataPlane(s).ok()) << "no device here";
+  if (!CudaAvailable()) {
+    EXPECT_FALSE(NewDataPlane(s).ok()) << "no device here";
+  }
 }
 
 TEST(DataPlaneSetup, PolicyAndBudgetWritesAdvanceTheEpoch) {
@@ -115,7 +117,9 @@ TEST(LocalBudgets, RecomputesAfterProbeStepsOnly) {
     const uint64_t epoch = dp->arena().policy->epoch;
     absl::StatusOr<bool> wrote = budgets->AfterStep(*dp, t);
     ASSERT_TRUE(wrote.ok()) << wrote.status();
-    if (t % 2 != 0) EXPECT_FALSE(*wrote) << "step " << t << " is no probe step";
+    if (t % 2 != 0) {
+      EXPECT_FALSE(*wrote) << "step " << t << " is no probe step";
+    }
     EXPECT_EQ(dp->arena().policy->epoch, epoch + (*wrote ? 1 : 0));
     written += *wrote;
   }

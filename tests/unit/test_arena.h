@@ -3,32 +3,31 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <memory>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "spin/arena.h"
 #include "spin/data_plane.h"
+#include "spin/data_plane_setup.h"
 #include "spin/numerics.h"
 
 namespace spin::testing {
 
-/// An arena in 256-byte-aligned host memory with a CPU data plane over it.
+/// An arena in host memory with a CPU data plane over it (NewDataPlane).
 class TestArena {
  public:
   explicit TestArena(const Geometry& g, const Policy& p = Policy{}, uint64_t seed = 7) {
+    auto dp = NewDataPlane({.geometry = g, .seed = seed, .policy = p});
+    EXPECT_TRUE(dp.ok()) << dp.status();
+    dp_ = std::move(*dp);
+    view_ = dp_->arena();
     bytes_ = ArenaBytes(g);
-    mem_.reset(static_cast<uint8_t*>(std::aligned_alloc(kArenaAlign, (bytes_ + 255) / 256 * 256)));
-    auto view = InitArena(mem_.get(), bytes_, g, seed, p);
-    EXPECT_TRUE(view.ok()) << view.status();
-    view_ = *view;
-    dp_ = MakeCpuDataPlane(view_);
   }
 
   DataPlane& dp() { return *dp_; }
   const ArenaView& view() const { return view_; }
-  uint8_t* base() { return mem_.get(); }
+  uint8_t* base() const { return reinterpret_cast<uint8_t*>(view_.header); }
   uint64_t bytes() const { return bytes_; }
 
   /// State element i of V (which=0) or D (which=1) for (seq, layer), as float.
@@ -73,16 +72,12 @@ class TestArena {
   }
 
   /// Snapshot of the whole arena, to check that a rejected call changed nothing.
-  std::vector<uint8_t> Snapshot() const { return {mem_.get(), mem_.get() + bytes_}; }
+  std::vector<uint8_t> Snapshot() const { return {base(), base() + bytes_}; }
 
  private:
-  struct Free {
-    void operator()(uint8_t* p) const { std::free(p); }
-  };
-  std::unique_ptr<uint8_t, Free> mem_;
-  uint64_t bytes_ = 0;
+  std::unique_ptr<DataPlane> dp_;  // owns the arena
   ArenaView view_;
-  std::unique_ptr<DataPlane> dp_;
+  uint64_t bytes_ = 0;
 };
 
 /// One-entry batch over host arrays that outlive the call.

@@ -27,13 +27,13 @@ struct BudgetTuning;
 
 /// What a data plane is made of.
 struct DataPlaneSpec {
-  Geometry geometry;
+  Geometry geometry = {};
   uint64_t seed = 0;  ///< the session seed of the exploration draws
-  Policy policy;
+  Policy policy = {};
   /// The arena in device memory of the calling thread's current CUDA device, run by the CUDA
   /// backend; false: host memory, run by the CPU reference.
   bool on_device = false;
-  CudaDataPlaneOptions cuda;  ///< the CUDA backend's options (on_device only)
+  CudaDataPlaneOptions cuda = {};  ///< the CUDA backend's options (on_device only)
 };
 
 /// Writes a fresh arena for `spec` into [base, base + bytes), memory the caller owns and keeps
