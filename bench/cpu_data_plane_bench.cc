@@ -1,21 +1,15 @@
 // Throughput of SPIN's own per-step work on the CPU backend: Select + Observe of one
 // (sequence, layer) per iteration, in slot-steps per second. The engine's indexer is not timed:
 // the logits it would produce are a fixed random buffer.
-#include <cstdlib>
 #include <memory>
 #include <random>
 #include <vector>
 
 #include "benchmark/benchmark.h"
-#include "spin/arena.h"
-#include "spin/data_plane.h"
+#include "spin/data_plane_setup.h"
 
 namespace spin {
 namespace {
-
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
 
 void BM_SelectObserve(benchmark::State& state) {
   const int32_t slots = static_cast<int32_t>(state.range(0));
@@ -27,13 +21,13 @@ void BM_SelectObserve(benchmark::State& state) {
   g.block_size = 64;
   g.topk = 2048;
   g.dtype = dtype;
-  Policy p;
-  p.target_sparsity = 0.5;
-  p.exploration = 0.05;
-  const uint64_t bytes = ArenaBytes(g);
-  std::unique_ptr<void, FreeDeleter> mem(std::aligned_alloc(kArenaAlign, bytes));
-  ArenaView view = *InitArena(mem.get(), bytes, g, 1, p);
-  std::unique_ptr<DataPlane> dp = MakeCpuDataPlane(view);
+  DataPlaneSpec spec;
+  spec.geometry = g;
+  spec.seed = 1;
+  spec.policy.target_sparsity = 0.5;
+  spec.policy.exploration = 0.05;
+  std::unique_ptr<DataPlane> dp = *NewDataPlane(spec);
+  const ArenaView& view = dp->arena();
   if (!dp->ResetSequence(0, 1).ok()) state.SkipWithError("reset failed");
 
   std::mt19937 rng(1);

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "spin/cuda_data_plane.h"
+#include "spin/data_plane_setup.h"
 #include "spin/paged_indexer.h"
 
 namespace spin {
@@ -348,18 +349,17 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
   g.block_size = kPageSlots;
   g.topk = 2048;
   g.dtype = pt.dtype;
-  Policy pol;
-  pol.target_sparsity = pt.rho;
-  pol.exploration = 0.05;
-  pol.probe_period = pt.probe_period;
-  const uint64_t bytes = ArenaBytes(g);
-  void* arena = nullptr;
-  CHECK_CUDA(cudaMalloc(&arena, bytes));
-  auto view = InitDeviceArena(arena, bytes, g, 1, pol, stream);
-  CHECK_OK(view.status());
-  auto dpr = MakeCudaDataPlane(*view);
+  DataPlaneSpec spec;
+  spec.geometry = g;
+  spec.seed = 1;
+  spec.policy.target_sparsity = pt.rho;
+  spec.policy.exploration = 0.05;
+  spec.policy.probe_period = pt.probe_period;
+  spec.on_device = true;
+  auto dpr = NewDataPlane(spec);
   CHECK_OK(dpr.status());
   DataPlane& dp = **dpr;
+  const ArenaView* view = &dp.arena();
   for (int e = 0; e < B; ++e) CHECK_OK(dp.ResetSequence(e, 100 + e, stream));
   // With a probe period P > 1, sequence e starts e mod P steps in, so each step has about B / P
   // probing sequences (as sequences that joined the batch at different times would).
@@ -482,7 +482,7 @@ Result Measure(const Point& pt, double read_bw, const Plan& plan, cudaStream_t s
     dpr->reset();
     for (void* p : {static_cast<void*>(kv), static_cast<void*>(d_table), static_cast<void*>(q),
                     static_cast<void*>(w), static_cast<void*>(logits), static_cast<void*>(d_seq),
-                    static_cast<void*>(d_ctx), static_cast<void*>(d_q), arena}) {
+                    static_cast<void*>(d_ctx), static_cast<void*>(d_q)}) {
       CHECK_CUDA(cudaFree(p));
     }
   };

@@ -13,11 +13,9 @@
 #include "absl/strings/str_format.h"
 #include "nlohmann/json.hpp"
 #include "score_math.h"
+#include "spin/data_plane_setup.h"
 #include "spin/numerics.h"
 #include "spin/status_macros.h"
-#if SPIN_HAVE_CUDA
-#include "spin/cuda_data_plane.h"
-#endif
 
 namespace spin {
 namespace {
@@ -31,10 +29,6 @@ double Mean(const std::vector<double>& v) {
 double Skipped(uint64_t kept, uint64_t total) {
   return total == 0 ? 0.0 : 1.0 - static_cast<double>(kept) / static_cast<double>(total);
 }
-
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
 
 // Buffers and copies in the data plane's memory: host memory for the CPU backend, device memory
 // for the CUDA backend (replay is a tool: synchronous copies are fine here).
@@ -192,39 +186,16 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
   const uint64_t start_epoch = policy.epoch;
   const BudgetMode mode = static_cast<BudgetMode>(policy.budget_mode);
 
-  // Per-layer budgets run here: the controller reads host copies of the arena's counters after
-  // each probe step and its tables go to the arena with a new epoch, as spind's probe thread
-  // does (the table starts uniform at the target).
-  std::optional<BudgetController> budgets;
-  std::vector<uint64_t> curves;
-  std::vector<double> table(meta.layers, policy.target_sparsity);
-  auto write_table = [&]() -> absl::Status {
-    if (!dp.on_device()) return WriteBudgetTable(a, table);
-    absl::Status s = mem.Put(a.sparsity, table.data(), table.size() * sizeof(double));
-    if (s.ok()) s = mem.Get(&policy, a.policy, sizeof(policy));
-    policy.epoch += 1;
-    if (s.ok()) s = mem.Put(&a.policy->epoch, &policy.epoch, sizeof(policy.epoch));
-    return s;
-  };
+  // Per-layer budgets run here after each probe step, as spind's probe thread runs them (the
+  // table starts uniform at the target).
+  std::optional<LocalBudgets> budgets;
   if (TableFromProbes(mode) && options.local_budgets) {
-    SPIN_RETURN_IF_ERROR(ValidateBudgetTuning(options.budget_tuning));
-    budgets.emplace(g, options.budget_tuning);
-    curves.resize(static_cast<size_t>(meta.layers) * kCurvePoints);
-    SPIN_RETURN_IF_ERROR(write_table());
+    SPIN_ASSIGN_OR_RETURN(budgets, LocalBudgets::Create(g, options.budget_tuning));
+    SPIN_RETURN_IF_ERROR(budgets->WriteUniform(dp));
   }
   auto probe = [&](int t) -> absl::Status {
-    if (!budgets || policy.probe_period == 0 || t % policy.probe_period != 0) return {};
-    absl::Status s = mem.Get(curves.data(), a.curves, curves.size() * sizeof(uint64_t));
-    if (s.ok()) s = mem.Get(now.data(), a.stats, meta.layers * sizeof(LayerStats));
-    SPIN_RETURN_IF_ERROR(s);
-    SPIN_ASSIGN_OR_RETURN(
-        std::optional<BudgetUpdate> u,
-        budgets->Update(ProbeSnapshot{curves, now}, policy.target_sparsity,
-                        mode == BudgetMode::kMissTarget ? policy.miss_target : 0.0,
-                        policy.exploration));
-    if (!u.has_value()) return {};
-    table = u->sparsity;
-    return write_table();
+    if (!budgets) return {};
+    return budgets->AfterStep(dp, t).status();
   };
 
   // The emulated MTP modes keep each layer's last step (its context and logits) to observe it
@@ -360,6 +331,7 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
     return s;
   }
 
+  std::vector<double> table(meta.layers);
   if (absl::Status s = mem.Get(table.data(), a.sparsity, table.size() * sizeof(double)); !s.ok()) {
     return s;
   }
@@ -409,35 +381,21 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
 }
 
 absl::StatusOr<ReplaySummary> Replay(const Trace& trace, const ReplayOptions& options) {
-  const Geometry g = TraceGeometry(trace.meta(), trace.n_max(), options.dtype);
-  SPIN_RETURN_IF_ERROR(ValidateGeometry(g));
-  const uint64_t bytes = ArenaBytes(g);
-  if (options.backend == ReplayBackend::kCuda) {
+  const DataPlaneSpec spec{.geometry = TraceGeometry(trace.meta(), trace.n_max(), options.dtype),
+                           .seed = options.seed,
+                           .policy = options.policy,
+                           .on_device = options.backend == ReplayBackend::kCuda};
+  if (spec.on_device) {
 #if SPIN_HAVE_CUDA
     if (!CudaAvailable()) {
       return absl::FailedPreconditionError("--backend cuda: no CUDA device is available");
     }
-    SPIN_ASSIGN_OR_RETURN(void* dmem, DeviceAlloc(bytes));
-    std::unique_ptr<void, void (*)(void*)> owner(dmem, DeviceFree);
-    SPIN_ASSIGN_OR_RETURN(ArenaView dview,
-                          InitDeviceArena(dmem, bytes, g, options.seed, options.policy));
-    SPIN_ASSIGN_OR_RETURN(std::unique_ptr<DataPlane> ddp, MakeCudaDataPlane(dview));
-    absl::StatusOr<ReplaySummary> out = ReplayOn(*ddp, trace, options);
-    ddp.reset();
-    return out;
 #else
     return absl::FailedPreconditionError(
         "--backend cuda: this build has no CUDA backend (rebuild with the CUDA toolkit)");
 #endif
   }
-  std::unique_ptr<void, FreeDeleter> mem(std::aligned_alloc(kArenaAlign, bytes));
-  if (!mem) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot allocate a ", bytes, "-byte arena for this trace"));
-  }
-  SPIN_ASSIGN_OR_RETURN(ArenaView view,
-                        InitArena(mem.get(), bytes, g, options.seed, options.policy));
-  std::unique_ptr<DataPlane> dp = MakeCpuDataPlane(view);
+  SPIN_ASSIGN_OR_RETURN(std::unique_ptr<DataPlane> dp, NewDataPlane(spec));
   return ReplayOn(*dp, trace, options);
 }
 
