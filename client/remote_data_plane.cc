@@ -1,12 +1,12 @@
 #include "remote_data_plane.h"
 
 #include <chrono>
-#include <cstdlib>
 
 #include "absl/strings/str_cat.h"
 #include "convert.h"
 #include "grpc_status.h"
 #include "grpcpp/grpcpp.h"
+#include "spin/data_plane_setup.h"
 #include "spin/status_macros.h"
 
 namespace spin::client {
@@ -31,19 +31,12 @@ absl::StatusOr<std::unique_ptr<RemoteDataPlane>> RemoteDataPlane::Create(pb::Spi
   r->stub_ = stub;
   r->id_ = std::move(session_id);
   r->token_ = std::move(token);
-  const uint64_t bytes = ArenaBytes(g);
-  r->mem_ = std::aligned_alloc(kArenaAlign, (bytes + kArenaAlign - 1) / kArenaAlign * kArenaAlign);
-  if (r->mem_ == nullptr) return absl::ResourceExhaustedError("cannot allocate the mirror arena");
-  SPIN_ASSIGN_OR_RETURN(ArenaView v, InitArena(r->mem_, bytes, g, 0, Policy{}));
-  r->mirror_ = v;
-  r->local_ = MakeCpuDataPlane(r->mirror_);
+  SPIN_ASSIGN_OR_RETURN(r->local_, NewDataPlane({.geometry = g}));
+  r->mirror_ = r->local_->arena();
   return r;
 }
 
-RemoteDataPlane::~RemoteDataPlane() {
-  local_.reset();
-  std::free(mem_);
-}
+RemoteDataPlane::~RemoteDataPlane() = default;
 
 pb::SessionRef RemoteDataPlane::Ref() const {
   pb::SessionRef r;

@@ -52,9 +52,8 @@ class RemoteDataPlane final : public DataPlane {
 
   spin::v1::Spin::Stub* stub_ = nullptr;
   std::string id_, token_;
-  void* mem_ = nullptr;
-  ArenaView mirror_;
-  std::unique_ptr<DataPlane> local_;  // Remap over the mirrored outputs
+  std::unique_ptr<DataPlane> local_;  // owns the mirror arena; Remap over the mirrored outputs
+  ArenaView mirror_;                  // local_'s arena
   bool pending_begin_ = false;
   std::vector<int32_t> seq_, ctx_, q_;
   int32_t rows_ = 1;

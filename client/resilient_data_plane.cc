@@ -2,38 +2,40 @@
 
 #include <poll.h>
 
-#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "log.h"
 #include "spin/budget.h"
+#include "spin/data_plane_setup.h"
 #include "spin/status_macros.h"
 
 #if SPIN_HAVE_CUDA
 #include <cuda_runtime.h>
 
-#include "spin/cuda_data_plane.h"
 #include "spin/shared_device_memory.h"
 #endif
 
 namespace spin::client {
+namespace {
+
+// The dense fallback's arena: the session's geometry and seed at 0% sparsity, no exploration.
+DataPlaneSpec DenseSpec(const AttachOptions& o) {
+  DataPlaneSpec spec{.geometry = o.geometry, .seed = o.seed, .policy = o.policy};
+  spec.policy.target_sparsity = 0.0;
+  spec.policy.exploration = 0.0;
+  spec.policy.budget_mode = BudgetMode::kUniform;
+  return spec;
+}
+
+}  // namespace
 
 ResilientDataPlane::ResilientDataPlane(std::string target, AttachOptions options,
                                        std::chrono::milliseconds retry)
     : target_(std::move(target)), options_(std::move(options)), retry_(retry) {
   options_.require_backend = 1;
-  Policy dense = options_.policy;
-  dense.target_sparsity = 0.0;
-  dense.exploration = 0.0;
-  dense.budget_mode = BudgetMode::kUniform;
-  const uint64_t bytes = ArenaBytes(options_.geometry);
-  fallback_mem_ =
-      std::aligned_alloc(kArenaAlign, (bytes + kArenaAlign - 1) / kArenaAlign * kArenaAlign);
-  absl::StatusOr<ArenaView> v =
-      fallback_mem_ ? InitArena(fallback_mem_, bytes, options_.geometry, options_.seed, dense)
-                    : absl::ResourceExhaustedError("no memory for the fallback arena");
-  if (v.ok()) fallback_ = MakeCpuDataPlane(*v);
+  absl::StatusOr<std::unique_ptr<DataPlane>> dp = NewDataPlane(DenseSpec(options_));
+  if (dp.ok()) fallback_ = std::move(*dp);
   thread_ = std::thread([this] { Retry(); });
 }
 
@@ -52,18 +54,12 @@ absl::StatusOr<std::unique_ptr<ResilientDataPlane>> ResilientDataPlane::CreateOn
   SPIN_ASSIGN_OR_RETURN(int dev, CudaCurrentDevice());
   const uint64_t bytes = ArenaBytes(r->options_.geometry);
   SPIN_ASSIGN_OR_RETURN(std::unique_ptr<DeviceWindow> w, DeviceWindow::Create(dev, bytes));
-  Policy dense = r->options_.policy;
-  dense.target_sparsity = 0.0;
-  dense.exploration = 0.0;
-  dense.budget_mode = BudgetMode::kUniform;
-  SPIN_ASSIGN_OR_RETURN(
-      ArenaView v, InitDeviceArena(w->ptr(), bytes, r->options_.geometry, r->options_.seed, dense));
-  CudaDataPlaneOptions cuda;
-  cuda.defer_ema = r->options_.defer_ema;
-  SPIN_ASSIGN_OR_RETURN(std::unique_ptr<DataPlane> dp, MakeCudaDataPlane(v, cuda));
+  DataPlaneSpec spec = DenseSpec(r->options_);
+  spec.on_device = true;
+  spec.cuda.defer_ema = r->options_.defer_ema;
   // One data plane drives the window for the engine's lifetime: its scratch buffers and the
   // arena's addresses are what the engine's captured graphs hold.
-  r->fallback_ = std::move(dp);
+  SPIN_ASSIGN_OR_RETURN(r->fallback_, MakeDataPlane(w->ptr(), bytes, spec));
   SPIN_ASSIGN_OR_RETURN(ArenaHeader h, MakeArenaHeader(r->options_.geometry, r->options_.seed));
   r->window_header_ = h;
   r->window_ = std::shared_ptr<DeviceWindow>(std::move(w));
@@ -83,7 +79,6 @@ ResilientDataPlane::~ResilientDataPlane() {
   ready_.reset();
   fallback_.reset();
   window_.reset();
-  std::free(fallback_mem_);
 }
 
 void ResilientDataPlane::Retry() {
@@ -240,24 +235,10 @@ absl::Status ResilientDataPlane::AdoptControl(const Policy& policy,
 
 // The adopted policy, then (per-layer mode) the table, into the arena the steps run on.
 absl::Status ResilientDataPlane::WriteAdopted(cudaStream_t stream) {
-  const ArenaView& a = current().arena();
-  const bool per_layer = TableFromProbes(adopted_policy_->budget_mode);
-  if (!on_device_) {
-    SPIN_RETURN_IF_ERROR(WritePolicy(a, *adopted_policy_));
-    if (per_layer) SPIN_RETURN_IF_ERROR(WriteBudgetTable(a, adopted_table_));
-    return absl::OkStatus();
-  }
-#if SPIN_HAVE_CUDA
-  SPIN_RETURN_IF_ERROR(WriteDevicePolicy(a, *adopted_policy_, stream));
-  if (per_layer) {
-    SPIN_RETURN_IF_ERROR(
-        CopyToDevice(a.sparsity, adopted_table_.data(), adopted_table_.size() * sizeof(double)));
-  }
-  return absl::OkStatus();
-#else
-  (void)stream;
-  return absl::InternalError("a device arena in a build without CUDA");
-#endif
+  const DataPlane& dp = current();
+  SPIN_RETURN_IF_ERROR(WriteArenaPolicy(dp, *adopted_policy_, stream));
+  if (!TableFromProbes(adopted_policy_->budget_mode)) return absl::OkStatus();
+  return WriteArenaBudgets(dp, adopted_table_);
 }
 
 absl::Status ResilientDataPlane::Select(int32_t layer, const int32_t* block_table,

@@ -96,8 +96,7 @@ class ResilientDataPlane final : public DataPlane {
   std::string target_;
   AttachOptions options_;
   std::chrono::milliseconds retry_;
-  // Dense fallback: a private arena at 0% sparsity.
-  void* fallback_mem_ = nullptr;
+  // Dense fallback: a private arena at 0% sparsity (GPU engines: the data plane over the window).
   std::unique_ptr<DataPlane> fallback_;
   bool on_device_ = false;
   std::shared_ptr<void> window_;  // GPU engines: the DeviceWindow every arena is mapped into
