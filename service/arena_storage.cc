@@ -9,7 +9,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
-#include "spin/budget.h"
+#include "spin/data_plane_setup.h"
 #include "spin/status_macros.h"
 
 namespace spin::service {
@@ -46,9 +46,9 @@ class CpuArenaStorage final : public ArenaStorage {
       return absl::ResourceExhaustedError(absl::StrCat("cannot map a ", bytes_, "-byte arena"));
     }
     base_ = base;
-    SPIN_ASSIGN_OR_RETURN(ArenaView view, InitArena(base_, bytes_, g, seed, policy));
-    host_ = view;
-    dp_ = MakeCpuDataPlane(host_);
+    SPIN_ASSIGN_OR_RETURN(
+        dp_, MakeDataPlane(base_, bytes_, {.geometry = g, .seed = seed, .policy = policy}));
+    host_ = dp_->arena();
     return absl::OkStatus();
   }
 
@@ -61,9 +61,9 @@ class CpuArenaStorage final : public ArenaStorage {
   }
   absl::Status PullControl() override { return absl::OkStatus(); }
   absl::Status PullOutputs() override { return absl::OkStatus(); }
-  absl::Status WritePolicy(const Policy& p) override { return spin::WritePolicy(host_, p); }
+  absl::Status WritePolicy(const Policy& p) override { return WriteArenaPolicy(*dp_, p); }
   absl::Status WriteBudgets(const double* sparsity) override {
-    return WriteBudgetTable(host_, std::span<const double>(sparsity, host_.geometry.layers));
+    return WriteArenaBudgets(*dp_, std::vector<double>(sparsity, sparsity + host_.geometry.layers));
   }
   absl::Status ResetSequence(int32_t seq, uint64_t key) override {
     return dp_->ResetSequence(seq, key);

@@ -8,8 +8,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "arena_storage.h"
-#include "spin/budget.h"
 #include "spin/cuda_data_plane.h"
+#include "spin/data_plane_setup.h"
 #include "spin/shared_device_memory.h"
 #include "spin/status_macros.h"
 
@@ -66,15 +66,13 @@ class CudaArenaStorage final : public ArenaStorage {
                                        " (", uuid_, "): ", mem.status().message()));
     }
     mem_ = std::move(*mem);
-    SPIN_ASSIGN_OR_RETURN(ArenaView view, InitDeviceArena(mem_->ptr(), bytes_, g, seed, policy));
-    view_ = view;
+    DataPlaneSpec spec{.geometry = g, .seed = seed, .policy = policy, .on_device = true};
     // The daemon's data plane runs remote-mode steps, one RPC at a time: Observe's Probe beside
     // the EMA would save it nothing, and would cost every session a CUDA stream and two events
     // in a process that outlives its sessions.
-    CudaDataPlaneOptions options;
-    options.probe_beside_ema = false;
-    SPIN_ASSIGN_OR_RETURN(std::unique_ptr<DataPlane> dp, MakeCudaDataPlane(view_, options));
-    dp_ = std::move(dp);
+    spec.cuda.probe_beside_ema = false;
+    SPIN_ASSIGN_OR_RETURN(dp_, MakeDataPlane(mem_->ptr(), bytes_, spec));
+    view_ = dp_->arena();
     // The mirror has the arena's layout but only the pages a pull touches are ever backed.
     void* m = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -108,23 +106,13 @@ class CudaArenaStorage final : public ArenaStorage {
 
   absl::Status WritePolicy(const Policy& p) override {
     SPIN_RETURN_IF_ERROR(Use());
-    SPIN_RETURN_IF_ERROR(WriteDevicePolicy(view_, p));
+    SPIN_RETURN_IF_ERROR(WriteArenaPolicy(*dp_, p));
     return PullControl();
   }
   absl::Status WriteBudgets(const double* sparsity) override {
-    if (absl::Status s = ValidateBudgetTable(
-            host_.geometry, std::span<const double>(sparsity, host_.geometry.layers));
-        !s.ok()) {
-      return s;
-    }
     SPIN_RETURN_IF_ERROR(Use());
-    const uint32_t L = host_.geometry.layers;
-    ArenaPolicy ap{};
-    absl::Status s = CopyToDevice(view_.sparsity, sparsity, L * sizeof(double));
-    if (s.ok()) s = CopyToHost(&ap, view_.policy, sizeof(ap));
-    ap.epoch += 1;
-    if (s.ok()) s = CopyToDevice(&view_.policy->epoch, &ap.epoch, sizeof(ap.epoch));
-    SPIN_RETURN_IF_ERROR(s);
+    SPIN_RETURN_IF_ERROR(
+        WriteArenaBudgets(*dp_, std::vector<double>(sparsity, sparsity + host_.geometry.layers)));
     return PullControl();
   }
 
