@@ -11,10 +11,9 @@
 // compute capability 9.0, mma.sync elsewhere. The CPU kernel is a plain C++ loop with the same
 // formula (fp32 accumulation), used by the CPU tests and as the engine's CPU indexer.
 //
-// The schema lives in a fragment of the `spind` library that ops.cc defines.
+// Their schemas and kernel registrations are in schema.cc.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <array>
@@ -24,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "ops.h"
 #include "spin/paged_indexer.h"
 #include "spin/row_topk.h"
 #if SPIN_TORCH_CUDA
@@ -123,6 +123,56 @@ Problem Validate(const at::Tensor& q, const at::Tensor& weights, const at::Tenso
   return Problem{batch, rows, kv.size(0)};
 }
 
+#if SPIN_TORCH_CUDA
+// "auto": wgmma on compute capability 9.0 (sm_90a), mma.sync elsewhere; or named.
+spin::IndexerKernel KernelFor(const std::string& kernel, int device) {
+  if (kernel == "wgmma") return spin::IndexerKernel::kWgmma;
+  if (kernel == "mma.sync") return spin::IndexerKernel::kMmaSync;
+  TORCH_CHECK(kernel == "auto", "spind.paged_indexer: kernel '", kernel,
+              "': use auto, wgmma or mma.sync");
+  int major = 0, minor = 0;
+  TORCH_CHECK(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+          cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess,
+      "spind.paged_indexer: cannot read the compute capability of device ", device);
+  return major == 9 && minor == 0 ? spin::IndexerKernel::kWgmma : spin::IndexerKernel::kMmaSync;
+}
+#endif
+
+// row_topk: out[r][0..k) = the k best of logits[r][0..lens[r]) (spin/row_topk.h).
+spin::RowTopKArgs RowTopKArgsOf(const at::Tensor& logits, const at::Tensor& lens, int64_t k,
+                                at::Tensor& out) {
+  constexpr const char* op = "spind.row_topk";
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
+                  (logits.size(1) <= 1 || logits.stride(1) == 1),
+              op, ": logits must be float32 [rows, width] with unit column stride, got ",
+              logits.scalar_type(), " ", logits.sizes());
+  TORCH_CHECK(lens.scalar_type() == at::kInt && lens.dim() == 1 && lens.is_contiguous() &&
+                  lens.size(0) == logits.size(0),
+              op, ": lens must be contiguous int32 [rows] (rows = ", logits.size(0), "), got ",
+              lens.scalar_type(), " ", lens.sizes());
+  TORCH_CHECK(out.scalar_type() == at::kInt && out.dim() == 2 && out.size(0) == logits.size(0) &&
+                  out.size(1) >= k && (out.size(1) <= 1 || out.stride(1) == 1),
+              op, ": out must be int32 [rows, >= k] with unit column stride, got ",
+              out.scalar_type(), " ", out.sizes());
+  TORCH_CHECK(lens.device() == logits.device() && out.device() == logits.device(), op,
+              ": logits, lens and out must be on one device");
+  TORCH_CHECK(k >= 1 && k <= 8192, op, ": k ", k, " outside [1, 8192]");
+  TORCH_CHECK(logits.size(0) <= INT32_MAX, op, ": too many rows");
+  spin::RowTopKArgs a;
+  a.logits = logits.data_ptr<float>();
+  a.logits_stride = logits.size(0) > 0 ? logits.stride(0) : logits.size(1);
+  a.width = logits.size(1);
+  a.lens = lens.data_ptr<int32_t>();
+  a.rows = static_cast<int32_t>(logits.size(0));
+  a.k = static_cast<int32_t>(k);
+  a.out = out.data_ptr<int32_t>();
+  a.out_stride = out.size(0) > 0 ? out.stride(0) : out.size(1);
+  return a;
+}
+
+}  // namespace
+
 void PagedIndexerCpu(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& kv,
                      const at::Tensor& table, const at::Tensor& lens, at::Tensor& logits,
                      int64_t max_pages, int64_t next_n, const std::string& kernel) {
@@ -186,20 +236,6 @@ void PagedIndexerCpu(const at::Tensor& q, const at::Tensor& weights, const at::T
 }
 
 #if SPIN_TORCH_CUDA
-// "auto": wgmma on compute capability 9.0 (sm_90a), mma.sync elsewhere; or named.
-spin::IndexerKernel KernelFor(const std::string& kernel, int device) {
-  if (kernel == "wgmma") return spin::IndexerKernel::kWgmma;
-  if (kernel == "mma.sync") return spin::IndexerKernel::kMmaSync;
-  TORCH_CHECK(kernel == "auto", "spind.paged_indexer: kernel '", kernel,
-              "': use auto, wgmma or mma.sync");
-  int major = 0, minor = 0;
-  TORCH_CHECK(
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-          cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess,
-      "spind.paged_indexer: cannot read the compute capability of device ", device);
-  return major == 9 && minor == 0 ? spin::IndexerKernel::kWgmma : spin::IndexerKernel::kMmaSync;
-}
-
 void PagedIndexerCuda(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& kv,
                       const at::Tensor& table, const at::Tensor& lens, at::Tensor& logits,
                       int64_t max_pages, int64_t next_n, const std::string& kernel) {
@@ -228,38 +264,6 @@ void PagedIndexerCuda(const at::Tensor& q, const at::Tensor& weights, const at::
 }
 #endif
 
-// row_topk: out[r][0..k) = the k best of logits[r][0..lens[r]) (spin/row_topk.h).
-spin::RowTopKArgs RowTopKArgsOf(const at::Tensor& logits, const at::Tensor& lens, int64_t k,
-                                at::Tensor& out) {
-  constexpr const char* op = "spind.row_topk";
-  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
-                  (logits.size(1) <= 1 || logits.stride(1) == 1),
-              op, ": logits must be float32 [rows, width] with unit column stride, got ",
-              logits.scalar_type(), " ", logits.sizes());
-  TORCH_CHECK(lens.scalar_type() == at::kInt && lens.dim() == 1 && lens.is_contiguous() &&
-                  lens.size(0) == logits.size(0),
-              op, ": lens must be contiguous int32 [rows] (rows = ", logits.size(0), "), got ",
-              lens.scalar_type(), " ", lens.sizes());
-  TORCH_CHECK(out.scalar_type() == at::kInt && out.dim() == 2 && out.size(0) == logits.size(0) &&
-                  out.size(1) >= k && (out.size(1) <= 1 || out.stride(1) == 1),
-              op, ": out must be int32 [rows, >= k] with unit column stride, got ",
-              out.scalar_type(), " ", out.sizes());
-  TORCH_CHECK(lens.device() == logits.device() && out.device() == logits.device(), op,
-              ": logits, lens and out must be on one device");
-  TORCH_CHECK(k >= 1 && k <= 8192, op, ": k ", k, " outside [1, 8192]");
-  TORCH_CHECK(logits.size(0) <= INT32_MAX, op, ": too many rows");
-  spin::RowTopKArgs a;
-  a.logits = logits.data_ptr<float>();
-  a.logits_stride = logits.size(0) > 0 ? logits.stride(0) : logits.size(1);
-  a.width = logits.size(1);
-  a.lens = lens.data_ptr<int32_t>();
-  a.rows = static_cast<int32_t>(logits.size(0));
-  a.k = static_cast<int32_t>(k);
-  a.out = out.data_ptr<int32_t>();
-  a.out_stride = out.size(0) > 0 ? out.stride(0) : out.size(1);
-  return a;
-}
-
 void RowTopKCpu(const at::Tensor& logits, const at::Tensor& lens, int64_t k, at::Tensor& out) {
   const spin::RowTopKArgs a = RowTopKArgsOf(logits, lens, k, out);
   const absl::Status s = spin::RowTopKHost(a);
@@ -273,27 +277,6 @@ void RowTopKCuda(const at::Tensor& logits, const at::Tensor& lens, int64_t k, at
   const absl::Status s =
       spin::LaunchRowTopK(a, c10::cuda::getCurrentCUDAStream(logits.device().index()).stream());
   TORCH_CHECK(s.ok(), "spind.row_topk: ", std::string(s.message()));
-}
-#endif
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(spind, m) {
-  m.def("row_topk(Tensor logits, Tensor lens, int k, Tensor(a!) out) -> ()");
-  m.def(
-      "paged_indexer(Tensor q, Tensor weights, Tensor kv, Tensor table, Tensor lens, "
-      "Tensor(a!) logits, int max_pages, int next_n, str kernel=\"auto\") -> ()");
-}
-
-TORCH_LIBRARY_IMPL(spind, CPU, m) {
-  m.impl("paged_indexer", &PagedIndexerCpu);
-  m.impl("row_topk", &RowTopKCpu);
-}
-
-#if SPIN_TORCH_CUDA
-TORCH_LIBRARY_IMPL(spind, CUDA, m) {
-  m.impl("paged_indexer", &PagedIndexerCuda);
-  m.impl("row_topk", &RowTopKCuda);
 }
 #endif
 

@@ -20,7 +20,8 @@ import torch
 torch.ops.load_library(os.path.join(os.path.dirname(__file__), "_C.so"))
 ops = torch.ops.spind
 
-_STATE = {"fp32": 1, "bf16": 2}
+# The budget modes' names, as the C++ codec spells them ("uniform", "per-layer", "miss-target").
+BUDGET_MODES = tuple(ops.budget_modes())
 
 # Fake implementations (torch >= 2.4) so torch.compile can trace the per-step ops: they return
 # nothing and change only what their schemas declare mutated.
@@ -42,8 +43,6 @@ class Session:
                  alpha=0.3, probe_period=0, budget_mode="uniform", target="",
                  client_name="python", device=None, engine_control=False, model="",
                  miss_target=0.0, defer_ema=False):
-        if state not in _STATE:
-            raise ValueError(f"state must be fp32 or bf16, not {state!r}")
         self.layers = layers
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.device = device
@@ -54,10 +53,12 @@ class Session:
         # a new daemon session (at begin_step or refresh): the views are taken again there.
         self._outputs_move = bool(target) and device.type == "cpu"
         self.handle = ops.attach(
-            target, [layers, block_size, topk, max_sequences, max_slots, max_rows, _STATE[state]],
-            seed, [float(target_sparsity), float(exploration), float(alpha), float(probe_period),
-                   float(miss_target)],
-            budget_mode, client_name, ordinal, bool(engine_control), model, bool(defer_ema))
+            target=target, layers=layers, max_slots=max_slots, block_size=block_size, topk=topk,
+            max_sequences=max_sequences, max_rows=max_rows, state=state, seed=seed,
+            target_sparsity=float(target_sparsity), exploration=float(exploration),
+            alpha=float(alpha), probe_period=int(probe_period), budget_mode=budget_mode,
+            miss_target=float(miss_target), client_name=client_name, device=ordinal,
+            engine_control=bool(engine_control), model=model, defer_ema=bool(defer_ema))
         # defer_ema (CUDA sessions): each layer's EMA runs beside the engine's work up to the
         # next layer's observe, reading that layer's logits meanwhile, so the session keeps the
         # last observed logits (and accepted counts) alive until the next observe: the caching
@@ -65,7 +66,7 @@ class Session:
         # it. The CPU backend ignores it.
         self._defer = bool(defer_ema) and device.type == "cuda"
         self._held = None
-        # Declared mutated by every per-step op (see ops.cc): orders them.
+        # Declared mutated by every per-step op (see python/csrc/step_ops.cc): orders them.
         self.token = torch.zeros(1, dtype=torch.int32, device=device)
         self._fetch_outputs()
 
@@ -137,14 +138,14 @@ class Session:
 
     def policy(self):
         p = ops.get_policy(self.handle)
-        mode = {0.0: "uniform", 1.0: "per-layer", 2.0: "miss-target"}[p[4]]
-        return {"target_sparsity": p[0], "exploration": p[1], "alpha": p[2],
-                "probe_period": int(p[3]), "budget_mode": mode, "miss_target": p[5]}
+        return dict(zip(("target_sparsity", "exploration", "alpha", "probe_period",
+                         "budget_mode", "miss_target"), p))
 
     def set_policy(self, target_sparsity=None, exploration=None, alpha=None, probe_period=None,
                    budget_mode=None, miss_target=None):
-        ops.set_policy(self.handle, target_sparsity, exploration, alpha, probe_period,
-                       budget_mode, miss_target)
+        ops.set_policy(self.handle, target_sparsity=target_sparsity, exploration=exploration,
+                       alpha=alpha, probe_period=probe_period, budget_mode=budget_mode,
+                       miss_target=miss_target)
 
     def stats(self):
         return ops.stats(self.handle)

@@ -219,8 +219,12 @@ def main(argv=None):
                     help="EMA decay (weight of history), in [0, 1)")
     ap.add_argument("--probe-period", type=int, default=0,
                     help="Every P-th step is a dense probe step (0: none)")
-    ap.add_argument("--budget", choices=["uniform", "per-layer"], default="uniform",
-                    help="Budget mode (per-layer needs --probe-period)")
+    ap.add_argument("--budget", choices=spind.BUDGET_MODES, default="uniform",
+                    help="Budget mode (per-layer and miss-target need --probe-period)")
+    ap.add_argument("--miss-target", type=float, default=0.0,
+                    help="Instead of a sparsity: each layer at the highest sparsity whose mean "
+                         "miss the probe curves predict at most this, in (0, 1); the "
+                         "miss-target budget mode")
     ap.add_argument("--seed", type=int, default=1, help="Session seed of the exploration draws")
     ap.add_argument("--key", type=int, default=0, help="Sequence key of the exploration draws")
     ap.add_argument("--state", choices=["fp32", "bf16"], default="fp32", help="State dtype")
@@ -241,9 +245,14 @@ def main(argv=None):
 
     if args.backend == "cuda" and not torch.cuda.is_available():
         return fail("--backend cuda: torch sees no CUDA device")
-    if args.budget == "per-layer" and args.probe_period == 0:
-        return fail("--budget per-layer needs --probe-period > 0 (the probe steps give the "
-                    "miss curves)")
+    if args.miss_target != 0:
+        # As spinctl replay: --miss-target chooses the miss-target mode.
+        if args.budget == "per-layer":
+            return fail("--miss-target and --budget per-layer are two budget modes: give one")
+        args.budget = "miss-target"
+    if args.budget != "uniform" and args.probe_period == 0:
+        flag = "--miss-target" if args.miss_target else f"--budget {args.budget}"
+        return fail(f"{flag} needs --probe-period > 0 (the probe steps give the miss curves)")
     try:
         meta, scores = load_trace(args.trace)
     except TraceError as e:
@@ -253,7 +262,8 @@ def main(argv=None):
             meta["layers"], scores.shape[3], block_size=meta["block_size"], topk=meta["topk"],
             max_rows=meta["rows"], state=args.state, seed=args.seed,
             target_sparsity=args.sparsity, exploration=args.exploration, alpha=args.alpha,
-            probe_period=args.probe_period, budget_mode=args.budget, target=args.target,
+            probe_period=args.probe_period, budget_mode=args.budget,
+            miss_target=args.miss_target, target=args.target,
             client_name="spind.replay", device="cuda" if args.backend == "cuda" else None)
     except RuntimeError as e:
         return fail(str(e))

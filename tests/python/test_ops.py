@@ -219,6 +219,23 @@ class LocalSession(unittest.TestCase):
         with self.assertRaisesRegex(RuntimeError, "miss-target budget mode needs a miss target"):
             spind.Session(2, 32 * B, topk=64, budget_mode="miss-target")
 
+    def test_budget_modes_cross_as_text(self):
+        # The names come from the C++ codec (spin::BudgetModeName), in its order.
+        self.assertEqual(spind.BUDGET_MODES, ("uniform", "per-layer", "miss-target"))
+        with spind.Session(2, 32 * B, topk=64, miss_target=0.02, probe_period=4) as s:
+            for mode in spind.BUDGET_MODES:
+                s.set_policy(budget_mode=mode)
+                self.assertEqual(s.policy()["budget_mode"], mode)
+            with self.assertRaisesRegex(RuntimeError, "budget mode 'dense': use uniform, "
+                                                      "per-layer or miss-target"):
+                s.set_policy(budget_mode="dense")
+            self.assertEqual(s.policy()["budget_mode"], "miss-target")
+            self.assertEqual(s.policy()["probe_period"], 4)
+        # attach takes its arguments by name only.
+        with self.assertRaises((RuntimeError, TypeError)):
+            spind.ops.attach("", 1, 32 * B, 64, 64, 1, 1, "fp32", 1, 0.5, 0.05, 0.3, 0, "uniform",
+                             0.0, "python")
+
     def test_policy_changes_apply_at_the_next_step(self):
         with spind.Session(1, 32 * B, topk=64, target_sparsity=0.5, exploration=0.0) as s:
             s.reset_sequence(0, 1)
