@@ -142,4 +142,10 @@ absl::StatusOr<bool> LocalBudgets::AfterStep(const DataPlane& dp, int64_t step) 
   return true;
 }
 
+#if !SPIN_HAVE_CUDA
+// Without the CUDA backend there is never a device (spin/cuda_data_plane.h); the CUDA build
+// defines it in kernels/cuda/.
+bool CudaAvailable() { return false; }
+#endif
+
 }  // namespace spin
