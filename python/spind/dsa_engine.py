@@ -70,6 +70,7 @@ import time
 import torch
 
 from . import ops
+from .keys import sequence_key
 
 PAGE = 64  # slots per page (paged_indexer.h kPageSlots; spind's block size here)
 INDEX_HEADS = 64
@@ -77,13 +78,6 @@ INDEX_DIM = 128
 KEY_BYTES = PAGE * INDEX_DIM  # a page's key bytes, then PAGE fp32 scales
 PAGE_BYTES = PAGE * (INDEX_DIM + 4)  # paged_indexer.h kPageBytes
 MASKED = -1e30  # a masked attention score: finite, so a row with nothing selected stays finite
-
-
-def request_key(request_id):
-    """spind's sequence key of a request: a stable 64-bit hash of its id (signed, as the op's
-    int64 argument takes it). The same on every rank and every run, unlike hash()."""
-    digest = hashlib.blake2b(str(request_id).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little", signed=True)
 
 
 def _seed(*parts):
@@ -136,7 +130,7 @@ def fp8_decode(b):
 
 
 def kept_blocks(num_blocks, topk, block_size, sparsity):
-    """Blocks one SPIN row keeps (DESIGN §5; spin::KeptBlocks)."""
+    """Blocks one SPIN row keeps (docs/design.md §5; spin::KeptBlocks)."""
     floor_blocks = -(-topk // block_size)
     want = math.ceil((1.0 - sparsity) * num_blocks - 1e-6)
     return min(num_blocks, max(floor_blocks, max(0, want)))
@@ -407,7 +401,7 @@ class DsaEngine:
         if npages > len(self.free_pages):
             raise RuntimeError("dsa_engine: out of KV pages")
         pages = [self.free_pages.pop() for _ in range(npages)]
-        key = request_key(request_id)
+        key = sequence_key(request_id)
         self._write_request(key, pages, final_len)
         row = torch.zeros(self.pages_per_seq, dtype=torch.int32)
         row[:npages] = torch.tensor(pages, dtype=torch.int32)

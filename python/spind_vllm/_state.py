@@ -11,7 +11,6 @@ Two hooks drive it (docs/vllm.md, "Why a worker class and a builder wrapper"):
     final. It calls begin_step with one entry per session slot row (padding after the decode
     requests), and records whether this forward's indexer runs on SPIN.
 """
-import hashlib
 import logging
 import re
 
@@ -20,12 +19,12 @@ import torch
 log = logging.getLogger("spind_vllm")
 
 
-def sequence_key(request_id):
-    """A stable 64-bit key for a request id: blake2b with an 8-byte digest, as a signed int64
-    (spind.Session.reset_sequence takes an int64 and reads its 64 bits unsigned). The same on
-    every process and tensor-parallel rank, unlike Python's salted hash()."""
-    digest = hashlib.blake2b(str(request_id).encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "little", signed=True)
+def _sequence_key(request_id):
+    """spind.keys.sequence_key, imported on first use: the plugin loads before spind (and its
+    torch ops) is imported, and calls this only with a spind session open."""
+    from spind.keys import sequence_key
+
+    return sequence_key(request_id)
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -187,7 +186,7 @@ class PluginState:
             log.error("spind_vllm: no free sequence slot for request %s (max_seqs %d)",
                       request_id, self.max_seqs)
             return None
-        self.session.reset_sequence(slot, sequence_key(request_id))
+        self.session.reset_sequence(slot, _sequence_key(request_id))
         self.counters["resets"] += 1
         return slot
 
@@ -217,7 +216,7 @@ class PluginState:
                 if switched:
                     # A rank's new spind session starts fresh: every rank starts over alike.
                     for rid, slot in self.slots.slot_of.items():
-                        self.session.reset_sequence(slot, sequence_key(rid))
+                        self.session.reset_sequence(slot, _sequence_key(rid))
                     self.counters["group_resets"] += 1
                 self.tp_dense = degraded
         self.step_pending = True

@@ -13,7 +13,8 @@ import torch
 
 import spind  # noqa: F401  (loads the ops)
 from spind.dsa_engine import (PAGE, PAGE_BYTES, KEY_BYTES, DsaEngine, check_paged_indexer,
-                              fp8_e4m3_values, request_key)
+                              fp8_e4m3_values)
+from spind.keys import sequence_key
 
 CUDA = torch.cuda.is_available()
 VALUES = fp8_e4m3_values().double()
@@ -165,16 +166,16 @@ class DenseEngine(unittest.TestCase):
                             self.assertEqual(got[row], want, f"layer {layer} row {row}")
                     eng.advance()
 
-    def test_request_keys_are_stable_across_processes(self):
+    def test_sequence_keys_are_stable_across_processes(self):
         # Python's hash() of a str changes with PYTHONHASHSEED; the sequence key must not.
-        code = "from spind.dsa_engine import request_key; print(request_key('req-7'))"
+        code = "from spind.keys import sequence_key; print(sequence_key('req-7'))"
         outs = set()
         for seed in ("1", "2"):
             env = dict(os.environ, PYTHONHASHSEED=seed)
             outs.add(subprocess.run([sys.executable, "-c", code], env=env, check=True,
                                     capture_output=True, text=True).stdout.strip())
-        self.assertEqual(outs, {str(request_key("req-7"))})
-        self.assertNotEqual(request_key("req-7"), request_key("req-8"))
+        self.assertEqual(outs, {str(sequence_key("req-7"))})
+        self.assertNotEqual(sequence_key("req-7"), sequence_key("req-8"))
 
 
 class SpinEngine(unittest.TestCase):
@@ -242,7 +243,7 @@ class SpinEngine(unittest.TestCase):
             # req-0 finishes after a few steps (final length just above its context).
             eng.admit(f"req-{i}", 1500 + 37 * i, 1506 if i == 0 else 2048)
         self.assertEqual([s for s, _ in eng.resets], [0, 1, 2, 3])
-        self.assertEqual([k for _, k in eng.resets], [request_key(f"req-{i}") for i in range(4)])
+        self.assertEqual([k for _, k in eng.resets], [sequence_key(f"req-{i}") for i in range(4)])
 
         def cache_of(slot, length):
             pages = eng.block_table[slot, : -(-length // PAGE)].long()
@@ -264,8 +265,8 @@ class SpinEngine(unittest.TestCase):
         # A new request takes slot 0, the preempted one comes back into slot 2.
         self.assertEqual(eng.admit("req-new", 1700, 2048), 0)
         self.assertEqual(eng.admit(evicted["id"], evicted["ctx"], evicted["final"]), 2)
-        self.assertEqual(eng.resets[-2:], [(0, request_key("req-new")),
-                                           (2, request_key("req-2"))])
+        self.assertEqual(eng.resets[-2:], [(0, sequence_key("req-new")),
+                                           (2, sequence_key("req-2"))])
         after = cache_of(2, 2048)
         self.assertTrue(torch.equal(before[0], after[0]) and torch.equal(before[1], after[1]),
                         "a re-admitted request's keys and latents differ")

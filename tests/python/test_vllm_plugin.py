@@ -29,6 +29,7 @@ from unittest import mock
 import torch
 
 import vllm_real
+from spind.keys import sequence_key
 from spind_vllm import _state
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -470,7 +471,7 @@ class Prologue(unittest.TestCase):
         return out
 
     def test_slots_resets_and_reuse(self):
-        key = _state.sequence_key
+        key = sequence_key
         self.st.on_schedule(self.sched(new=["a", "b"]))
         self.assertEqual(self.resets(), [(0, key("a")), (1, key("b"))])
         self.st.on_schedule(self.sched(finished=["a"], new=["c"]))  # c reuses a's slot
@@ -490,12 +491,12 @@ class Prologue(unittest.TestCase):
 
     def test_keys_identical_in_another_process(self):
         ids = ["cmpl-1", "req-7f3a-0", "x" * 300, "ü-request"]
-        code = ("import json,sys; from spind_vllm._state import sequence_key as k; "
+        code = ("import json,sys; from spind.keys import sequence_key as k; "
                 "print(json.dumps([k(i) for i in json.loads(sys.argv[1])]))")
         env = dict(os.environ, PYTHONHASHSEED="12345")
         out = subprocess.run([sys.executable, "-c", code, json.dumps(ids)], env=env,
                              capture_output=True, text=True, check=True).stdout
-        mine = [_state.sequence_key(i) for i in ids]
+        mine = [sequence_key(i) for i in ids]
         self.assertEqual(json.loads(out), mine)
         self.assertEqual(len(set(mine)), len(ids))
         self.assertTrue(all(-2**63 <= k < 2**63 for k in mine))
@@ -759,7 +760,7 @@ class TensorParallel(unittest.TestCase):
         finally:
             _state.sync_tp_group = orig
         resets = [c for c in fake.calls if c[0] == "reset_sequence"]
-        self.assertEqual(resets, [("reset_sequence", 0, _state.sequence_key("req-a"))] * 2)
+        self.assertEqual(resets, [("reset_sequence", 0, sequence_key("req-a"))] * 2)
         self.assertEqual(st.counters["group_resets"], 2)
 
     def test_two_gloo_ranks_adopt_rank0_control(self):

@@ -666,7 +666,7 @@ class CudaGraphs(unittest.TestCase):
 
 
 def _key(rid):
-    from spind_vllm._state import sequence_key
+    from spind.keys import sequence_key
     return sequence_key(rid)
 
 
