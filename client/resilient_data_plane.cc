@@ -180,7 +180,7 @@ absl::Status ResilientDataPlane::Refresh() {
   if (next) {
     DataPlane& dp = on_device_ ? *fallback_ : next->data_plane();
     for (const auto& [seq, key] : open_) {
-      // Never fail the engine over SPIN (DESIGN §7): a sequence that cannot be reopened is
+      // Never fail the engine over SPIN (docs/design.md §7): a sequence that cannot be reopened is
       // logged; its steps are then rejected by the data plane's own checks.
       if (absl::Status s = dp.ResetSequence(seq, key); !s.ok()) {
         Log(LogLevel::kError, absl::StrCat("cannot reopen sequence ", seq, " in session ",

@@ -1,5 +1,5 @@
 // The engine-facing data plane of libspin_client: it never blocks on, or fails because of,
-// spind (DESIGN §7).
+// spind (docs/design.md §7).
 //
 // - Daemon unreachable at start: selections are dense (a private arena at 0% sparsity), one log
 //   line, and attach is retried in the background.

@@ -1,4 +1,4 @@
-// Sessions of spind: one arena per session (DESIGN §4), its data plane for remote mode, and the
+// Sessions of spind: one arena per session (docs/design.md §4), its data plane for remote mode, and the
 // limits operators set. Thread-safe.
 #pragma once
 

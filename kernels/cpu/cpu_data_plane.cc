@@ -1,4 +1,4 @@
-// The CPU reference backend: DESIGN §5, written for clarity first and speed second. The CUDA
+// The CPU reference backend: docs/design.md §5, written for clarity first and speed second. The CUDA
 // backend must reproduce every selection and every state bit of this file.
 #include <algorithm>
 #include <cmath>
@@ -118,7 +118,7 @@ class CpuDataPlane final : public DataPlane {
     const uint32_t period = a_.policy->probe_period;
     // The step's budgets and exploration share, read once as the CUDA backend's selections
     // (all made when the step begins) read them: a policy or budget written during a step
-    // takes effect at the next one (DESIGN §6).
+    // takes effect at the next one (docs/design.md §6).
     step_rho_.assign(a_.sparsity, a_.sparsity + a_.geometry.layers);
     step_gamma_ = a_.policy->exploration;
     a_.batch->n = batch.n;
@@ -311,7 +311,7 @@ class CpuDataPlane final : public DataPlane {
     }
   }
 
-  // One row's selection (DESIGN §5): the query block, then the best-scoring other blocks, then
+  // One row's selection (docs/design.md §5): the query block, then the best-scoring other blocks, then
   // exploration blocks with the smallest counter-based draws. Marks the chosen blocks in mask.
   void SelectRow(const float* s, int32_t nb, int32_t q_block, double rho, double gamma,
                  uint64_t key, uint64_t step, int32_t layer, int32_t row, uint8_t* mask) {

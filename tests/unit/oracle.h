@@ -1,4 +1,4 @@
-// A second, deliberately naive implementation of DESIGN §5 for a whole session (several sequence
+// A second, deliberately naive implementation of docs/design.md §5 for a whole session (several sequence
 // slots, ragged contexts, MTP rows, slot reuse), written straight from the text: per-slot
 // predictions, full sorts, plain vectors, no arena. Tests drive it next to the data plane and
 // compare selections, compacted lengths, the V/D state bit for bit (fp32 and bf16), the V block
@@ -8,7 +8,7 @@
 // function. Its numerics are its own, re-derived from the spec:
 //   - Philox4x32-10 (Salmon et al., SC'11, as published with Random123), checked against the
 //     published known-answer vectors in oracle_test.cc;
-//   - the exploration key and counter (DESIGN §5, numerics.h's documented layout);
+//   - the exploration key and counter (docs/design.md §5, numerics.h's documented layout);
 //   - float -> bf16 round-to-nearest-even with every NaN stored as 0x7FFF (the arena's unset
 //     bf16 value), checked against hand-computed cases in oracle_test.cc.
 #pragma once

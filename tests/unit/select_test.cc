@@ -1,4 +1,4 @@
-// One test per selection rule of DESIGN §5 on the CPU reference backend.
+// One test per selection rule of docs/design.md §5 on the CPU reference backend.
 #include <algorithm>
 #include <cmath>
 #include <set>

@@ -1,4 +1,4 @@
-// Offline replay: runs the real data plane over a trace as an engine would (DESIGN §8).
+// Offline replay: runs the real data plane over a trace as an engine would (docs/design.md §8).
 //
 // Per step: BeginStep; per layer: Select, "score" the selected blocks from the trace into a
 // compacted logits buffer, take the top-K of each row and Remap it, Observe. The quality proxy
@@ -22,7 +22,7 @@ namespace spin {
 /// Which data plane runs the replay.
 enum class ReplayBackend { kCpu, kCuda };
 
-/// When the rows of an MTP step are observed (DESIGN §5, docs/lab/mtp-contract.md). kSameStep,
+/// When the rows of an MTP step are observed (docs/design.md §5, docs/lab/mtp-contract.md). kSameStep,
 /// kRow0 and kAll need nothing the data plane lacks; kDeferred and kLate are emulated here on the
 /// CPU backend (uniform budgets, no probes) to measure what the others would cost.
 enum class MtpObserve {

@@ -1,4 +1,4 @@
-// Replay traces (DESIGN §9): a directory with meta.json and scores.npy, the dense indexer
+// Replay traces (docs/design.md §9): a directory with meta.json and scores.npy, the dense indexer
 // score of every slot for each decode step, layer and query row of one sequence.
 //
 // Loading maps scores.npy (never copied) and validates meta.json against it; every failure is

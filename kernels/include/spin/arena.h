@@ -1,4 +1,4 @@
-// The per-session arena (DESIGN §4): one allocation holding all SPIN state of a session, a
+// The per-session arena (docs/design.md §4): one allocation holding all SPIN state of a session, a
 // versioned layout header first so that a process that maps it can validate what it got.
 //
 // The layout is plain data with 64-bit offsets from the arena base; the same bytes are read by

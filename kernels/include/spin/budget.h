@@ -1,4 +1,4 @@
-// Per-layer block budgets from dense probe steps (DESIGN §6; docs/budgets.md).
+// Per-layer block budgets from dense probe steps (docs/design.md §6; docs/budgets.md).
 //
 // Plain host C++ shared by spind's probe thread and offline replay: it never touches an arena.
 // The caller copies the arena's accumulated miss-curve counters and layer statistics into host

@@ -80,7 +80,7 @@ struct FusedIndexerArgs {
   /// default: the fastest fused configuration measured (docs/cuda-backend.md, "Fused mode").
   bool spread = true;
   bool programmatic = true;
-  /// The engine gives its top-K to RemapTopK after the call (DESIGN §5, "given by the engine"):
+  /// The engine gives its top-K to RemapTopK after the call (docs/design.md §5, "given by the engine"):
   /// the call then launches no Probe, and on a probe step the miss curves are counted there. A
   /// promise: nothing else counts that probe, so a layer whose selection gets no RemapTopK with
   /// count > 0 (a plain Remap, or none) has no curve sample on that step, where the reference's

@@ -1,5 +1,5 @@
 // Numerics shared bit-for-bit by the CPU and CUDA backends: bf16 conversion, the counter-based
-// exploration draw (Philox4x32-10) and the block-budget arithmetic of DESIGN §5.
+// exploration draw (Philox4x32-10) and the block-budget arithmetic of docs/design.md §5.
 //
 // Everything here is plain integer or IEEE arithmetic with a single fixed evaluation order, so
 // a host compiler and nvcc produce identical results (bf16 narrowing uses the hardware
@@ -129,7 +129,7 @@ SPIN_HD uint64_t ExplorationDraw(uint64_t key, uint64_t step, uint32_t layer, ui
 /// Integer ceiling division for non-negative operands.
 SPIN_HD int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/// Blocks one row keeps (DESIGN §5):
+/// Blocks one row keeps (docs/design.md §5):
 /// m = min(B, max(ceil(K/b), ceil((1 - rho) * B - 1e-6))), evaluated in double.
 SPIN_HD int32_t KeptBlocks(int32_t num_blocks, int32_t topk, int32_t block_size, double sparsity) {
   const int64_t floor_blocks = CeilDiv(topk, block_size);

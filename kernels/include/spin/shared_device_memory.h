@@ -1,4 +1,4 @@
-// Device memory that two processes share through a POSIX file descriptor (CUDA VMM, DESIGN §3):
+// Device memory that two processes share through a POSIX file descriptor (CUDA VMM, docs/design.md §3):
 // spind creates a session's arena with cuMemCreate and exports it; the engine imports the fd
 // and maps the same physical memory. The driver reference-counts the allocation, so either
 // side's mapping stays valid when the other process exits.
