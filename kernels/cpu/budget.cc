@@ -166,10 +166,26 @@ absl::StatusOr<Allocation> AllocateBudgets(const AllocationInput& in) {
   return out;
 }
 
-absl::StatusOr<Allocation> AllocateForMissTarget(const AllocationInput& in, double miss_target) {
-  if (!(miss_target > 0 && miss_target < 1)) {
+double ExpectedMiss(const MissCurve& monotone, int32_t m, int32_t num_blocks, double exploration) {
+  if (m >= num_blocks) return 0.0;
+  const int32_t explore = ExplorationBlocks(m, exploration);
+  const int32_t ranked = m - explore;
+  const double missed = CurveMiss(monotone, static_cast<double>(ranked) / num_blocks);
+  return missed * (1.0 - static_cast<double>(explore) / (num_blocks - ranked));
+}
+
+absl::StatusOr<Allocation> AllocateForMissLevels(const AllocationInput& in,
+                                                 std::span<const double> levels) {
+  const int32_t L = static_cast<int32_t>(in.curves.size());
+  if (levels.size() != in.curves.size()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("miss target ", miss_target, " is out of range (0, 1)"));
+        absl::StrCat("miss levels for ", levels.size(), " layers; the curves are for ", L));
+  }
+  for (int32_t l = 0; l < L; ++l) {
+    if (!(levels[l] > 0 && levels[l] < 1)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("miss target ", levels[l], " (layer ", l, ") is out of range (0, 1)"));
+    }
   }
   if (!(in.exploration >= 0 && in.exploration < 1)) {
     return absl::InvalidArgumentError(
@@ -177,7 +193,6 @@ absl::StatusOr<Allocation> AllocateForMissTarget(const AllocationInput& in, doub
   }
   // The validation and the comparison fields of the minimax allocation, then this allocation.
   SPIN_ASSIGN_OR_RETURN(Allocation ref, AllocateBudgets(in));
-  const int32_t L = static_cast<int32_t>(in.curves.size());
   const int32_t B = in.num_blocks;
   const int32_t floor_blocks =
       static_cast<int32_t>(std::min<int64_t>(B, CeilDiv(in.topk, in.block_size)));
@@ -187,22 +202,35 @@ absl::StatusOr<Allocation> AllocateForMissTarget(const AllocationInput& in, doub
   out.blocks.resize(L);
   out.sparsity.resize(L);
   for (int32_t l = 0; l < L; ++l) {
-    LayerCurve c;
-    c.monotone = MonotoneCurve(in.curves[l]);
-    c.lo = floor_blocks;
-    // The fewest m whose ranked part meets the target (m - floor(gamma m) is non-decreasing
-    // in m, so the first m whose ranked part reaches the curve's need is the answer).
-    const int32_t need = c.Need(miss_target, B);
-    int32_t m = need;
-    while (m < B && m - ExplorationBlocks(m, in.exploration) < need) ++m;
+    const MissCurve mono = MonotoneCurve(in.curves[l]);
+    // ExpectedMiss is non-increasing in m and 0 at B, so the fewest m in [floor, B] meeting the
+    // level exists: binary search for it.
+    int32_t m = B;
+    for (int32_t lo = floor_blocks; lo < m;) {
+      const int32_t mid = lo + (m - lo) / 2;
+      if (ExpectedMiss(mono, mid, B, in.exploration) <= levels[l]) {
+        m = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
     out.blocks[l] = m;
     out.sparsity[l] = 1.0 - static_cast<double>(m) / B;
     out.total_blocks += m;
-    const double miss = c.Miss(m - ExplorationBlocks(m, in.exploration), B);
+    const double miss = ExpectedMiss(mono, m, B, in.exploration);
     out.worst_miss = std::max(out.worst_miss, miss);
     out.mean_miss += miss / L;
   }
   return out;
+}
+
+absl::StatusOr<Allocation> AllocateForMissTarget(const AllocationInput& in, double miss_target) {
+  if (!(miss_target > 0 && miss_target < 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("miss target ", miss_target, " is out of range (0, 1)"));
+  }
+  const std::vector<double> levels(in.curves.size(), miss_target);
+  return AllocateForMissLevels(in, levels);
 }
 
 absl::Status ValidateBudgetTuning(const BudgetTuning& t) {
@@ -221,8 +249,23 @@ absl::Status ValidateBudgetTuning(const BudgetTuning& t) {
   if (t.min_probes < 1) {
     return absl::InvalidArgumentError("budget min_probes must be >= 1");
   }
+  if (!(t.payback_probes >= 1) || !std::isfinite(t.payback_probes)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("budget payback probes ", t.payback_probes, " must be a finite value >= 1"));
+  }
+  if (!(t.level_band >= 0 && t.level_band < 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("budget level band ", t.level_band, " is out of range [0, 1)"));
+  }
   return absl::OkStatus();
 }
+
+namespace {
+// A miss-target layer's level stays within [kMinLevel M, kMaxLevel M]. Its debt is at most what
+// kMaxDebt payback horizons at the lowest level repay, its credit what the highest level spends
+// in one (no wind-up).
+constexpr double kMinLevel = 0.25, kMaxLevel = 2.0, kMaxDebt = 4.0;
+}  // namespace
 
 BudgetController::BudgetController(const Geometry& g, BudgetTuning tuning)
     : layers_(static_cast<int32_t>(g.layers)),
@@ -246,6 +289,45 @@ void BudgetController::Reset() {
   used_miss_target_ = -1;
   used_exploration_ = -1;
   recomputes_ = 0;
+  have_table_ = false;
+  table_.clear();
+  cold_ = false;
+  level_.assign(layers_, 0.0);
+  debt_.assign(layers_, 0.0);
+}
+
+double BudgetController::Level(int32_t l, double miss_target) const {
+  return std::clamp(miss_target - debt_[l] / tuning_.payback_probes, kMinLevel * miss_target,
+                    kMaxLevel * miss_target);
+}
+
+void BudgetController::Measure(int32_t l, uint64_t probes, double probe_miss, double miss_target,
+                               double exploration) {
+  // The probe step ranked the layer's blocks as its selection does (without exploration) and
+  // counted the dense top-K slots outside the first m of them, m from the table in force:
+  // `probe_miss`. The selection ranks only m - m_e blocks and explores m_e: the curve's drop
+  // between the two keep fractions moves the count to the ranked part, and ExpectedMiss's
+  // recovery factor accounts for the random blocks.
+  const int32_t B = num_blocks_;
+  const int32_t m = KeptBlocks(B, topk_, block_size_, table_[l]);
+  double e = 0;
+  if (m < B) {
+    const MissCurve mono = MonotoneCurve(smoothed_[l]);
+    const int32_t explore = ExplorationBlocks(m, exploration);
+    const int32_t ranked = m - explore;
+    const double shift = CurveMiss(mono, static_cast<double>(ranked) / B) -
+                         CurveMiss(mono, static_cast<double>(m) / B);
+    e = std::min(1.0, probe_miss + std::max(0.0, shift)) *
+        (1.0 - static_cast<double>(explore) / (B - ranked));
+  }
+  // A measured excess is debt, repaid in full (up to kMaxDebt levels' worth). A measured
+  // shortfall is banked only when the table was dense (its miss is exactly 0): elsewhere the
+  // measurement is one probe step's estimate of its window, and banking its noise would turn
+  // into excess in the worst layer.
+  const double pay = tuning_.payback_probes;
+  const double lo = m >= B ? -(kMaxLevel - 1) * miss_target * pay : std::min(0.0, debt_[l]);
+  const double hi = kMaxDebt * (1 - kMinLevel) * miss_target * pay;
+  debt_[l] = std::clamp(debt_[l] + static_cast<double>(probes) * (e - miss_target), lo, hi);
 }
 
 absl::StatusOr<std::optional<BudgetUpdate>> BudgetController::Update(const ProbeSnapshot& snap,
@@ -279,6 +361,8 @@ absl::StatusOr<std::optional<BudgetUpdate>> BudgetController::Update(const Probe
   }
 
   uint64_t dsteps = 0, dblocks = 0;
+  // Miss-target mode: each layer's new probe steps and their miss at the table in force.
+  std::vector<std::pair<uint64_t, double>> window(miss_target > 0 ? layers_ : 0, {0, 0.0});
   for (int32_t l = 0; l < layers_; ++l) {
     const LayerStats &s = snap.stats[l], &b = base_stats_[l];
     dsteps += s.steps - b.steps;
@@ -298,6 +382,10 @@ absl::StatusOr<std::optional<BudgetUpdate>> BudgetController::Update(const Probe
       for (int p = 0; p < kCurvePoints; ++p) smoothed_[l][p] += w * (x[p] - smoothed_[l][p]);
     }
     samples_[l] += probes;
+    if (!window.empty() && s.probe_missed >= b.probe_missed) {
+      window[l] = {probes, std::min(1.0, static_cast<double>(s.probe_missed - b.probe_missed) /
+                                             static_cast<double>(topk))};
+    }
   }
   if (dsteps > 0) {
     // The counters come from an arena a client can write: the mean context is bounded by the
@@ -308,16 +396,66 @@ absl::StatusOr<std::optional<BudgetUpdate>> BudgetController::Update(const Probe
   }
   std::copy(snap.curves.begin(), snap.curves.end(), base_curves_.begin());
   std::copy(snap.stats.begin(), snap.stats.end(), base_stats_.begin());
+  if (!table_.empty()) {
+    for (int32_t l = 0; l < static_cast<int32_t>(window.size()); ++l) {
+      if (window[l].first > 0)
+        Measure(l, window[l].first, window[l].second, miss_target, exploration);
+    }
+  }
 
-  for (int32_t l = 0; l < layers_; ++l) {
-    if (samples_[l] < tuning_.min_probes) return std::optional<BudgetUpdate>();
+  bool ready = true;
+  for (int32_t l = 0; l < layers_; ++l) ready = ready && samples_[l] >= tuning_.min_probes;
+  if (!ready) {
+    if (miss_target > 0 && !have_table_ && !cold_) {
+      // Miss-target mode before any probe data: no curve says what any sparsity would miss,
+      // and the only table known to meet the target is dense.
+      return std::optional<BudgetUpdate>(Fixed(0.0, miss_target, target, exploration, "cold"));
+    }
+    if (miss_target == 0 && cold_) {
+      // Back to a sparsity target before any data: the target applies uniformly.
+      return std::optional<BudgetUpdate>(Fixed(target, 0.0, target, exploration, "target"));
+    }
+    return std::optional<BudgetUpdate>();
   }
   std::string reason;
-  if (recomputes_ == 0) {
+  const bool new_miss_target =
+      miss_target != used_miss_target_ || (miss_target > 0 && exploration != used_exploration_);
+  if (!have_table_) {
     reason = "first";
-  } else if (target != used_target_ || miss_target != used_miss_target_ ||
-             (miss_target > 0 && exploration != used_exploration_)) {
+  } else if (target != used_target_ || new_miss_target) {
     reason = "target";
+  } else if (miss_target > 0) {
+    // Miss-target mode: what matters is each layer's expected miss at the blocks it has, under
+    // the current curves, against its level.
+    const int32_t B = num_blocks_;
+    int32_t over = -1, slack = -1;
+    double over_miss = 0, over_level = 0;
+    for (int32_t l = 0; l < layers_; ++l) {
+      const double level = Level(l, miss_target);
+      const MissCurve mono = MonotoneCurve(smoothed_[l]);
+      const int32_t m = KeptBlocks(B, topk_, block_size_, table_[l]);
+      const double e = ExpectedMiss(mono, m, B, exploration);
+      if (e > level * (1 + tuning_.level_band)) {
+        if (over < 0 || e / level > over_miss / over_level) {
+          over = l;
+          over_miss = e;
+          over_level = level;
+        }
+      } else if (slack < 0 && e < level * (1 - tuning_.level_band) &&
+                 ExpectedMiss(mono, m - 1, B, exploration) <= level &&
+                 m - 1 >= std::min<int64_t>(B, CeilDiv(topk_, block_size_))) {
+        slack = l;
+      }
+    }
+    if (over >= 0) {
+      reason = absl::StrFormat("miss %.4f over level %.4f (layer %d)", over_miss, over_level, over);
+    } else if (slack >= 0) {
+      reason = absl::StrFormat("slack (layer %d)", slack);
+    } else if (std::abs(num_blocks_ - used_blocks_) > tuning_.blocks_drift * used_blocks_) {
+      reason = "context";
+    } else {
+      return std::optional<BudgetUpdate>();
+    }
   } else {
     double drift = 0;
     int32_t where = 0;
@@ -338,9 +476,29 @@ absl::StatusOr<std::optional<BudgetUpdate>> BudgetController::Update(const Probe
       return std::optional<BudgetUpdate>();
     }
   }
+  // A new miss target (or exploration share) is a new contract: the debts start over.
+  if (new_miss_target && have_table_) std::fill(debt_.begin(), debt_.end(), 0.0);
   SPIN_ASSIGN_OR_RETURN(BudgetUpdate u,
                         Recompute(target, miss_target, exploration, std::move(reason)));
   return std::optional<BudgetUpdate>(std::move(u));
+}
+
+BudgetUpdate BudgetController::Fixed(double sparsity, double miss_target, double target,
+                                     double exploration, std::string reason) {
+  BudgetUpdate u;
+  u.sparsity.assign(layers_, sparsity);
+  u.num_blocks = num_blocks_;
+  u.allocation.sparsity = u.sparsity;
+  u.allocation.blocks.assign(layers_, KeptBlocks(num_blocks_, topk_, block_size_, sparsity));
+  for (int32_t b : u.allocation.blocks) u.allocation.total_blocks += b;
+  u.reason = std::move(reason);
+  table_ = u.sparsity;
+  cold_ = miss_target > 0;
+  used_target_ = target;
+  used_miss_target_ = miss_target;
+  used_exploration_ = exploration;
+  recomputes_ += 1;
+  return u;
 }
 
 absl::StatusOr<BudgetUpdate> BudgetController::Recompute(double target, double miss_target,
@@ -352,14 +510,22 @@ absl::StatusOr<BudgetUpdate> BudgetController::Recompute(double target, double m
   in.block_size = block_size_;
   in.target_sparsity = target;
   in.exploration = exploration;
-  SPIN_ASSIGN_OR_RETURN(
-      Allocation a, miss_target > 0 ? AllocateForMissTarget(in, miss_target) : AllocateBudgets(in));
+  std::vector<double> levels;
+  if (miss_target > 0) {
+    for (int32_t l = 0; l < layers_; ++l) levels.push_back(Level(l, miss_target));
+  }
+  SPIN_ASSIGN_OR_RETURN(Allocation a,
+                        miss_target > 0 ? AllocateForMissLevels(in, levels) : AllocateBudgets(in));
   used_ = smoothed_;
   used_blocks_ = num_blocks_;
   used_target_ = target;
   used_miss_target_ = miss_target;
   used_exploration_ = exploration;
   recomputes_ += 1;
+  have_table_ = true;
+  cold_ = false;
+  table_ = a.sparsity;
+  if (miss_target > 0) level_ = levels;
   BudgetUpdate u;
   u.sparsity = a.sparsity;
   u.allocation = std::move(a);

@@ -249,9 +249,12 @@ struct FakeCounters {
       s.blocks_total += n * blocks;
     }
   }
-  void Probe(int layer, const MissCurve& c, uint64_t topk = 1000) {
+  // `missed`: the fraction of the top-K outside the layer's budget (probe_missed), if given.
+  void Probe(int layer, const MissCurve& c, uint64_t topk = 1000, double missed = -1) {
     stats[layer].probe_steps += 1;
     stats[layer].probe_topk += topk;
+    if (missed >= 0)
+      stats[layer].probe_missed += static_cast<uint64_t>(std::llround(missed * topk));
     for (int p = 0; p < kCurvePoints; ++p) {
       curves[static_cast<size_t>(layer) * kCurvePoints + p] +=
           static_cast<uint64_t>(std::llround(c[p] * topk));
@@ -403,18 +406,24 @@ TEST(MissTarget, EachLayerTakesTheFewestBlocksThatMeetTheTarget) {
   absl::StatusOr<Allocation> loose = AllocateForMissTarget(in, 0.05);
   ASSERT_TRUE(tight.ok() && loose.ok());
   for (int l = 0; l < 3; ++l) EXPECT_LE(loose->blocks[l], tight->blocks[l]);
-  // With exploration the ranked part (m minus its floor(gamma m) random blocks) must meet it.
+  // With exploration: the fewest m whose expected miss (ranked part, less what the random
+  // blocks recover) meets it; never more blocks than making the ranked part alone meet it.
   AllocationInput explored = in;
   explored.exploration = 0.2;
   absl::StatusOr<Allocation> ex = AllocateForMissTarget(explored, 0.02);
   absl::StatusOr<Allocation> plain = AllocateForMissTarget(in, 0.02);
   ASSERT_TRUE(ex.ok() && plain.ok());
   for (int l = 0; l < 3; ++l) {
+    const MissCurve mono = MonotoneCurve(curves[l]);
     const int32_t m = ex->blocks[l];
-    if (m < 200) {
-      EXPECT_GE(m - ExplorationBlocks(m, 0.2), plain->blocks[l]) << "layer " << l;
-      EXPECT_LT(m - 1 - ExplorationBlocks(m - 1, 0.2), plain->blocks[l]) << "the fewest";
-    }
+    EXPECT_LE(ExpectedMiss(mono, m, 200, 0.2), 0.02) << "layer " << l;
+    if (m > 8) EXPECT_GT(ExpectedMiss(mono, m - 1, 200, 0.2), 0.02) << "the fewest";
+    int32_t ranked_only = plain->blocks[l];
+    while (ranked_only < 200 &&
+           ranked_only - ExplorationBlocks(ranked_only, 0.2) < plain->blocks[l])
+      ++ranked_only;
+    EXPECT_LE(m, ranked_only) << "layer " << l;
+    EXPECT_GE(ex->worst_miss, ExpectedMiss(mono, m, 200, 0.2));
   }
   explored.exploration = 1.0;
   EXPECT_FALSE(AllocateForMissTarget(explored, 0.02).ok());
@@ -438,6 +447,188 @@ TEST(MissTarget, EachLayerTakesTheFewestBlocksThatMeetTheTarget) {
   u = c.Update(f.Snap(), 0.5, 0.05);
   ASSERT_TRUE(u.ok() && u->has_value());
   EXPECT_EQ((*u)->reason, "target");
+}
+
+// The expected miss of m kept blocks with exploration: the ranked part's curve miss, less the
+// share of it the random blocks recover (they are drawn from the blocks the ranking left out).
+TEST(MissTarget, ExpectedMissCountsWhatTheExplorationBlocksRecover) {
+  const MissCurve mono = MonotoneCurve(PowerCurve(0.5, 2));
+  // m = 100 of 200, gamma 0.2: 20 random blocks from the 120 outside the 80 ranked ones.
+  EXPECT_EQ(ExplorationBlocks(100, 0.2), 20);
+  EXPECT_NEAR(ExpectedMiss(mono, 100, 200, 0.2), CurveMiss(mono, 0.4) * (1 - 20.0 / 120), 1e-15);
+  EXPECT_EQ(ExpectedMiss(mono, 100, 200, 0.0), CurveMiss(mono, 0.5));
+  EXPECT_EQ(ExpectedMiss(mono, 200, 200, 0.2), 0.0);
+  EXPECT_EQ(ExpectedMiss(mono, 250, 200, 0.2), 0.0);
+  for (double gamma : {0.0, 0.05, 0.2, 0.5}) {
+    for (int32_t m = 2; m <= 200; ++m) {
+      EXPECT_LE(ExpectedMiss(mono, m, 200, gamma), ExpectedMiss(mono, m - 1, 200, gamma) + 1e-15)
+          << "non-increasing: gamma " << gamma << " m " << m;
+    }
+  }
+  // The expectation, checked by drawing the exploration blocks: 40 ranked blocks, the missed
+  // top-K slots spread unevenly over the 60 blocks outside them, 10 of those drawn at random.
+  std::mt19937_64 rng(7);
+  std::vector<int> missed_per_block(60);
+  int missed = 0;
+  for (int j = 0; j < 60; ++j) missed += missed_per_block[j] = (j % 7 == 0) ? 9 : (j % 3 == 0);
+  std::vector<int> order(60);
+  std::iota(order.begin(), order.end(), 0);
+  double recovered = 0;
+  const int draws = 20000;
+  for (int d = 0; d < draws; ++d) {
+    std::shuffle(order.begin(), order.end(), rng);
+    for (int k = 0; k < 10; ++k) recovered += missed_per_block[order[k]];
+  }
+  EXPECT_NEAR(1 - recovered / draws / missed, 1 - 10.0 / 60, 0.01);
+}
+
+TEST(MissTarget, EachLayerMeetsItsOwnLevel) {
+  const std::vector<MissCurve> curves(3, PowerCurve(0.5, 2));
+  AllocationInput in = Input(curves, 200, 0.5, 512);
+  in.exploration = 0.05;
+  const std::vector<double> levels = {0.01, 0.05, 0.2};
+  absl::StatusOr<Allocation> a = AllocateForMissLevels(in, levels);
+  ASSERT_TRUE(a.ok()) << a.status();
+  for (int l = 0; l < 3; ++l) {
+    absl::StatusOr<Allocation> one = AllocateForMissTarget(in, levels[l]);
+    ASSERT_TRUE(one.ok());
+    EXPECT_EQ(a->blocks[l], one->blocks[l]) << "layer " << l;
+  }
+  EXPECT_GT(a->blocks[0], a->blocks[1]);
+  EXPECT_GT(a->blocks[1], a->blocks[2]);
+  EXPECT_FALSE(AllocateForMissLevels(in, std::vector<double>{0.01, 0.05}).ok());
+  EXPECT_FALSE(AllocateForMissLevels(in, std::vector<double>{0.01, 0.0, 0.2}).ok());
+  EXPECT_FALSE(AllocateForMissLevels(in, std::vector<double>{0.01, 1.0, 0.2}).ok());
+  EXPECT_FALSE(AllocateForMissLevels(in, std::vector<double>{0.01, std::nan(""), 0.2}).ok());
+}
+
+// Miss-target mode before any probe data: no curve says what a sparsity would miss, so the
+// first call returns the dense table once; the first probe data gives the first real table.
+// The per-layer mode keeps waiting with the arena's uniform table; going back to it from a cold
+// miss-target table before any data gives the uniform table at the target.
+TEST(MissTargetController, ColdStartIsDenseUntilEveryLayerHasProbeData) {
+  BudgetController c(Geo(3));
+  FakeCounters f(3);
+  f.Steps(1, 200);
+  absl::StatusOr<std::optional<BudgetUpdate>> u = c.Update(f.Snap(), 0.5, 0.02);
+  ASSERT_TRUE(u.ok() && u->has_value()) << "the miss-target mode's cold table";
+  EXPECT_EQ((*u)->reason, "cold");
+  EXPECT_EQ((*u)->sparsity, std::vector<double>(3, 0.0));
+  EXPECT_EQ(c.recomputes(), 1u);
+  f.Steps(7, 200);
+  f.Probe(0, PowerCurve(0.3, 2));
+  u = c.Update(f.Snap(), 0.5, 0.02);
+  ASSERT_TRUE(u.ok());
+  EXPECT_FALSE(u->has_value()) << "still cold: layers 1 and 2 have no probe yet";
+  f.Probe(1, PowerCurve(0.3, 2));
+  f.Probe(2, PowerCurve(0.3, 2));
+  u = c.Update(f.Snap(), 0.5, 0.02);
+  ASSERT_TRUE(u.ok() && u->has_value());
+  EXPECT_EQ((*u)->reason, "first");
+  for (double rho : (*u)->sparsity) EXPECT_GT(rho, 0.2);
+
+  BudgetController per_layer(Geo(3));
+  FakeCounters g(3);
+  g.Steps(1, 200);
+  u = per_layer.Update(g.Snap(), 0.5);
+  ASSERT_TRUE(u.ok());
+  EXPECT_FALSE(u->has_value()) << "per-layer mode: no table before data, as before";
+
+  BudgetController back(Geo(3));
+  ASSERT_TRUE(back.Update(g.Snap(), 0.5, 0.02)->has_value());
+  u = back.Update(g.Snap(), 0.4);
+  ASSERT_TRUE(u.ok() && u->has_value());
+  EXPECT_EQ((*u)->reason, "target");
+  EXPECT_EQ((*u)->sparsity, std::vector<double>(3, 0.4));
+  u = back.Update(g.Snap(), 0.4);
+  ASSERT_TRUE(u.ok());
+  EXPECT_FALSE(u->has_value());
+}
+
+// The closed loop: every probe step measures each layer's miss at the table in force (the
+// probe's count at the layer's budget); a measured excess over the target is debt, paid back
+// by lowering the layer's level; a measured shortfall is not banked (only a dense table's exact
+// zero is credit); a new target starts over.
+TEST(MissTargetController, MeasuredMissAboveTheTargetIsPaidBack) {
+  const double M = 0.05;
+  BudgetController c(Geo(2));
+  FakeCounters f(2);
+  const MissCurve curve = PowerCurve(0.6, 2);
+  f.Steps(8, 200);
+  f.Probe(0, curve);
+  f.Probe(1, curve);
+  absl::StatusOr<std::optional<BudgetUpdate>> u = c.Update(f.Snap(), 0.5, M);
+  ASSERT_TRUE(u.ok() && u->has_value());
+  EXPECT_EQ((*u)->reason, "first");
+  const int32_t m0 = (*u)->allocation.blocks[0];
+  EXPECT_EQ((*u)->allocation.blocks[1], m0) << "equal curves, equal blocks";
+  EXPECT_EQ(c.miss_levels(), std::vector<double>(2, M));
+  // The probes measure 3 M at layer 0's budget and exactly M at layer 1's (their curves agree).
+  f.Steps(8, 200);
+  f.Probe(0, curve, 1000, 3 * M);
+  f.Probe(1, curve, 1000, M);
+  u = c.Update(f.Snap(), 0.5, M);
+  ASSERT_TRUE(u.ok() && u->has_value());
+  EXPECT_NE((*u)->reason.find("(layer 0)"), std::string::npos) << (*u)->reason;
+  EXPECT_NEAR(c.miss_debt()[0], 2 * M, 1e-9);
+  EXPECT_NEAR(c.miss_debt()[1], 0, 1e-9);
+  EXPECT_NEAR(c.miss_levels()[0], M - 2 * M / 8, 1e-9) << "paid back over 8 probes";
+  EXPECT_EQ(c.miss_levels()[1], M);
+  EXPECT_GT((*u)->allocation.blocks[0], m0) << "the layer that missed more keeps more";
+  EXPECT_EQ((*u)->allocation.blocks[1], m0);
+  // A probe that measures no miss at all: layer 0 repays M, layer 1 banks nothing.
+  f.Steps(8, 200);
+  f.Probe(0, curve, 1000, 0.0);
+  f.Probe(1, curve, 1000, 0.0);
+  ASSERT_TRUE(c.Update(f.Snap(), 0.5, M).ok());
+  EXPECT_NEAR(c.miss_debt()[0], M, 1e-9);
+  EXPECT_NEAR(c.miss_debt()[1], 0, 1e-9) << "a shortfall at a sparse table is not credit";
+  f.Steps(8, 200);
+  f.Probe(0, curve, 1000, 0.0);
+  f.Probe(1, curve, 1000, 0.0);
+  u = c.Update(f.Snap(), 0.5, M);
+  ASSERT_TRUE(u.ok() && u->has_value());
+  EXPECT_NEAR(c.miss_debt()[0], 0, 1e-9);
+  EXPECT_NE((*u)->reason.find("slack"), std::string::npos) << (*u)->reason;
+  EXPECT_EQ((*u)->allocation.blocks[0], m0) << "repaid: back to the target's blocks";
+  // Debt is bounded: however much a probe misses, the level stays >= M / 4 and the debt at
+  // most four payback horizons at that level.
+  for (int k = 0; k < 20; ++k) {
+    f.Steps(8, 200);
+    f.Probe(0, curve, 1000, 1.0);
+    f.Probe(1, curve, 1000, M);
+    ASSERT_TRUE(c.Update(f.Snap(), 0.5, M).ok());
+  }
+  EXPECT_NEAR(c.miss_debt()[0], 4 * 0.75 * M * 8, 1e-9);
+  EXPECT_NEAR(c.miss_levels()[0], M / 4, 1e-9);
+  // A new miss target is a new contract: the debts start over.
+  u = c.Update(f.Snap(), 0.5, 0.03);
+  ASSERT_TRUE(u.ok() && u->has_value());
+  EXPECT_EQ((*u)->reason, "target");
+  EXPECT_EQ(c.miss_debt(), std::vector<double>(2, 0.0));
+  EXPECT_EQ(c.miss_levels(), std::vector<double>(2, 0.03));
+}
+
+// The dense cold table misses exactly nothing: its probe window is credit, spent over the
+// payback horizon (the layer's level above the target until then).
+TEST(MissTargetController, TheColdWindowIsCredit) {
+  const double M = 0.02;
+  BudgetController c(Geo(2));
+  FakeCounters f(2);
+  f.Steps(1, 200);
+  ASSERT_TRUE(c.Update(f.Snap(), 0.5, M)->has_value());  // cold
+  f.Steps(7, 200);
+  f.Probe(0, PowerCurve(0.4, 2), 1000, 0.0);
+  f.Probe(1, PowerCurve(0.4, 2), 1000, 0.0);
+  absl::StatusOr<std::optional<BudgetUpdate>> u = c.Update(f.Snap(), 0.5, M);
+  ASSERT_TRUE(u.ok() && u->has_value());
+  EXPECT_EQ((*u)->reason, "first");
+  EXPECT_NEAR(c.miss_debt()[0], -M, 1e-12);
+  EXPECT_NEAR(c.miss_levels()[0], M + M / 8, 1e-12);
+  absl::StatusOr<Allocation> at_target = AllocateForMissTarget(
+      Input(std::vector<MissCurve>(c.smoothed().begin(), c.smoothed().end()), 200, 0.5, 512), M);
+  ASSERT_TRUE(at_target.ok());
+  EXPECT_LE((*u)->allocation.blocks[0], at_target->blocks[0]);
 }
 
 TEST(BudgetController, SmallChangesBelowTheThresholdAccumulateUntilTheyCount) {
@@ -516,6 +707,16 @@ TEST(BudgetController, RejectsBadSnapshots) {
   EXPECT_FALSE(ValidateBudgetTuning(t).ok());
   t = {};
   t.min_probes = 0;
+  EXPECT_FALSE(ValidateBudgetTuning(t).ok());
+  t = {};
+  t.payback_probes = 0.5;
+  EXPECT_FALSE(ValidateBudgetTuning(t).ok());
+  t.payback_probes = std::nan("");
+  EXPECT_FALSE(ValidateBudgetTuning(t).ok());
+  t = {};
+  t.level_band = 1;
+  EXPECT_FALSE(ValidateBudgetTuning(t).ok());
+  t.level_band = -0.1;
   EXPECT_FALSE(ValidateBudgetTuning(t).ok());
   EXPECT_TRUE(ValidateBudgetTuning(BudgetTuning{}).ok());
 }

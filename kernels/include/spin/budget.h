@@ -11,9 +11,11 @@
 //     closest non-increasing curve (isotonic regression) and CurveMiss interpolates it;
 //   - the allocator: kept blocks per layer minimising the worst layer's predicted miss with the
 //     total equal to the uniform budget's at the target sparsity, each layer within
-//     [ceil(K/b), B] blocks (AllocateBudgets);
+//     [ceil(K/b), B] blocks (AllocateBudgets), or, for a miss target, the fewest blocks per layer
+//     whose expected miss meets it (AllocateForMissTarget, AllocateForMissLevels);
 //   - the controller: smooths successive probe deltas with a per-probe EMA, detects drift and
-//     recomputes only then (BudgetController).
+//     recomputes only then (BudgetController); for a miss target it also measures each layer's
+//     miss at the table in force on every probe step and closes the loop on it.
 #pragma once
 
 #include <array>
@@ -74,12 +76,24 @@ struct Allocation {
 /// outside [0, 1) or a non-finite curve value.
 absl::StatusOr<Allocation> AllocateBudgets(const AllocationInput& in);
 
+/// Expected miss of a layer that keeps m of B blocks with the exploration share gamma, from its
+/// monotone curve: the ranked part r = m - ExplorationBlocks(m, gamma) misses CurveMiss(r / B) of
+/// the top-K; the exploration blocks are drawn uniformly from the B - r blocks outside it, which
+/// hold every slot it missed, so they recover ExplorationBlocks(m, gamma) / (B - r) of those in
+/// expectation. 0 when m >= B. Non-increasing in m.
+double ExpectedMiss(const MissCurve& monotone, int32_t m, int32_t num_blocks, double exploration);
+
 /// Kept blocks per layer for a miss target: each layer takes the fewest blocks m, within
-/// [ceil(K/b), B], whose ranked part (m minus the floor(gamma m) exploration blocks) has a
-/// predicted miss (monotone curve) of at most `miss_target` (B when none has). No total is
-/// imposed. `in.target_sparsity` only sizes the uniform_* fields for
-/// comparison. Errors: as AllocateBudgets, and a miss target outside (0, 1).
+/// [ceil(K/b), B], whose ExpectedMiss (monotone curve, exploration share `in.exploration`) is at
+/// most `miss_target` (B when none is). No total is imposed. `in.target_sparsity` only sizes the
+/// uniform_* fields for comparison. Errors: as AllocateBudgets, and a miss target outside (0, 1).
 absl::StatusOr<Allocation> AllocateForMissTarget(const AllocationInput& in, double miss_target);
+
+/// The same with a level per layer (the miss-target controller's levels): layer l takes the
+/// fewest blocks whose ExpectedMiss is at most levels[l]. Errors: as AllocateForMissTarget for
+/// each level, and a level count other than the layers.
+absl::StatusOr<Allocation> AllocateForMissLevels(const AllocationInput& in,
+                                                 std::span<const double> levels);
 
 /// Knobs of the controller (docs/budgets.md explains each).
 struct BudgetTuning {
@@ -94,6 +108,15 @@ struct BudgetTuning {
   double blocks_drift = 0.1;
   /// Probe samples every layer needs before the first recompute. >= 1.
   uint64_t min_probes = 1;
+  /// Miss-target mode: a layer's measured miss above the target, summed over probe steps (its
+  /// debt), is paid back over this many probe steps by lowering the layer's level below the
+  /// target; the zero miss of a dense table (the cold start) is credit, spent the same way.
+  /// >= 1.
+  double payback_probes = 8;
+  /// Miss-target mode: recompute when a layer's expected miss at the blocks it has left
+  /// [level (1 - band), level (1 + band)] (below only when fewer blocks would meet the level).
+  /// [0, 1).
+  double level_band = 0.1;
 };
 
 /// Checks each field; the message names the field and its allowed range.
@@ -128,8 +151,13 @@ class BudgetController {
   /// recompute, the target changed, the curves drifted, or B drifted; nullopt otherwise.
   /// Counters that went backwards (a reset arena) restart the controller's baseline. Errors:
   /// spans of the wrong size, a target outside [0, 1).
-  /// With `miss_target` > 0 (the miss-target mode) the table is AllocateForMissTarget's and
-  /// a changed miss target recomputes as a changed target does.
+  /// With `miss_target` > 0 (the miss-target mode): before every layer has data the first call
+  /// returns a dense table (reason "cold"); each probe's miss at the table in force moves the
+  /// layer's debt and level; tables are AllocateForMissLevels' at the levels, recomputed when a
+  /// layer's expected miss leaves its level's band (reasons "miss ...", "slack ...") instead of
+  /// on curve drift; a changed miss target or exploration share recomputes ("target") and
+  /// clears the debts. Back to a sparsity target before any data, the uniform table at the
+  /// target is returned ("target").
   absl::StatusOr<std::optional<BudgetUpdate>> Update(const ProbeSnapshot& snapshot,
                                                      double target_sparsity, double miss_target = 0,
                                                      double exploration = 0);
@@ -152,6 +180,12 @@ class BudgetController {
   const std::vector<MissCurve>& smoothed() const { return smoothed_; }
   /// The B the next recompute would use.
   int32_t num_blocks() const { return num_blocks_; }
+  /// Miss-target mode, per layer: the miss level of the last table (the target moved by the
+  /// layer's debt; 0 before the first miss-target table), and the debt: the sum over probe steps
+  /// of the measured miss at the table in force minus the target (negative: credit), bounded
+  /// (docs/budgets.md, "Sparsity from a quality target").
+  const std::vector<double>& miss_levels() const { return level_; }
+  const std::vector<double>& miss_debt() const { return debt_; }
   /// Forgets everything but the geometry and tuning (e.g. when the session's mode changes).
   void Reset();
 
@@ -159,6 +193,16 @@ class BudgetController {
   // The allocation for the smoothed curves at `target`, recorded as the one in use.
   absl::StatusOr<BudgetUpdate> Recompute(double target, double miss_target, double exploration,
                                          std::string reason);
+
+  // A table of one sparsity for every layer, recorded as the one in use (the miss-target mode's
+  // cold start, and the way back from it).
+  BudgetUpdate Fixed(double sparsity, double miss_target, double target, double exploration,
+                     std::string reason);
+  // Miss-target mode: adds each layer's measured miss at the table in force to its debt.
+  void Measure(int32_t layer, uint64_t probes, double probe_miss, double miss_target,
+               double exploration);
+  // Miss-target mode: layer l's level for the next table.
+  double Level(int32_t layer, double miss_target) const;
 
   int32_t layers_, topk_, block_size_, default_blocks_;
   BudgetTuning tuning_;
@@ -170,6 +214,10 @@ class BudgetController {
   int32_t num_blocks_ = 0, used_blocks_ = 0;
   double used_target_ = -1, used_miss_target_ = -1, used_exploration_ = -1;
   uint64_t recomputes_ = 0;
+  bool have_table_ = false;    // a table from probe data (or warm curves) was returned
+  std::vector<double> table_;  // the last table returned (empty before any)
+  bool cold_ = false;          // table_ is the miss-target mode's dense table before any data
+  std::vector<double> level_, debt_;  // miss-target mode (miss_levels(), miss_debt())
 };
 
 /// INVALID_ARGUMENT unless the table has one entry per layer of `g`, each finite and in [0, 1).
