@@ -1,6 +1,6 @@
 // libspin_client: attach a session in spind, map its arena into this process, and run the data
-// plane on it locally (docs/design.md §3). The daemon keeps owning the arena: it writes the policy and
-// budget table the kernels read and serves statistics from the same memory.
+// plane on it locally (docs/design.md §3). The daemon keeps owning the arena: it writes the policy
+// and budget table the kernels read and serves statistics from the same memory.
 //
 // The library an engine links, whole: this header (Session: attach, map, policy, budgets, stats,
 // lease), spin/data_plane.h (the DataPlane calls of a decode step), resilient_data_plane.h (what

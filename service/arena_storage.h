@@ -1,5 +1,5 @@
-// Where a session's arena lives (docs/design.md §3-4): host memory in a memfd (CPU backend) or device
-// memory from a CUDA VMM allocation (CUDA backend). Both are handed to the client as a file
+// Where a session's arena lives (docs/design.md §3-4): host memory in a memfd (CPU backend) or
+// device memory from a CUDA VMM allocation (CUDA backend). Both are handed to the client as a file
 // descriptor; the daemon reads statistics and writes policy and budgets through this class, and
 // runs remote mode (PredictMasks / ObserveScores) on the same arena. Not thread-safe: callers
 // hold the session's mutex.

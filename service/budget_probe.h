@@ -1,5 +1,5 @@
-// The probe thread of spind (docs/design.md §6): per-layer budgets from the miss curves that probe steps
-// accumulate in each session's arena. No per-step RPC: the thread reads the arenas' counters
+// The probe thread of spind (docs/design.md §6): per-layer budgets from the miss curves that probe
+// steps accumulate in each session's arena. No per-step RPC: the thread reads the arenas' counters
 // (a host mirror pull on the CUDA backend), feeds them to the session's BudgetController
 // (spin/budget.h, the same code offline replay runs), and when the controller returns a new
 // table writes it into the arena with a new epoch and publishes it (WatchBudgets).

@@ -1,5 +1,5 @@
-// Sessions of spind: one arena per session (docs/design.md §4), its data plane for remote mode, and the
-// limits operators set. Thread-safe.
+// Sessions of spind: one arena per session (docs/design.md §4), its data plane for remote mode, and
+// the limits operators set. Thread-safe.
 #pragma once
 
 #include <chrono>

@@ -1,5 +1,5 @@
-// The CPU reference backend: docs/design.md §5, written for clarity first and speed second. The CUDA
-// backend must reproduce every selection and every state bit of this file.
+// The CPU reference backend: docs/design.md §5, written for clarity first and speed second. The
+// CUDA backend must reproduce every selection and every state bit of this file.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -311,8 +311,8 @@ class CpuDataPlane final : public DataPlane {
     }
   }
 
-  // One row's selection (docs/design.md §5): the query block, then the best-scoring other blocks, then
-  // exploration blocks with the smallest counter-based draws. Marks the chosen blocks in mask.
+  // One row's selection (docs/design.md §5): the query block, then the best-scoring other blocks,
+  // then exploration blocks with the smallest counter-based draws. Marks the chosen blocks in mask.
   void SelectRow(const float* s, int32_t nb, int32_t q_block, double rho, double gamma,
                  uint64_t key, uint64_t step, int32_t layer, int32_t row, uint8_t* mask) {
     const Geometry& g = a_.geometry;

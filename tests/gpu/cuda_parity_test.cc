@@ -704,8 +704,8 @@ TEST_F(CudaTest, ParityFusedSelectIndexAndObserve) {
   RunFusedScenarios(true);
 }
 
-// The engine's top-K given to RemapTopK is what the probe steps count (docs/design.md §5, "given by the
-// engine"), on both backends: random compacted indices (some padding, some out of range) on
+// The engine's top-K given to RemapTopK is what the probe steps count (docs/design.md §5, "given by
+// the engine"), on both backends: random compacted indices (some padding, some out of range) on
 // every layer, counted per curve level for the probing entries; Observe (and the fused calls,
 // with probe_at_remap) then compute no top-K. Unfused: one row and MTP rows, Probe beside the
 // EMA and before it, 32-slot blocks; fused: both calls, one row and MTP rows, and the one call

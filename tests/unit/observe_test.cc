@@ -1,5 +1,5 @@
-// Observation rules of docs/design.md §5 (EMA, non-finite scores, MTP prefix-valid replay, probe miss
-// curves, reset) and the no-change guarantee of rejected calls, on the CPU backend.
+// Observation rules of docs/design.md §5 (EMA, non-finite scores, MTP prefix-valid replay, probe
+// miss curves, reset) and the no-change guarantee of rejected calls, on the CPU backend.
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -220,8 +220,8 @@ TEST(Observe, FreshProbeStepTakesNoCurveSample) {
   EXPECT_EQ(t.view().curves[0], 0u);
 }
 
-// RemapTopK: the engine's top-K given for the probe (docs/design.md §5, "given by the engine") is what
-// the curve counts, once per selection, and the layer's Observe then computes none. Here the
+// RemapTopK: the engine's top-K given for the probe (docs/design.md §5, "given by the engine") is
+// what the curve counts, once per selection, and the layer's Observe then computes none. Here the
 // engine's top-K (blocks 0 and 8, some padding and an index past the row) differs from the
 // logits' dense top-K (blocks 0 and 5), so the counts show which one was used.
 TEST(Observe, ProbeCountsTheEngineTopKGivenToRemapTopK) {

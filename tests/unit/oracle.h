@@ -1,5 +1,5 @@
-// A second, deliberately naive implementation of docs/design.md §5 for a whole session (several sequence
-// slots, ragged contexts, MTP rows, slot reuse), written straight from the text: per-slot
+// A second, deliberately naive implementation of docs/design.md §5 for a whole session (several
+// sequence slots, ragged contexts, MTP rows, slot reuse), written straight from the text: per-slot
 // predictions, full sorts, plain vectors, no arena. Tests drive it next to the data plane and
 // compare selections, compacted lengths, the V/D state bit for bit (fp32 and bf16), the V block
 // summaries, the statistics and the probe miss curves after every call.

@@ -1,6 +1,6 @@
-// End-to-end replay: the data plane driven over traces must match the naive oracle (docs/design.md §5)
-// step for step and layer for layer, on traces built here independently of the generator and
-// on generated ones.
+// End-to-end replay: the data plane driven over traces must match the naive oracle (docs/design.md
+// §5) step for step and layer for layer, on traces built here independently of the generator and on
+// generated ones.
 #include "replay.h"
 
 #include <cmath>

@@ -22,9 +22,9 @@ namespace spin {
 /// Which data plane runs the replay.
 enum class ReplayBackend { kCpu, kCuda };
 
-/// When the rows of an MTP step are observed (docs/design.md §5, docs/lab/mtp-contract.md). kSameStep,
-/// kRow0 and kAll need nothing the data plane lacks; kDeferred and kLate are emulated here on the
-/// CPU backend (uniform budgets, no probes) to measure what the others would cost.
+/// When the rows of an MTP step are observed (docs/design.md §5, docs/lab/mtp-contract.md).
+/// kSameStep, kRow0 and kAll need nothing the data plane lacks; kDeferred and kLate are emulated
+/// here on the CPU backend (uniform budgets, no probes) to measure what the others would cost.
 enum class MtpObserve {
   kSameStep,  ///< rows 0..accepted-1 at the step itself (acceptance known in advance: offline)
   kRow0,      ///< row 0 at once, draft rows never (the engine contract)

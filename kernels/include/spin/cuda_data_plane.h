@@ -80,12 +80,12 @@ struct FusedIndexerArgs {
   /// default: the fastest fused configuration measured (docs/cuda-backend.md, "Fused mode").
   bool spread = true;
   bool programmatic = true;
-  /// The engine gives its top-K to RemapTopK after the call (docs/design.md §5, "given by the engine"):
-  /// the call then launches no Probe, and on a probe step the miss curves are counted there. A
-  /// promise: nothing else counts that probe, so a layer whose selection gets no RemapTopK with
-  /// count > 0 (a plain Remap, or none) has no curve sample on that step, where the reference's
-  /// Select and Observe would have computed one. Off: the Probe launch after the kernel computes
-  /// each probing entry's dense top-K from the logits.
+  /// The engine gives its top-K to RemapTopK after the call (docs/design.md §5, "given by the
+  /// engine"): the call then launches no Probe, and on a probe step the miss curves are counted
+  /// there. A promise: nothing else counts that probe, so a layer whose selection gets no RemapTopK
+  /// with count > 0 (a plain Remap, or none) has no curve sample on that step, where the
+  /// reference's Select and Observe would have computed one. Off: the Probe launch after the kernel
+  /// computes each probing entry's dense top-K from the logits.
   bool probe_at_remap = false;
 };
 

@@ -1,4 +1,5 @@
-// The SPIN data plane: the per-step operations an engine runs around its indexer (docs/design.md §3, §5).
+// The SPIN data plane: the per-step operations an engine runs around its indexer (docs/design.md
+// §3, §5).
 //
 // One interface, two backends: cpu/ (the reference, host pointers) and cuda/ (device pointers,
 // launched on the caller's stream with no host synchronisation). A decode step of a batch is:
@@ -106,8 +107,8 @@ class DataPlane {
 
   /// Remap of the engine's own top-K of the selected layer (its top-K over the compacted rows,
   /// `count` per row): the same mapping, and on a probe step each probing entry's row 0, once
-  /// mapped, is the dense top-K its miss curve counts (docs/design.md §5: "given by the engine"): every
-  /// valid slot is counted against the curve levels of the selection's ranking, and the probe
+  /// mapped, is the dense top-K its miss curve counts (docs/design.md §5: "given by the engine"):
+  /// every valid slot is counted against the curve levels of the selection's ranking, and the probe
   /// counts one step per probing entry. A selection's probe is counted once, by whichever comes
   /// first: RemapTopK with count > 0, or the layer's Observe (or a fused call without
   /// `probe_at_remap`), which computes the top-K from the logits; the later calls count nothing.
@@ -166,9 +167,9 @@ class DataPlane {
   std::shared_ptr<void> arena_memory_;
 };
 
-/// BeginStep's checks, made before anything changes (docs/design.md §7), on a host-readable view whose
-/// sequence records are current: batch size and rows, then per entry the sequence range, open,
-/// not repeated, ctx_len and q_pos ranges. The CPU backend runs it; spind runs it on its host
+/// BeginStep's checks, made before anything changes (docs/design.md §7), on a host-readable view
+/// whose sequence records are current: batch size and rows, then per entry the sequence range,
+/// open, not repeated, ctx_len and q_pos ranges. The CPU backend runs it; spind runs it on its host
 /// mirror before remote-mode steps on the CUDA backend, so both answer with the same statuses.
 absl::Status ValidateStepBatch(const ArenaView& a, const StepBatch& batch);
 

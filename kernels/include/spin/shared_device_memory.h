@@ -1,5 +1,5 @@
-// Device memory that two processes share through a POSIX file descriptor (CUDA VMM, docs/design.md §3):
-// spind creates a session's arena with cuMemCreate and exports it; the engine imports the fd
+// Device memory that two processes share through a POSIX file descriptor (CUDA VMM, docs/design.md
+// §3): spind creates a session's arena with cuMemCreate and exports it; the engine imports the fd
 // and maps the same physical memory. The driver reference-counts the allocation, so either
 // side's mapping stays valid when the other process exits.
 //
