@@ -2,11 +2,15 @@
 // budgets at the same target and probe period, on a generated trace with heterogeneous layers
 // and sudden shifts (a seed no other test uses), and the quality study's plumbing.
 #include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <iterator>
 #include <string>
 
 #include "eval.h"
 #include "gen_trace.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "replay.h"
 #include "spin/numerics.h"
 #include "trace.h"
@@ -192,9 +196,83 @@ TEST(QualityStudy, RunsEveryMethodAtEverySparsity) {
   const std::string md = EvalMarkdown(o, *r);
   EXPECT_NE(md.find("| prev-iter (oracle) |"), std::string::npos);
   EXPECT_NE(md.find("per-layer budgets P=8"), std::string::npos);
+  // The miss-target runs, one per M, apart from the sparsity tables.
+  ASSERT_EQ(r->miss_target_points.size(), o.miss_targets.size());
+  for (size_t i = 0; i < o.miss_targets.size(); ++i) {
+    const MethodPoint& p = r->miss_target_points[i];
+    EXPECT_EQ(p.method, "miss-target P=8");
+    EXPECT_EQ(p.target, o.miss_targets[i]);
+    EXPECT_GT(p.effective_sparsity, 0.0);
+    EXPECT_GE(p.worst_layer_miss, p.mean_miss - 1e-12);
+  }
+  // A looser target buys more sparsity.
+  EXPECT_GT(r->miss_target_points.back().effective_sparsity,
+            r->miss_target_points.front().effective_sparsity);
+  EXPECT_NE(md.find("Miss-target mode (P=8"), std::string::npos);
+  EXPECT_NE(md.find("p99 step miss at 50% effective sparsity"), std::string::npos);
   ASSERT_TRUE(WriteEvalData(*r, o.work_dir).ok());
+  std::ifstream budgets(o.work_dir + "/budgets.dat");
+  const std::string dat((std::istreambuf_iterator<char>(budgets)),
+                        std::istreambuf_iterator<char>());
+  EXPECT_NE(dat.find("# miss-target P=8\n\"miss-target P=8\"\t0.01\t"), std::string::npos) << dat;
   o.sparsities = {1.0};
   EXPECT_EQ(RunEval(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.sparsities = {0.5};
+  o.miss_targets = {0.0};
+  EXPECT_EQ(RunEval(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(QualityStudy, GivenTracesInParallelEqualGeneratedOnesOneAtATime) {
+  EvalOptions o;
+  o.seeds = {1, 2, 3};  // given trace i uses seed i + 1: the same draws
+  o.sparsities = {0.4, 0.7};
+  o.miss_targets = {0.02, 0.1};
+  o.gen = SmallTrace(0);
+  o.gen.layers = 2;
+  o.gen.slots = 2048;
+  o.gen.steps = 32;
+  o.work_dir = TempDir("study-given");
+  absl::StatusOr<EvalResult> generated = RunEval(o);
+  ASSERT_TRUE(generated.ok()) << generated.status();
+  EvalOptions given = o;
+  given.trace_dirs = generated->traces;
+  given.jobs = 3;
+  absl::StatusOr<EvalResult> r = RunEval(given);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->traces, generated->traces);
+  // Every number equal (the JSON differs only in how the traces are described).
+  nlohmann::json a = nlohmann::json::parse(EvalJson(o, *generated));
+  nlohmann::json b = nlohmann::json::parse(EvalJson(given, *r));
+  for (const char* key :
+       {"signals", "points", "miss_target_points", "p99_at_half_effective_sparsity", "traces"}) {
+    EXPECT_EQ(a[key], b[key]) << key;
+  }
+  EXPECT_EQ(r->trace_shapes[0], "2 layers x 2048 slots x 32 steps, top-K 512");
+  const std::string md = EvalMarkdown(given, *r);
+  EXPECT_NE(md.find("- `" + r->traces[2] + "`: 2 layers x 2048 slots"), std::string::npos) << md;
+  given.trace_dirs = {o.work_dir + "/no-such-trace"};
+  EXPECT_FALSE(RunEval(given).ok());
+  given.trace_dirs = generated->traces;
+  given.jobs = 0;
+  EXPECT_EQ(RunEval(given).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(QualityStudy, P99AtHalfSparsityInterpolatesBetweenTheTwoPointsAroundIt) {
+  auto point = [](const std::string& m, double eff, double p99) {
+    MethodPoint p;
+    p.method = m;
+    p.effective_sparsity = eff;
+    p.p99_miss = p99;
+    return p;
+  };
+  // Out of order on purpose, and another method's points in between.
+  const std::vector<MethodPoint> pts = {point("a", 0.6, 0.3), point("b", 0.5, 9.0),
+                                        point("a", 0.2, 0.01), point("a", 0.45, 0.1)};
+  EXPECT_NEAR(P99AtEffectiveSparsity(pts, "a", 0.5), 0.1 + (0.3 - 0.1) * (0.05 / 0.15), 1e-12);
+  EXPECT_NEAR(P99AtEffectiveSparsity(pts, "a", 0.2), 0.01, 1e-12);
+  EXPECT_TRUE(std::isnan(P99AtEffectiveSparsity(pts, "a", 0.7)));
+  EXPECT_TRUE(std::isnan(P99AtEffectiveSparsity(pts, "b", 0.5)));  // one point: no segment
+  EXPECT_TRUE(std::isnan(P99AtEffectiveSparsity(pts, "c", 0.5)));
 }
 
 }  // namespace

@@ -1,11 +1,14 @@
 #include "eval.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <fstream>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <random>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -199,90 +202,198 @@ absl::Status EvalSignals(const Trace& trace, const std::vector<double>& sparsiti
   return absl::OkStatus();
 }
 
+std::string MissTargetMethod(uint32_t probe_period) {
+  return absl::StrCat("miss-target P=", probe_period);
+}
+
+double P99AtEffectiveSparsity(const std::vector<MethodPoint>& points, const std::string& method,
+                              double at) {
+  std::vector<std::pair<double, double>> xy;
+  for (const MethodPoint& p : points) {
+    if (p.method == method) xy.emplace_back(p.effective_sparsity, p.p99_miss);
+  }
+  std::sort(xy.begin(), xy.end());
+  for (size_t i = 0; i + 1 < xy.size(); ++i) {
+    const auto [x0, y0] = xy[i];
+    const auto [x1, y1] = xy[i + 1];
+    if (at < x0 || at > x1) continue;
+    return x1 > x0 ? y0 + (y1 - y0) * (at - x0) / (x1 - x0) : y0;
+  }
+  return std::nan("");
+}
+
+namespace {
+
+// Everything the study measures on one trace.
+struct TraceStudy {
+  std::string dir, shape;
+  std::vector<SignalRow> signals;
+  std::vector<MethodPoint> points, miss_target_points;
+};
+
+struct SpinMethod {
+  std::string name;
+  double exploration;
+  uint32_t probe;
+  BudgetMode mode;
+  double miss_target;
+};
+
+absl::StatusOr<TraceStudy> StudyTrace(const EvalOptions& o, const std::vector<SpinMethod>& methods,
+                                      size_t index,
+                                      const std::function<void(const std::string&)>& log) {
+  TraceStudy ts;
+  uint64_t seed = index + 1;
+  if (o.trace_dirs.empty()) {
+    GenTraceOptions g = o.gen;
+    g.seed = seed = o.seeds[index];
+    ts.dir = absl::StrCat(o.work_dir, "/trace-", seed);
+    SPIN_RETURN_IF_ERROR(GenerateTrace(ts.dir, g));
+  } else {
+    ts.dir = o.trace_dirs[index];
+  }
+  SPIN_ASSIGN_OR_RETURN(Trace trace, LoadTrace(ts.dir));
+  const TraceMeta& m = trace.meta();
+  ts.shape = absl::StrCat(m.layers, " layers x ", trace.n_max(), " slots x ", m.steps,
+                          " steps, top-K ", m.topk);
+  SPIN_RETURN_IF_ERROR(EvalSignals(trace, o.sparsities, seed, &ts.signals, &ts.points));
+  log(absl::StrCat("trace ", ts.dir, ": signals done"));
+  for (const SpinMethod& sm : methods) {
+    const bool mt = sm.mode == BudgetMode::kMissTarget;
+    for (double target : mt ? o.miss_targets : o.sparsities) {
+      ReplayOptions ro;
+      ro.policy.target_sparsity = mt ? Policy{}.target_sparsity : target;
+      ro.policy.miss_target = mt ? target : 0.0;
+      ro.policy.exploration = sm.exploration;
+      ro.policy.alpha = o.alpha;
+      ro.policy.probe_period = sm.probe;
+      ro.policy.budget_mode = sm.mode;
+      ro.budget_tuning = o.tuning;
+      ro.seed = seed;
+      SPIN_ASSIGN_OR_RETURN(ReplaySummary r, Replay(trace, ro));
+      MethodPoint mp;
+      mp.method = sm.name;
+      mp.target = target;
+      mp.effective_sparsity = r.effective_sparsity;
+      mp.mean_miss = r.mean_miss;
+      mp.p99_miss = r.p99_miss;
+      mp.worst_layer_miss = r.worst_layer_mean_miss;
+      mp.worst_per_trace = {r.worst_layer_mean_miss};
+      (mt ? ts.miss_target_points : ts.points).push_back(mp);
+      log(absl::StrFormat("trace %s: %s at %.2f: mean miss %.4f, worst layer %.4f", ts.dir, sm.name,
+                          target, mp.mean_miss, mp.worst_layer_miss));
+    }
+  }
+  return ts;
+}
+
+// Averages points of the same (method, target) over traces, methods in first-seen order.
+std::vector<MethodPoint> Average(const std::vector<std::vector<MethodPoint>>& per_trace) {
+  std::vector<std::string> order;
+  std::vector<double> targets;
+  std::map<std::pair<std::string, double>, std::vector<const MethodPoint*>> pts;
+  std::vector<std::pair<std::string, double>> keys;
+  for (const auto& v : per_trace) {
+    for (const MethodPoint& mp : v) {
+      auto key = std::make_pair(mp.method, mp.target);
+      if (pts.find(key) == pts.end()) keys.push_back(key);
+      pts[key].push_back(&mp);
+    }
+  }
+  // Method by method (first seen), targets in first-seen order within a method.
+  for (const auto& k : keys) {
+    if (std::find(order.begin(), order.end(), k.first) == order.end()) order.push_back(k.first);
+  }
+  std::vector<MethodPoint> out;
+  for (const std::string& name : order) {
+    for (const auto& k : keys) {
+      if (k.first != name) continue;
+      const std::vector<const MethodPoint*>& v = pts[k];
+      MethodPoint a;
+      a.method = name;
+      a.target = k.second;
+      for (const MethodPoint* mp : v) {
+        a.effective_sparsity += mp->effective_sparsity / v.size();
+        a.mean_miss += mp->mean_miss / v.size();
+        a.p99_miss += mp->p99_miss / v.size();
+        a.worst_layer_miss += mp->worst_layer_miss / v.size();
+        a.worst_per_trace.push_back(mp->worst_layer_miss);
+      }
+      out.push_back(a);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 absl::StatusOr<EvalResult> RunEval(const EvalOptions& o) {
-  if (o.seeds.empty() || o.sparsities.empty()) {
-    return absl::InvalidArgumentError("the study needs at least one seed and one sparsity");
+  if (o.trace_dirs.empty() && o.seeds.empty()) {
+    return absl::InvalidArgumentError("the study needs at least one seed or one trace");
+  }
+  if (o.sparsities.empty()) {
+    return absl::InvalidArgumentError("the study needs at least one sparsity");
   }
   for (double r : o.sparsities) {
     if (!(r >= 0 && r < 1)) {
       return absl::InvalidArgumentError(absl::StrCat("sparsity ", r, " is out of range [0, 1)"));
     }
   }
+  for (double m : o.miss_targets) {
+    if (!(m > 0 && m < 1)) {
+      return absl::InvalidArgumentError(absl::StrCat("miss target ", m, " is out of range (0, 1)"));
+    }
+  }
   if (o.probe_period == 0) {
     return absl::InvalidArgumentError("the budget comparison needs a probe period > 0");
   }
+  if (o.jobs < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("jobs must be >= 1, not ", o.jobs));
+  }
   SPIN_RETURN_IF_ERROR(ValidateBudgetTuning(o.tuning));
+  std::mutex log_mu;
   auto log = [&](const std::string& line) {
+    std::lock_guard<std::mutex> lock(log_mu);
     if (o.log) o.log(line);
   };
-  struct SpinMethod {
-    std::string name;
-    double exploration;
-    uint32_t probe;
-    BudgetMode mode;
-  };
   const std::string p = absl::StrCat("P=", o.probe_period);
-  const std::vector<SpinMethod> methods = {
-      {"SPIN no exploration", 0.0, 0, BudgetMode::kUniform},
-      {"SPIN 5% exploration", 0.05, 0, BudgetMode::kUniform},
-      {"SPIN 20% exploration", 0.2, 0, BudgetMode::kUniform},
+  std::vector<SpinMethod> methods = {
+      {"SPIN no exploration", 0.0, 0, BudgetMode::kUniform, 0},
+      {"SPIN 5% exploration", 0.05, 0, BudgetMode::kUniform, 0},
+      {"SPIN 20% exploration", 0.2, 0, BudgetMode::kUniform, 0},
       {absl::StrCat("uniform budgets ", p), o.budget_exploration, o.probe_period,
-       BudgetMode::kUniform},
+       BudgetMode::kUniform, 0},
       {absl::StrCat("per-layer budgets ", p), o.budget_exploration, o.probe_period,
-       BudgetMode::kPerLayer},
+       BudgetMode::kPerLayer, 0},
   };
+  if (!o.miss_targets.empty()) {
+    methods.push_back({MissTargetMethod(o.probe_period), o.budget_exploration, o.probe_period,
+                       BudgetMode::kMissTarget, 0});
+  }
+
+  // Traces are independent: `jobs` threads take them in turn; results are kept by index, so the
+  // output does not depend on the order they finish in.
+  const size_t n = o.trace_dirs.empty() ? o.seeds.size() : o.trace_dirs.size();
+  std::vector<absl::StatusOr<TraceStudy>> studies(n, absl::UnknownError("not run"));
+  std::atomic<size_t> next{0};
+  auto worker = [&] {
+    for (size_t i = next++; i < n; i = next++) studies[i] = StudyTrace(o, methods, i, log);
+  };
+  std::vector<std::thread> threads;
+  for (int j = 1; j < std::min<int>(o.jobs, static_cast<int>(n)); ++j) threads.emplace_back(worker);
+  worker();
+  for (std::thread& t : threads) t.join();
 
   EvalResult out;
+  std::vector<std::vector<MethodPoint>> points, mt_points;
   std::map<std::string, std::vector<SignalRow>> sig;
-  std::map<std::pair<std::string, double>, std::vector<MethodPoint>> pts;
-  std::vector<std::string> order;
-  auto add_point = [&](const MethodPoint& mp) {
-    auto key = std::make_pair(mp.method, mp.target);
-    if (pts.find(key) == pts.end() &&
-        std::find(order.begin(), order.end(), mp.method) == order.end()) {
-      order.push_back(mp.method);
-    }
-    pts[key].push_back(mp);
-  };
-  for (uint64_t seed : o.seeds) {
-    GenTraceOptions g = o.gen;
-    g.seed = seed;
-    const std::string dir = absl::StrCat(o.work_dir, "/trace-", seed);
-    SPIN_RETURN_IF_ERROR(GenerateTrace(dir, g));
-    SPIN_ASSIGN_OR_RETURN(Trace trace, LoadTrace(dir));
-    out.traces.push_back(dir);
-    std::vector<SignalRow> rows;
-    std::vector<MethodPoint> points;
-    if (absl::Status s = EvalSignals(trace, o.sparsities, seed, &rows, &points); !s.ok()) {
-      return s;
-    }
-    for (const SignalRow& r : rows) sig[r.signal].push_back(r);
-    for (const MethodPoint& mp : points) add_point(mp);
-    log(absl::StrCat("trace ", dir, ": signals done"));
-    for (const SpinMethod& sm : methods) {
-      for (double rho : o.sparsities) {
-        ReplayOptions ro;
-        ro.policy.target_sparsity = rho;
-        ro.policy.exploration = sm.exploration;
-        ro.policy.alpha = o.alpha;
-        ro.policy.probe_period = sm.probe;
-        ro.policy.budget_mode = sm.mode;
-        ro.budget_tuning = o.tuning;
-        ro.seed = seed;
-        SPIN_ASSIGN_OR_RETURN(ReplaySummary r, Replay(trace, ro));
-        MethodPoint mp;
-        mp.method = sm.name;
-        mp.target = rho;
-        mp.effective_sparsity = r.effective_sparsity;
-        mp.mean_miss = r.mean_miss;
-        mp.p99_miss = r.p99_miss;
-        mp.worst_layer_miss = r.worst_layer_mean_miss;
-        mp.worst_per_trace = {r.worst_layer_mean_miss};
-        add_point(mp);
-        log(absl::StrFormat("trace %s: %s at %.2f: mean miss %.4f, worst layer %.4f", dir, sm.name,
-                            rho, mp.mean_miss, mp.worst_layer_miss));
-      }
-    }
+  for (auto& s : studies) {
+    if (!s.ok()) return s.status();
+    out.traces.push_back(s->dir);
+    out.trace_shapes.push_back(s->shape);
+    for (const SignalRow& r : s->signals) sig[r.signal].push_back(r);
+    points.push_back(std::move(s->points));
+    mt_points.push_back(std::move(s->miss_target_points));
   }
   for (const char* s : kSignals) {
     const std::vector<SignalRow>& v = sig[s];
@@ -293,32 +404,56 @@ absl::StatusOr<EvalResult> RunEval(const EvalOptions& o) {
     }
     out.signals.push_back(row);
   }
-  for (const std::string& name : order) {
-    for (double rho : o.sparsities) {
-      const std::vector<MethodPoint>& v = pts[{name, rho}];
-      MethodPoint a;
-      a.method = name;
-      a.target = rho;
-      for (const MethodPoint& mp : v) {
-        a.effective_sparsity += mp.effective_sparsity / v.size();
-        a.mean_miss += mp.mean_miss / v.size();
-        a.p99_miss += mp.p99_miss / v.size();
-        a.worst_layer_miss += mp.worst_layer_miss / v.size();
-        a.worst_per_trace.push_back(mp.worst_layer_miss);
-      }
-      out.points.push_back(a);
-    }
-  }
+  out.points = Average(points);
+  out.miss_target_points = Average(mt_points);
   return out;
 }
 
+namespace {
+
+nlohmann::json PointJson(const MethodPoint& p) {
+  return {{"method", p.method},
+          {"target", p.target},
+          {"effective_sparsity", p.effective_sparsity},
+          {"mean_miss", p.mean_miss},
+          {"p99_miss", p.p99_miss},
+          {"worst_layer_miss", p.worst_layer_miss},
+          {"worst_per_trace", p.worst_per_trace}};
+}
+
+// The budget methods compared at 50% effective sparsity (the paper's RULER-style worst case).
+std::vector<std::string> BudgetMethods(const EvalOptions& o, const EvalResult& r) {
+  const std::string p = absl::StrCat("P=", o.probe_period);
+  std::vector<std::string> v = {absl::StrCat("uniform budgets ", p),
+                                absl::StrCat("per-layer budgets ", p)};
+  if (!r.miss_target_points.empty()) v.push_back(MissTargetMethod(o.probe_period));
+  return v;
+}
+
+std::vector<MethodPoint> AllPoints(const EvalResult& r) {
+  std::vector<MethodPoint> all = r.points;
+  all.insert(all.end(), r.miss_target_points.begin(), r.miss_target_points.end());
+  return all;
+}
+
+}  // namespace
+
 std::string EvalJson(const EvalOptions& o, const EvalResult& r) {
   nlohmann::json j;
-  j["seeds"] = o.seeds;
+  if (o.trace_dirs.empty()) {
+    j["seeds"] = o.seeds;
+    j["trace"] = {{"layers", o.gen.layers},    {"slots", o.gen.slots},
+                  {"steps", o.gen.steps},      {"topk", o.gen.topk},
+                  {"shifts", o.gen.shifts},    {"noise", o.gen.noise_scale},
+                  {"drift", o.gen.drift_scale}};
+  }
+  j["traces"] = nlohmann::json::array();
+  for (size_t i = 0; i < r.traces.size(); ++i) {
+    j["traces"].push_back(
+        {{"dir", r.traces[i]}, {"shape", i < r.trace_shapes.size() ? r.trace_shapes[i] : ""}});
+  }
   j["sparsities"] = o.sparsities;
-  j["trace"] = {{"layers", o.gen.layers},    {"slots", o.gen.slots},   {"steps", o.gen.steps},
-                {"topk", o.gen.topk},        {"shifts", o.gen.shifts}, {"noise", o.gen.noise_scale},
-                {"drift", o.gen.drift_scale}};
+  j["miss_targets"] = o.miss_targets;
   j["probe_period"] = o.probe_period;
   j["budget_exploration"] = o.budget_exploration;
   j["alpha"] = o.alpha;
@@ -329,14 +464,15 @@ std::string EvalJson(const EvalOptions& o, const EvalResult& r) {
     j["signals"].push_back({{"signal", s.signal}, {"pearson", s.pearson}, {"recall", s.recall}});
   }
   j["points"] = nlohmann::json::array();
-  for (const MethodPoint& p : r.points) {
-    j["points"].push_back({{"method", p.method},
-                           {"target", p.target},
-                           {"effective_sparsity", p.effective_sparsity},
-                           {"mean_miss", p.mean_miss},
-                           {"p99_miss", p.p99_miss},
-                           {"worst_layer_miss", p.worst_layer_miss},
-                           {"worst_per_trace", p.worst_per_trace}});
+  for (const MethodPoint& p : r.points) j["points"].push_back(PointJson(p));
+  j["miss_target_points"] = nlohmann::json::array();
+  for (const MethodPoint& p : r.miss_target_points) j["miss_target_points"].push_back(PointJson(p));
+  // NaN (outside a method's range) becomes null.
+  j["p99_at_half_effective_sparsity"] = nlohmann::json::object();
+  const std::vector<MethodPoint> all = AllPoints(r);
+  for (const std::string& m : BudgetMethods(o, r)) {
+    const double v = P99AtEffectiveSparsity(all, m, 0.5);
+    j["p99_at_half_effective_sparsity"][m] = std::isnan(v) ? nlohmann::json() : nlohmann::json(v);
   }
   return j.dump();
 }
@@ -363,10 +499,20 @@ std::vector<std::string> Methods(const EvalResult& r) {
 }  // namespace
 
 std::string EvalMarkdown(const EvalOptions& o, const EvalResult& r) {
-  std::string out = absl::StrCat(
-      "Traces: seeds ", absl::StrJoin(o.seeds, ", "), "; ", o.gen.layers, " layers x ", o.gen.slots,
-      " slots x ", o.gen.steps, " steps, top-K ", o.gen.topk, ", ", o.gen.shifts,
-      " sudden shifts, noise x", o.gen.noise_scale, ", drift x", o.gen.drift_scale, ".\n\n");
+  std::string out;
+  if (o.trace_dirs.empty()) {
+    out = absl::StrCat("Traces: seeds ", absl::StrJoin(o.seeds, ", "), "; ", o.gen.layers,
+                       " layers x ", o.gen.slots, " slots x ", o.gen.steps, " steps, top-K ",
+                       o.gen.topk, ", ", o.gen.shifts, " sudden shifts, noise x", o.gen.noise_scale,
+                       ", drift x", o.gen.drift_scale, ".\n\n");
+  } else {
+    out = "Traces:\n\n";
+    for (size_t i = 0; i < r.traces.size(); ++i) {
+      absl::StrAppend(&out, "- `", r.traces[i],
+                      "`: ", i < r.trace_shapes.size() ? r.trace_shapes[i] : "", "\n");
+    }
+    absl::StrAppend(&out, "\n");
+  }
   absl::StrAppend(&out, "Prediction signals against the dense scores (Table 1 analogue, row 0, ",
                   "steps >= 1):\n\n| signal | Pearson | top-K recall |\n|---|---|---|\n");
   for (const SignalRow& s : r.signals) {
@@ -415,6 +561,30 @@ std::string EvalMarkdown(const EvalOptions& o, const EvalResult& r) {
                   u->effective_sparsity, q->effective_sparsity, u->mean_miss, q->mean_miss,
                   u->worst_layer_miss, q->worst_layer_miss, 100 * cut, 100 * min_cut));
   }
+  if (!r.miss_target_points.empty()) {
+    absl::StrAppend(&out, "\nMiss-target mode (", p, ", ",
+                    absl::StrFormat("%.0f%%", 100 * o.budget_exploration),
+                    " exploration): the worst layer's mean miss against its target M\n\n"
+                    "| M | effective sparsity | mean miss | p99 miss | worst-layer mean miss | "
+                    "worst / M, mean (max over traces) |\n|---|---|---|---|---|---|\n");
+    for (const MethodPoint& q : r.miss_target_points) {
+      double worst = 0;
+      for (double w : q.worst_per_trace) worst = std::max(worst, w);
+      absl::StrAppend(
+          &out, absl::StrFormat("| %.3f | %.4f | %.4f | %.4f | %.4f | %.3f (%.3f) |\n", q.target,
+                                q.effective_sparsity, q.mean_miss, q.p99_miss, q.worst_layer_miss,
+                                q.worst_layer_miss / q.target, worst / q.target));
+    }
+  }
+  absl::StrAppend(&out,
+                  "\np99 step miss at 50% effective sparsity (the paper's RULER-style worst "
+                  "case; linear between the two points around 0.5, - when none are):\n\n"
+                  "| method | p99 miss |\n|---|---|\n");
+  const std::vector<MethodPoint> all = AllPoints(r);
+  for (const std::string& m : BudgetMethods(o, r)) {
+    const double v = P99AtEffectiveSparsity(all, m, 0.5);
+    absl::StrAppend(&out, "| ", m, " | ", std::isnan(v) ? "-" : Fmt(v), " |\n");
+  }
   return out;
 }
 
@@ -449,14 +619,21 @@ absl::Status WriteEvalData(const EvalResult& r, const std::string& dir) {
   const std::string path = absl::StrCat(dir, "/budgets.dat");
   std::ofstream f(path, std::ios::trunc);
   f << "# method\ttarget\teffective_sparsity\tmean_miss\tp99_miss\tworst_layer_miss\n";
-  bool first = true;
+  // One data set per budget method (gnuplot `index` 0, 1, then 2: the miss-target runs, whose
+  // target column is M).
+  const std::vector<MethodPoint> all = AllPoints(r);
+  std::vector<std::string> budget_names;
   for (const std::string& n : names) {
-    if (n.find("budgets") == std::string::npos) continue;
+    if (n.find("budgets") != std::string::npos) budget_names.push_back(n);
+  }
+  if (!r.miss_target_points.empty()) budget_names.push_back(r.miss_target_points[0].method);
+  bool first = true;
+  for (const std::string& n : budget_names) {
     f << (first ? "" : "\n\n") << "# " << n << "\n";
     first = false;
-    for (const MethodPoint& p : r.points) {
+    for (const MethodPoint& p : all) {
       if (p.method != n) continue;
-      f << absl::StrFormat("\"%s\"\t%.2f\t%.6f\t%.6f\t%.6f\t%.6f\n", n, p.target,
+      f << absl::StrFormat("\"%s\"\t%g\t%.6f\t%.6f\t%.6f\t%.6f\n", n, p.target,
                            p.effective_sparsity, p.mean_miss, p.p99_miss, p.worst_layer_miss);
     }
   }

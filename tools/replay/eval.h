@@ -1,6 +1,7 @@
-// The quality study (`spinctl eval`, docs/lab/quality-study.md): on generated traces, the paper's
-// prediction signals (random, prev-layer, prev-iter, prev-iter offset 1) against SPIN without
-// and with exploration, and uniform against per-layer budgets at equal effective sparsity.
+// The quality study (`spinctl eval`, docs/lab/quality-study.md): on generated traces or given
+// ones (real attention, docs/lab/attention-traces.md), the paper's prediction signals (random,
+// prev-layer, prev-iter, prev-iter offset 1) against SPIN without and with exploration, uniform
+// against per-layer budgets at equal effective sparsity, and the miss-target mode.
 //
 // Signals are scored the paper's Table 1 way (Pearson correlation and top-K recall against the
 // dense indexer's scores) and as block selectors (query block, then the blocks with the highest
@@ -24,6 +25,12 @@ namespace spin {
 /// What the study runs.
 struct EvalOptions {
   std::vector<uint64_t> seeds = {201, 202, 203};  ///< one generated trace per seed
+  /// Existing traces to study instead of generated ones (then `seeds` and `gen` are unused;
+  /// trace i's exploration draws use seed i + 1).
+  std::vector<std::string> trace_dirs;
+  /// Worst-layer miss targets M of the miss-target runs (empty: none).
+  std::vector<double> miss_targets = {0.01, 0.02, 0.03, 0.05, 0.1};
+  int jobs = 1;  ///< traces studied at once (threads); results do not depend on it
   std::vector<double> sparsities = {0.2, 0.3, 0.4, 0.5, 0.6, 0.7};
   GenTraceOptions gen;               ///< trace shape (the seed is replaced by each of `seeds`)
   uint32_t probe_period = 8;         ///< P of the uniform / per-layer budget comparison
@@ -56,10 +63,23 @@ struct SignalRow {
 struct EvalResult {
   std::vector<SignalRow> signals;
   std::vector<MethodPoint> points;
+  /// The miss-target runs: `target` is M (not a sparsity); same probe period and exploration as
+  /// the budget comparison.
+  std::vector<MethodPoint> miss_target_points;
   std::vector<std::string> traces;
+  std::vector<std::string> trace_shapes;  ///< per trace: "L layers x N slots x T steps, top-K K"
 };
 
-/// Generates the traces and runs every method at every sparsity.
+/// The name of the miss-target method in results ("miss-target P=8").
+std::string MissTargetMethod(uint32_t probe_period);
+
+/// A method's p99 step miss at effective sparsity `at`, interpolated linearly between the two
+/// points (of `points` named `method`, ordered by effective sparsity) around it; NaN when `at`
+/// is outside their range.
+double P99AtEffectiveSparsity(const std::vector<MethodPoint>& points, const std::string& method,
+                              double at);
+
+/// Generates the traces (or loads the given ones) and runs every method at every sparsity.
 absl::StatusOr<EvalResult> RunEval(const EvalOptions& options);
 
 /// Signal statistics and selector misses of the four baseline signals on one trace (exposed for

@@ -143,16 +143,26 @@ class Progress {
 };
 
 int CmdEval(EvalOptions eo, const std::string& out, bool quiet) {
-  if (absl::Status s = ValidateGenTraceOptions(eo.gen); !s.ok()) return Fail(s);
+  if (eo.trace_dirs.empty()) {
+    if (absl::Status s = ValidateGenTraceOptions(eo.gen); !s.ok()) return Fail(s);
+  }
   if (!(eo.budget_exploration >= 0 && eo.budget_exploration < 1)) {
     return Fail(absl::InvalidArgumentError(
         absl::StrCat("--exploration ", eo.budget_exploration, " is out of range [0, 1)")));
   }
+  for (double m : eo.miss_targets) {
+    if (!(m > 0 && m < 1)) {
+      return Fail(absl::InvalidArgumentError(
+          absl::StrCat("--miss-targets: ", m, " is out of range (0, 1)")));
+    }
+  }
+  // Generated traces go under OUT/traces; given ones are only read.
+  const std::string dir = eo.trace_dirs.empty() ? out + "/traces" : out;
   std::error_code ec;
-  std::filesystem::create_directories(out + "/traces", ec);
+  std::filesystem::create_directories(dir, ec);
   if (ec) {
     return Fail(
-        absl::InvalidArgumentError(absl::StrCat("cannot create ", out, "/traces: ", ec.message())));
+        absl::InvalidArgumentError(absl::StrCat("cannot create ", dir, ": ", ec.message())));
   }
   eo.work_dir = out + "/traces";
   if (!quiet) eo.log = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
@@ -393,11 +403,24 @@ void AddEval(CLI::App& app, Run* run) {
   EvalOptions& eo = a->eo;
   CLI::App* ev = app.add_subcommand(
       "eval",
-      "Quality study on generated traces: prediction signals, SPIN with and without "
-      "exploration, uniform against per-layer budgets, over a range of sparsities");
+      "Quality study on generated traces (or given ones, --trace): prediction signals, SPIN "
+      "with and without exploration, uniform against per-layer budgets over a range of "
+      "sparsities, and the miss-target mode");
   ev->add_option("--out", a->out,
-                 "Output directory: results.json, results.md, gnuplot data (*.dat), traces/")
+                 "Output directory: results.json, results.md, gnuplot data (*.dat), traces/ "
+                 "(generated traces)")
       ->required();
+  CLI::Option* given =
+      ev->add_option("--trace", eo.trace_dirs,
+                     "Study these trace directories (repeat the flag or list several) instead of "
+                     "generated ones; the trace-shape flags (--seeds .. --drift) do not apply")
+          ->check(CLI::ExistingDirectory);
+  ev->add_option("--miss-targets", eo.miss_targets,
+                 "Worst-layer miss targets M of the miss-target runs, each in (0, 1)")
+      ->capture_default_str();
+  ev->add_option("--jobs", eo.jobs, "Traces studied at once (threads; results do not depend on it)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 256));
   ev->add_option("--seeds", eo.seeds, "Trace seeds (one trace each)")->capture_default_str();
   ev->add_option("--sparsities", eo.sparsities, "Target sparsities, each in [0, 1)")
       ->capture_default_str();
@@ -409,6 +432,10 @@ void AddEval(CLI::App& app, Run* run) {
   ev->add_option("--noise", eo.gen.noise_scale, "Scale of the per-step noise")
       ->capture_default_str();
   ev->add_option("--drift", eo.gen.drift_scale, "Scale of the slow drift")->capture_default_str();
+  for (const char* shape :
+       {"--seeds", "--layers", "--slots", "--steps", "--topk", "--shifts", "--noise", "--drift"}) {
+    given->excludes(ev->get_option(shape));
+  }
   ev->add_option("--probe-period", eo.probe_period,
                  "Probe period of the uniform / per-layer budget comparison (> 0)")
       ->capture_default_str();
