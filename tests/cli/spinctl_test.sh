@@ -226,6 +226,10 @@ expect_error "budget smoothing not a number" "budget-smoothing" \
   "$spinctl" replay --trace "$work/pl" --budget per-layer --probe-period 4 --budget-smoothing x
 expect_error "budget mode typo" "budget" \
   "$spinctl" replay --trace "$work/pl" --budget perlayer --probe-period 4
+expect_error "budget payback below 1" "budget payback probes 0.5 must be a finite value >= 1" \
+  "$spinctl" replay --trace "$work/pl" --miss-target 0.02 --probe-period 4 --budget-payback 0.5
+expect_error "budget band 1" "budget level band 1 is out of range \[0, 1\)" \
+  "$spinctl" replay --trace "$work/pl" --miss-target 0.02 --probe-period 4 --budget-band 1
 
 # eval: bad inputs are one line each.
 expect_error "eval without --out" "error: --out is required" "$spinctl" eval
@@ -237,6 +241,25 @@ expect_error "eval exploration out of range" "error: --exploration 1 is out of r
   "$spinctl" eval --out "$work/ev" --exploration 1 --quiet
 expect_error "eval bad trace shape" "layers is 0" "$spinctl" eval --out "$work/ev" --layers 0 --quiet
 expect_error "eval unwritable out" "/proc/nope" "$spinctl" eval --out /proc/nope --quiet
+expect_error "eval miss target out of range" "miss-targets: 1 is out of range \(0, 1\)" \
+  "$spinctl" eval --out "$work/ev" --miss-targets 0.02 1 --quiet
+expect_error "eval --trace with a shape flag" "excludes" \
+  "$spinctl" eval --out "$work/ev" --trace "$work/pl" --layers 4 --quiet
+expect_error "eval --trace not a directory" "Directory does not exist" \
+  "$spinctl" eval --out "$work/ev" --trace "$work/no-such-trace" --quiet
+expect_error "eval --trace not a trace" "meta.json" \
+  "$spinctl" eval --out "$work/ev" --trace "$work" --quiet
+expect_error "eval --jobs 0" "jobs" "$spinctl" eval --out "$work/ev" --trace "$work/pl" --jobs 0
+# eval on a given trace: the miss-target and p99-at-half tables.
+if "$spinctl" eval --out "$work/ev-given" --trace "$work/pl" --sparsities 0.3 0.6 \
+  --miss-targets 0.05 --quiet >"$work/md" 2>"$work/err" \
+  && grep -q "^- \`$work/pl\`: " "$work/md" && grep -q "^| 0.050 | " "$work/md" \
+  && grep -q '"miss_target_points"' "$work/ev-given/results.json" \
+  && [ ! -d "$work/ev-given/traces" ]; then
+  pass "eval --trace"
+else
+  fail "eval --trace: $(head -c 300 "$work/err") $(head -c 300 "$work/md")"
+fi
 
 echo "spinctl cli: $fails failed"
 exit $((fails > 0))

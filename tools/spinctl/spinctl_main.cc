@@ -361,6 +361,13 @@ void AddReplay(CLI::App& app, Run* run) {
   r->add_option("--budget-drift", ro.budget_tuning.drift_threshold,
                 "per-layer: recompute when a smoothed curve moved by more than this, in [0, 1]")
       ->capture_default_str();
+  r->add_option("--budget-payback", ro.budget_tuning.payback_probes,
+                "miss-target: probe steps over which a layer's measured excess is paid back (>= 1)")
+      ->capture_default_str();
+  r->add_option("--budget-band", ro.budget_tuning.level_band,
+                "miss-target: recompute when a layer's expected miss leaves its level by more "
+                "than this fraction, in [0, 1)")
+      ->capture_default_str();
   r->add_option("--seed", ro.seed, "Session seed of the exploration draws")->capture_default_str();
   r->add_option("--key", ro.sequence_key, "Sequence key of the exploration draws")
       ->capture_default_str();
