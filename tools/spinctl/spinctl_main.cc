@@ -320,12 +320,16 @@ int RunReplay(const Globals& g, const ReplayArgs& a) {
   if (a.json) {
     std::printf("%s\n", SummaryJson(*sum).c_str());
   } else {
+    // In miss-target mode the target is M (the sparsity sets nothing once a curve exists).
+    const std::string target = ro.policy.budget_mode == BudgetMode::kMissTarget
+                                   ? absl::StrFormat("miss target %g", ro.policy.miss_target)
+                                   : absl::StrFormat("sparsity %.2f", ro.policy.target_sparsity);
     std::printf(
-        "replay of %s: sparsity %.2f, exploration %.2f, alpha %.2f, probe period %u, "
-        "%s budgets, %s state, %s backend\n%s",
-        a.trace_dir.c_str(), ro.policy.target_sparsity, ro.policy.exploration, ro.policy.alpha,
-        ro.policy.probe_period, a.budget.c_str(), a.state.c_str(), a.backend.c_str(),
-        SummaryTable(*sum).c_str());
+        "replay of %s: %s, exploration %.2f, alpha %.2f, probe period %u, %s budgets, %s state, "
+        "%s backend\n%s",
+        a.trace_dir.c_str(), target.c_str(), ro.policy.exploration, ro.policy.alpha,
+        ro.policy.probe_period, std::string(BudgetModeName(ro.policy.budget_mode)).c_str(),
+        a.state.c_str(), a.backend.c_str(), SummaryTable(*sum).c_str());
     if (!where.empty()) std::printf("%s\n", where.c_str());
   }
   return 0;
