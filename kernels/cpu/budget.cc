@@ -13,6 +13,21 @@
 namespace spin {
 namespace {
 
+// Fewest m in [lo, hi] with miss(m) <= level, for a miss non-increasing in m (hi if none).
+template <typename MissFn>
+int32_t FewestBlocksMeeting(int32_t lo, int32_t hi, double level, const MissFn& miss) {
+  if (miss(hi) > level) return hi;
+  while (lo < hi) {
+    const int32_t mid = lo + (hi - lo) / 2;
+    if (miss(mid) <= level) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return lo;
+}
+
 // A layer's predicted miss as a function of its kept blocks, at B blocks.
 struct LayerCurve {
   MissCurve monotone;
@@ -22,17 +37,8 @@ struct LayerCurve {
   }
   // Fewest blocks in [lo, B] whose predicted miss is at most `level` (B if none).
   int32_t Need(double level, int32_t num_blocks) const {
-    int32_t a = lo, b = num_blocks;
-    if (Miss(b, num_blocks) > level) return b;
-    while (a < b) {  // Miss is non-increasing in m: find the first m with Miss(m) <= level
-      const int32_t mid = a + (b - a) / 2;
-      if (Miss(mid, num_blocks) <= level) {
-        b = mid;
-      } else {
-        a = mid + 1;
-      }
-    }
-    return a;
+    return FewestBlocksMeeting(lo, num_blocks, level,
+                               [&](int32_t m) { return Miss(m, num_blocks); });
   }
 };
 
@@ -204,16 +210,10 @@ absl::StatusOr<Allocation> AllocateForMissLevels(const AllocationInput& in,
   for (int32_t l = 0; l < L; ++l) {
     const MissCurve mono = MonotoneCurve(in.curves[l]);
     // ExpectedMiss is non-increasing in m and 0 at B, so the fewest m in [floor, B] meeting the
-    // level exists: binary search for it.
-    int32_t m = B;
-    for (int32_t lo = floor_blocks; lo < m;) {
-      const int32_t mid = lo + (m - lo) / 2;
-      if (ExpectedMiss(mono, mid, B, in.exploration) <= levels[l]) {
-        m = mid;
-      } else {
-        lo = mid + 1;
-      }
-    }
+    // level exists.
+    const int32_t m = FewestBlocksMeeting(floor_blocks, B, levels[l], [&](int32_t k) {
+      return ExpectedMiss(mono, k, B, in.exploration);
+    });
     out.blocks[l] = m;
     out.sparsity[l] = 1.0 - static_cast<double>(m) / B;
     out.total_blocks += m;
