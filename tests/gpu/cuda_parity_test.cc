@@ -620,12 +620,14 @@ void RunScenarioWith(const Scenario& sc, uint32_t max_slots, int stride_pad, uin
     // Entry 2 has no sequence: padding (context 0) every third step, else served dense over a
     // context of its own. Every seventh step is dense (the engine decided so after capture):
     // no entry has a sequence, each keeps its context.
-    const int pad_ctx = step % 3 == 0 ? 0 : 1 + (step * 97) % (static_cast<int>(g.max_slots) - sc.rows);
+    const int pad_ctx =
+        step % 3 == 0 ? 0 : 1 + (step * 97) % (static_cast<int>(g.max_slots) - sc.rows);
     const bool dense_step = step % 7 == 5;
     for (int32_t s : seq) {
       const int cc = s < 0 ? pad_ctx : ctx[s];
       c.push_back(cc);
-      q.push_back(s < 0 || dense_step ? 0 : (s == 4 && cc > 2 ? cc - 2 : cc - 1));  // seq 4: query trails
+      q.push_back(
+          s < 0 || dense_step ? 0 : (s == 4 && cc > 2 ? cc - 2 : cc - 1));  // seq 4: query trails
       acc.push_back(sc.rows == 1 ? 1 : static_cast<int32_t>(rng() % (sc.rows + 1)));
     }
     std::vector<int32_t> step_seq = seq;
