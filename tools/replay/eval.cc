@@ -290,7 +290,6 @@ absl::StatusOr<TraceStudy> StudyTrace(const EvalOptions& o, const std::vector<Sp
 // Averages points of the same (method, target) over traces, methods in first-seen order.
 std::vector<MethodPoint> Average(const std::vector<std::vector<MethodPoint>>& per_trace) {
   std::vector<std::string> order;
-  std::vector<double> targets;
   std::map<std::pair<std::string, double>, std::vector<const MethodPoint*>> pts;
   std::vector<std::pair<std::string, double>> keys;
   for (const auto& v : per_trace) {
