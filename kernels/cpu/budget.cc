@@ -172,12 +172,25 @@ absl::StatusOr<Allocation> AllocateBudgets(const AllocationInput& in) {
   return out;
 }
 
-double ExpectedMiss(const MissCurve& monotone, int32_t m, int32_t num_blocks, double exploration) {
-  if (m >= num_blocks) return 0.0;
+namespace {
+// A selection of m < B blocks with exploration share gamma: its ranked part (m minus the
+// exploration blocks), and the share of the ranked part's misses left after the exploration
+// blocks, drawn uniformly from the B - ranked blocks outside it, recover theirs in expectation.
+struct ExplorationSplit {
+  int32_t ranked;
+  double unrecovered;
+};
+ExplorationSplit SplitExploration(int32_t m, int32_t num_blocks, double exploration) {
   const int32_t explore = ExplorationBlocks(m, exploration);
   const int32_t ranked = m - explore;
-  const double missed = CurveMiss(monotone, static_cast<double>(ranked) / num_blocks);
-  return missed * (1.0 - static_cast<double>(explore) / (num_blocks - ranked));
+  return {ranked, 1.0 - static_cast<double>(explore) / (num_blocks - ranked)};
+}
+}  // namespace
+
+double ExpectedMiss(const MissCurve& monotone, int32_t m, int32_t num_blocks, double exploration) {
+  if (m >= num_blocks) return 0.0;
+  const ExplorationSplit x = SplitExploration(m, num_blocks, exploration);
+  return CurveMiss(monotone, static_cast<double>(x.ranked) / num_blocks) * x.unrecovered;
 }
 
 absl::StatusOr<Allocation> AllocateForMissLevels(const AllocationInput& in,
@@ -313,12 +326,10 @@ void BudgetController::Measure(int32_t l, uint64_t probes, double probe_miss, do
   double e = 0;
   if (m < B) {
     const MissCurve mono = MonotoneCurve(smoothed_[l]);
-    const int32_t explore = ExplorationBlocks(m, exploration);
-    const int32_t ranked = m - explore;
-    const double shift = CurveMiss(mono, static_cast<double>(ranked) / B) -
+    const ExplorationSplit x = SplitExploration(m, B, exploration);
+    const double shift = CurveMiss(mono, static_cast<double>(x.ranked) / B) -
                          CurveMiss(mono, static_cast<double>(m) / B);
-    e = std::min(1.0, probe_miss + std::max(0.0, shift)) *
-        (1.0 - static_cast<double>(explore) / (B - ranked));
+    e = std::min(1.0, probe_miss + std::max(0.0, shift)) * x.unrecovered;
   }
   // A measured excess is debt, repaid in full (up to kMaxDebt levels' worth). A measured
   // shortfall is banked only when the table was dense (its miss is exactly 0): elsewhere the
