@@ -695,6 +695,46 @@ def build_model_class(conv_linear=False):
     return ByteLM, have_sdpa, chunked_causal_attention
 
 
+MODEL_FORMAT = "spind-attention-traces-model/1"
+
+
+def save_model_file(path, model, args, train_info, dev_name):
+    """The model as float16 weights in a .npz, with its sizes and training record as JSON."""
+    meta = {"format": MODEL_FORMAT, "device": dev_name,
+            "model": {"layers": args.layers, "dim": args.dim, "heads": args.heads,
+                      "mlp_ratio": args.mlp_ratio, "rope_base": args.rope_base},
+            "training": {k: v for k, v in train_info.items() if k != "history"}}
+    arrays = {"w:" + k: v.detach().float().cpu().numpy().astype(np.float16)
+              for k, v in model.state_dict().items()}
+    with open(path, "wb") as f:
+        np.savez(f, meta=np.frombuffer(json.dumps(json_clean(meta)).encode(), dtype=np.uint8),
+                 **arrays)
+
+
+def load_model_file(path):
+    """{"model": sizes, "training": record, "device": ..., "state": {name: float16 array}}."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            state = {k[2:]: z[k] for k in z.files if k.startswith("w:")}
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError("cannot read the model file %s (%s): pass a file written by "
+                        "--save-model" % (path, e))
+    if meta.get("format") != MODEL_FORMAT:
+        raise UserError("%s is not a model of this script (format %r, expected %r): pass a "
+                        "file written by --save-model" % (path, meta.get("format"), MODEL_FORMAT))
+    sizes = meta.get("model") if isinstance(meta.get("model"), dict) else {}
+    missing = [k for k in ("layers", "dim", "heads", "mlp_ratio", "rope_base") if k not in sizes]
+    if missing or not isinstance(meta.get("training"), dict) or not state:
+        raise UserError("%s is incomplete (model sizes missing: %s; training record: %s; %d "
+                        "tensors): pass a file written by --save-model"
+                        % (path, ", ".join(missing) or "none",
+                           "present" if isinstance(meta.get("training"), dict) else "missing",
+                           len(state)))
+    meta["state"] = state
+    return meta
+
+
 # ----------------------------------------------------------------------------------------------
 # Command line.
 
@@ -737,6 +777,9 @@ def parse_args(argv):
                    help="held-out sequences, one trace each (default 2)")
     p.add_argument("--topk", type=int, default=0,
                    help="the trace's top-K (default: context/16, i.e. 2048 at 32768)")
+    p.add_argument("--skip-docs", type=int, default=0, metavar="N",
+                   help="start at the N-th held-out sequence: the traces are doc<N>, "
+                        "doc<N+1>, ... (default 0)")
     p.add_argument("--block-size", type=int, default=64, help="KV block size (default 64)")
     p.add_argument("--score", choices=SCORE_KINDS, default="log-attn",
                    help="which score the trace holds (default log-attn; see below)")
@@ -764,6 +807,13 @@ def parse_args(argv):
                    help="tokens per optimizer step (default 65536 on cuda, 8192 on cpu)")
     g.add_argument("--lr", type=float, default=1.5e-3, help="peak AdamW learning rate")
     g.add_argument("--seed", type=int, default=1, help="seed of init and data order (default 1)")
+    g.add_argument("--save-model", default=None, metavar="FILE",
+                   help="after training, save the model (float16 weights, sizes and training "
+                        "record) to FILE (.npz), for --load-model")
+    g.add_argument("--load-model", default=None, metavar="FILE",
+                   help="skip training: run the model saved in FILE by --save-model (its sizes "
+                        "replace --layers/--dim/--heads/--mlp-ratio/--rope-base); the traces "
+                        "then differ from the training device's only by its arithmetic")
     g.add_argument("--threads", type=int, default=0,
                    help="CPU threads for torch (default: all cores)")
     g = p.add_argument_group("corpus")
@@ -797,6 +847,10 @@ def parse_args(argv):
         bad("--steps must be in [2, context)")
     if args.docs < 1:
         bad("--docs must be positive")
+    if args.skip_docs < 0:
+        bad("--skip-docs must be >= 0")
+    if args.load_model and args.save_model:
+        bad("--load-model and --save-model exclude each other")
     if args.layers < 1 or args.dim < 2 or args.heads < 1 or args.mlp_ratio < 1:
         bad("model sizes must be positive")
     if args.dim % args.heads or (args.dim // args.heads) % 2:
@@ -1043,7 +1097,7 @@ def _run(args, rep, out, repo_root, t_all):
                         "(training) + %d (held out): pass --corpus"
                         % (corpus.listed_bytes, corpus.listed_files, ", ".join(roots),
                            need_train, args.docs * args.context))
-    docs = corpus.heldout_docs(args.docs, args.context)
+    docs = corpus.heldout_docs(args.skip_docs + args.docs, args.context)[args.skip_docs:]
     stream, train_info = corpus.training_stream(max_train, rep)
     if len(stream) < need_train:
         raise UserError("corpus too small: read %d bytes of training text from %d files under "
@@ -1062,33 +1116,59 @@ def _run(args, rep, out, repo_root, t_all):
             "files; %d held-out directories" % (
                 corpus.listed_files, corpus.listed_bytes / 1e6, len(corpus.dirs),
                 train_info["bytes"] / 1e6, train_info["files"], len(corpus.heldout_dirs)))
-    for i, (_, info) in enumerate(docs):
+    for i, (_, info) in enumerate(docs, start=args.skip_docs):
         rep.say("doc%d: %d bytes from %d file(s) in %d held-out director%s (%s ... %s)%s" % (
             i, args.context, info["files"], len(info["directories"]),
             "y" if len(info["directories"]) == 1 else "ies", info["first_file"],
             info["last_file"], ", concatenated" if info["concatenated"] else ""))
     rep.phase_done("corpus", time.time() - t0)
 
-    # Model and training.
+    # Model and training (or a saved model).
     t0 = time.time()
+    saved = load_model_file(args.load_model) if args.load_model else None
+    if saved is not None:
+        for key in ("layers", "dim", "heads", "mlp_ratio", "rope_base"):
+            setattr(args, key, saved["model"][key])
     model = ByteLM(args.layers, args.dim, args.heads, args.mlp_ratio, args.rope_base).to(device)
     nparams = sum(p.numel() for p in model.parameters())
     rep.say("model: %d layers, dim %d, %d heads of %d, MLP x%d, RoPE base %g, byte vocabulary "
             "(256), tied embedding: %d parameters (%.2f M)" % (
                 args.layers, args.dim, args.heads, args.dim // args.heads, args.mlp_ratio,
                 args.rope_base, nparams, nparams / 1e6))
-    budget = []
-    if args.train_seconds is not None:
-        budget.append("%g s" % args.train_seconds)
-    if args.train_steps is not None:
-        budget.append("%d steps" % args.train_steps)
-    rep.say("training for %s: %d tokens/step, phase 1 at %d tokens, last %g at %d tokens" % (
-        " or ".join(budget), args.batch_tokens, args.train_context, args.long_fraction,
-        args.context))
-    train_info2 = train(model, stream, args, device, rep)
-    rep.say("trained %d steps, %.1f M tokens, %.0f tokens/s; last batch loss %.3f bits/byte" % (
-        train_info2["steps"], train_info2["tokens"] / 1e6, train_info2["tokens_per_second"],
-        train_info2["final_batch_bits_per_byte"]))
+    if saved is not None:
+        state = model.state_dict()
+        if set(state) != set(saved["state"]):
+            raise UserError("%s does not fit this script's model: its tensors are %s, the "
+                            "model's %s" % (args.load_model, sorted(saved["state"]),
+                                            sorted(state)))
+        for key, value in saved["state"].items():
+            if tuple(value.shape) != tuple(state[key].shape):
+                raise UserError("%s: tensor %s has shape %s, the model needs %s" % (
+                    args.load_model, key, tuple(value.shape), tuple(state[key].shape)))
+            state[key] = torch.from_numpy(value.astype(np.float32))
+        model.load_state_dict(state)
+        train_info2 = dict(saved["training"])
+        train_info2["loaded_from"] = os.path.abspath(args.load_model)
+        rep.say("loaded %s (trained on %s: %d steps, %.1f M tokens, %.0f s); no training" % (
+            args.load_model, saved.get("device", "?"), train_info2["steps"],
+            train_info2["tokens"] / 1e6, train_info2["seconds"]))
+    else:
+        budget = []
+        if args.train_seconds is not None:
+            budget.append("%g s" % args.train_seconds)
+        if args.train_steps is not None:
+            budget.append("%d steps" % args.train_steps)
+        rep.say("training for %s: %d tokens/step, phase 1 at %d tokens, last %g at %d tokens" % (
+            " or ".join(budget), args.batch_tokens, args.train_context, args.long_fraction,
+            args.context))
+        train_info2 = train(model, stream, args, device, rep)
+        rep.say("trained %d steps, %.1f M tokens, %.0f tokens/s; last batch loss %.3f "
+                "bits/byte" % (train_info2["steps"], train_info2["tokens"] / 1e6,
+                               train_info2["tokens_per_second"],
+                               train_info2["final_batch_bits_per_byte"]))
+        if args.save_model:
+            save_model_file(args.save_model, model, args, train_info2, dev_name)
+            rep.say("saved the model to %s" % args.save_model)
     rep.phase_done("train", time.time() - t0)
 
     # Traces.
@@ -1097,7 +1177,7 @@ def _run(args, rep, out, repo_root, t_all):
     model.eval()
     q_pos, ctx_len = decode_positions(args.context, args.steps)
     traces = []
-    for i, (arr, info) in enumerate(docs):
+    for i, (arr, info) in enumerate(docs, start=args.skip_docs):
         td = time.time()
         idx = torch.from_numpy(arr.astype(np.int64))[None].to(device)
         with torch.no_grad():

@@ -164,7 +164,8 @@ class ScriptTest(unittest.TestCase):
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
         cls.out = os.path.join(cls.tmp.name, "a")
-        cls.run_script(cls.out)
+        cls.model = os.path.join(cls.tmp.name, "model.npz")
+        cls.run_script(cls.out, ["--save-model", cls.model])
 
     @classmethod
     def tearDownClass(cls):
@@ -235,6 +236,56 @@ class ScriptTest(unittest.TestCase):
             with open(os.path.join(out2, name, "scores.npy"), "rb") as f:
                 b = f.read()
             self.assertEqual(a, b, name)
+
+    def test_saved_model_rebuilds_the_traces(self):
+        # The saved model (float16 weights) gives the trained model's traces up to that rounding,
+        # the same bytes on every load, and --skip-docs picks the later held-out documents.
+        outs = []
+        for name in ("load1", "load2"):
+            out = os.path.join(self.tmp.name, name)
+            r = self.run_script(out, ["--load-model", self.model, "--skip-docs", "1", "--docs", "1",
+                                      "--layers", "5"])
+            outs.append(out)
+            self.assertFalse(os.path.exists(os.path.join(out, "doc0")))
+            with open(os.path.join(out, "summary.json")) as f:
+                s = json.load(f)
+            self.assertEqual([t["name"] for t in s["traces"]], ["doc1"])
+            self.assertEqual(s["model"]["layers"], 2)  # the file's sizes, not --layers
+            self.assertEqual(s["training"]["loaded_from"], os.path.abspath(self.model))
+            self.assertEqual(s["training"]["steps"], 4)
+            self.assertNotIn("training for", r.stderr)
+        with open(os.path.join(outs[0], "doc1", "scores.npy"), "rb") as f:
+            a = f.read()
+        with open(os.path.join(outs[1], "doc1", "scores.npy"), "rb") as f:
+            self.assertEqual(a, f.read())
+        trained = np.load(os.path.join(self.out, "doc1", "scores.npy"))
+        loaded = np.load(os.path.join(outs[0], "doc1", "scores.npy"))
+        self.assertEqual(trained.shape, loaded.shape)
+        self.assertLess(float(np.abs(trained - loaded).max()), 0.05)
+        self.assertFalse(np.array_equal(trained, loaded))  # the weights were rounded: not a copy
+
+    def test_bad_model_files(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            junk = os.path.join(tmp, "junk.npz")
+            with open(junk, "wb") as f:
+                f.write(b"not a model")
+            other = os.path.join(tmp, "other.npz")
+            np.savez(other, meta=np.frombuffer(b'{"format": "x"}', dtype=np.uint8))
+            for path, needle in ((junk, "cannot read the model file"),
+                                 (other, "is not a model of this script"),
+                                 (os.path.join(tmp, "missing.npz"), "cannot read the model file")):
+                cmd = [sys.executable, SCRIPT] + TINY + ["--corpus", stdlib_dir(), "--out",
+                                                         os.path.join(tmp, "o"), "--load-model",
+                                                         path, "--spinctl", "none"]
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                self.assertEqual(r.returncode, 2, r.stderr)
+                self.assertIn(needle, r.stderr)
+                self.assertIn("--save-model", r.stderr)
+            cmd = [sys.executable, SCRIPT] + TINY + ["--out", os.path.join(tmp, "o"),
+                                                     "--load-model", junk, "--save-model", junk]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            self.assertEqual(r.returncode, 2)
+            self.assertIn("exclude each other", r.stderr)
 
     def test_corpus_too_small(self):
         with tempfile.TemporaryDirectory() as tmp:
