@@ -226,6 +226,12 @@ expect_error "budget smoothing not a number" "budget-smoothing" \
   "$spinctl" replay --trace "$work/pl" --budget per-layer --probe-period 4 --budget-smoothing x
 expect_error "budget mode typo" "budget" \
   "$spinctl" replay --trace "$work/pl" --budget perlayer --probe-period 4
+expect_error "miss target 0" "miss-target 0 is out of range \(0, 1\)" \
+  "$spinctl" replay --trace "$work/pl" --miss-target 0 --probe-period 4
+expect_error "miss target 1" "miss-target 1 is out of range \(0, 1\)" \
+  "$spinctl" replay --trace "$work/pl" --miss-target 1 --probe-period 4
+expect_error "miss target negative" "miss-target -0.1 is out of range \(0, 1\)" \
+  "$spinctl" replay --trace "$work/pl" --miss-target -0.1 --probe-period 4
 expect_error "budget payback below 1" "budget payback probes 0.5 must be a finite value >= 1" \
   "$spinctl" replay --trace "$work/pl" --miss-target 0.02 --probe-period 4 --budget-payback 0.5
 expect_error "budget band 1" "budget level band 1 is out of range \[0, 1\)" \

@@ -267,6 +267,7 @@ struct ReplayArgs {
   ReplayOptions ro;
   std::string trace_dir, budget = "uniform", state = "fp32", backend = "cpu";
   std::string mtp_observe = "same-step";
+  std::optional<double> miss_target;  // given: must be in (0, 1)
   bool json = false, quiet = false, remote = false;
   int pace_ms = 0;
 };
@@ -277,8 +278,13 @@ int RunReplay(const Globals& g, const ReplayArgs& a) {
   ro.dtype = a.state == "bf16" ? StateDtype::kBf16 : StateDtype::kFp32;
   ro.backend = a.backend == "cuda" ? ReplayBackend::kCuda : ReplayBackend::kCpu;
   ro.policy.budget_mode = ParseBudgetMode(a.budget).value_or(BudgetMode::kUniform);  // checked
-  // 0, the policy's own value, is no miss target (a given one must be in (0, 1)).
-  if (ro.policy.miss_target != 0) {
+  if (a.miss_target) {
+    if (!(*a.miss_target > 0 && *a.miss_target < 1)) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat(
+          "--miss-target ", *a.miss_target,
+          " is out of range (0, 1): give the mean miss each layer may have, e.g. 0.02")));
+    }
+    ro.policy.miss_target = *a.miss_target;
     if (a.budget == "per-layer") {
       return Fail(absl::InvalidArgumentError(
           "--miss-target and --budget per-layer are two budget modes: give one"));
@@ -356,7 +362,7 @@ void AddReplay(CLI::App& app, Run* run) {
                 "curves, recomputed in process when they drift; needs --probe-period)")
       ->check(CLI::IsMember({"uniform", "per-layer"}))
       ->capture_default_str();
-  r->add_option("--miss-target", ro.policy.miss_target,
+  r->add_option("--miss-target", a->miss_target,
                 "Instead of a sparsity: each layer at the highest sparsity whose mean miss the "
                 "probe curves predict at most this, in (0, 1) (e.g. 0.02); needs --probe-period");
   r->add_option("--budget-smoothing", ro.budget_tuning.smoothing,
