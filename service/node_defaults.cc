@@ -89,16 +89,14 @@ std::optional<pb::PolicyDefaults> NodeDefaults::ChangedSince(uint64_t generation
 
 absl::StatusOr<pb::PolicyDefaults> NodeDefaults::Set(const pb::SetDefaultPolicyRequest& req,
                                                      const LogFn& log) {
-  pb::PolicyDefaults next;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    next = defaults_;
-  }
+  // One critical section from read to write: two operators setting different fields at once
+  // both keep theirs (with two sections, the later write dropped the earlier one's fields).
+  std::lock_guard<std::mutex> lock(mu_);
+  pb::PolicyDefaults next = defaults_;
   if (req.clear()) next.Clear();
   next.MergeFrom(req.defaults());  // set fields replace; an unspecified mode keeps the old
   SPIN_RETURN_IF_ERROR(ValidateDefaults(next));
   const bool changes = ChangesDefaults(req);
-  std::lock_guard<std::mutex> lock(mu_);
   defaults_ = next;
   if (changes) ++generation_;  // attaches in flight catch up (SpinService::CatchUpDefaults)
   if (changes && !file_.empty()) {
