@@ -48,12 +48,12 @@ int BadValue(const std::string& message) {
 }
 
 // A given policy value in range (finite; in [lo, hi), or (lo, hi) when open_low), else the
-// message for BadValue. Checked before sending: spind checks too, but a NaN or a negative
-// value must not be read as "not given".
+// message for BadValue (policy set, replay --miss-target). Checked before sending: spind checks
+// too, but a NaN or a negative value must not be read as "not given".
 std::string CheckPolicyValue(const char* flag, double v, double lo, double hi, bool open_low) {
   const bool ok = std::isfinite(v) && (open_low ? v > lo : v >= lo) && v < hi;
   if (ok) return "";
-  return absl::StrCat("policy set: ", flag, " ", absl::StrFormat("%g", v), " is out of range ",
+  return absl::StrCat(flag, " ", absl::StrFormat("%g", v), " is out of range ",
                       open_low ? "(" : "[", absl::StrFormat("%g", lo), ", ",
                       absl::StrFormat("%g", hi), ")");
 }
@@ -279,11 +279,8 @@ int RunReplay(const Globals& g, const ReplayArgs& a) {
   ro.backend = a.backend == "cuda" ? ReplayBackend::kCuda : ReplayBackend::kCpu;
   ro.policy.budget_mode = ParseBudgetMode(a.budget).value_or(BudgetMode::kUniform);  // checked
   if (a.miss_target) {
-    if (!(*a.miss_target > 0 && *a.miss_target < 1)) {
-      return Fail(absl::InvalidArgumentError(absl::StrCat(
-          "--miss-target ", *a.miss_target,
-          " is out of range (0, 1): give the mean miss each layer may have, e.g. 0.02")));
-    }
+    const std::string bad = CheckPolicyValue("--miss-target", *a.miss_target, 0, 1, true);
+    if (!bad.empty()) return BadValue(absl::StrCat("replay: ", bad));
     ro.policy.miss_target = *a.miss_target;
     if (a.budget == "per-layer") {
       return Fail(absl::InvalidArgumentError(
@@ -545,10 +542,10 @@ int RunPolicySet(const Globals& g, const PolicySetArgs& a) {
   }
   if (bad.empty() && f.probe_period &&
       (*f.probe_period < 0 || *f.probe_period > static_cast<int64_t>(kMaxProbePeriod))) {
-    bad = absl::StrCat("policy set: --probe-period ", *f.probe_period, " is out of range [0, ",
-                       kMaxProbePeriod, "] (0: no probes)");
+    bad = absl::StrCat("--probe-period ", *f.probe_period, " is out of range [0, ", kMaxProbePeriod,
+                       "] (0: no probes)");
   }
-  if (!bad.empty()) return BadValue(bad);
+  if (!bad.empty()) return BadValue(absl::StrCat("policy set: ", bad));
   if (f.miss_target && f.budget) {
     return BadValue("policy set: --miss-target is a budget mode of its own; leave out --budget");
   }
