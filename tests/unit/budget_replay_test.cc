@@ -32,6 +32,17 @@ GenTraceOptions SmallTrace(uint64_t seed) {
   return o;
 }
 
+// A quality study of generated traces of `layers` x `slots` x `steps` in TempDir(name).
+EvalOptions StudyOptions(const std::string& name, int layers, int slots, int steps) {
+  EvalOptions o;
+  o.gen = SmallTrace(0);
+  o.gen.layers = layers;
+  o.gen.slots = slots;
+  o.gen.steps = steps;
+  o.work_dir = TempDir(name);
+  return o;
+}
+
 ReplayOptions Options(double rho, BudgetMode mode) {
   ReplayOptions ro;
   ro.policy.target_sparsity = rho;
@@ -169,14 +180,9 @@ TEST(BudgetReplay, UniformModeIgnoresTheControllerAndDaemonOwnedTablesAreLeftAlo
 }
 
 TEST(QualityStudy, RunsEveryMethodAtEverySparsity) {
-  EvalOptions o;
+  EvalOptions o = StudyOptions("study", 3, 4096, 48);
   o.seeds = {60619};
   o.sparsities = {0.3, 0.6};
-  o.gen = SmallTrace(0);
-  o.gen.layers = 3;
-  o.gen.slots = 4096;
-  o.gen.steps = 48;
-  o.work_dir = TempDir("study");
   absl::StatusOr<EvalResult> r = RunEval(o);
   ASSERT_TRUE(r.ok()) << r.status();
   ASSERT_EQ(r->signals.size(), 4u);
@@ -223,15 +229,10 @@ TEST(QualityStudy, RunsEveryMethodAtEverySparsity) {
 }
 
 TEST(QualityStudy, GivenTracesInParallelEqualGeneratedOnesOneAtATime) {
-  EvalOptions o;
+  EvalOptions o = StudyOptions("study-given", 2, 2048, 32);
   o.seeds = {1, 2, 3};  // given trace i uses seed i + 1: the same draws
   o.sparsities = {0.4, 0.7};
   o.miss_targets = {0.02, 0.1};
-  o.gen = SmallTrace(0);
-  o.gen.layers = 2;
-  o.gen.slots = 2048;
-  o.gen.steps = 32;
-  o.work_dir = TempDir("study-given");
   absl::StatusOr<EvalResult> generated = RunEval(o);
   ASSERT_TRUE(generated.ok()) << generated.status();
   EvalOptions given = o;
