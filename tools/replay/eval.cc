@@ -420,19 +420,31 @@ nlohmann::json PointJson(const MethodPoint& p) {
           {"worst_per_trace", p.worst_per_trace}};
 }
 
-// The budget methods compared at 50% effective sparsity (the paper's RULER-style worst case).
-std::vector<std::string> BudgetMethods(const EvalOptions& o, const EvalResult& r) {
-  const std::string p = absl::StrCat("P=", o.probe_period);
-  std::vector<std::string> v = {absl::StrCat("uniform budgets ", p),
-                                absl::StrCat("per-layer budgets ", p)};
-  if (!r.miss_target_points.empty()) v.push_back(MissTargetMethod(o.probe_period));
-  return v;
-}
-
 std::vector<MethodPoint> AllPoints(const EvalResult& r) {
   std::vector<MethodPoint> all = r.points;
   all.insert(all.end(), r.miss_target_points.begin(), r.miss_target_points.end());
   return all;
+}
+
+std::vector<std::string> Methods(const EvalResult& r) {
+  std::vector<std::string> names;
+  for (const MethodPoint& p : r.points) {
+    if (std::find(names.begin(), names.end(), p.method) == names.end()) {
+      names.push_back(p.method);
+    }
+  }
+  return names;
+}
+
+// The budget methods of a result, in its order: uniform and per-layer budgets, then the
+// miss-target mode when it ran (the 50%-sparsity comparison and budgets.dat).
+std::vector<std::string> BudgetMethods(const EvalResult& r) {
+  std::vector<std::string> v;
+  for (const std::string& n : Methods(r)) {
+    if (n.find("budgets") != std::string::npos) v.push_back(n);
+  }
+  if (!r.miss_target_points.empty()) v.push_back(r.miss_target_points[0].method);
+  return v;
 }
 
 }  // namespace
@@ -469,7 +481,7 @@ std::string EvalJson(const EvalOptions& o, const EvalResult& r) {
   // NaN (outside a method's range) becomes null.
   j["p99_at_half_effective_sparsity"] = nlohmann::json::object();
   const std::vector<MethodPoint> all = AllPoints(r);
-  for (const std::string& m : BudgetMethods(o, r)) {
+  for (const std::string& m : BudgetMethods(r)) {
     const double v = P99AtEffectiveSparsity(all, m, 0.5);
     j["p99_at_half_effective_sparsity"][m] = std::isnan(v) ? nlohmann::json() : nlohmann::json(v);
   }
@@ -483,16 +495,6 @@ const MethodPoint* Find(const EvalResult& r, const std::string& method, double t
     if (p.method == method && p.target == target) return &p;
   }
   return nullptr;
-}
-
-std::vector<std::string> Methods(const EvalResult& r) {
-  std::vector<std::string> names;
-  for (const MethodPoint& p : r.points) {
-    if (std::find(names.begin(), names.end(), p.method) == names.end()) {
-      names.push_back(p.method);
-    }
-  }
-  return names;
 }
 
 }  // namespace
@@ -580,7 +582,7 @@ std::string EvalMarkdown(const EvalOptions& o, const EvalResult& r) {
                   "case; linear between the two points around 0.5, - when none are):\n\n"
                   "| method | p99 miss |\n|---|---|\n");
   const std::vector<MethodPoint> all = AllPoints(r);
-  for (const std::string& m : BudgetMethods(o, r)) {
+  for (const std::string& m : BudgetMethods(r)) {
     const double v = P99AtEffectiveSparsity(all, m, 0.5);
     absl::StrAppend(&out, "| ", m, " | ", std::isnan(v) ? "-" : Fmt(v), " |\n");
   }
@@ -621,13 +623,8 @@ absl::Status WriteEvalData(const EvalResult& r, const std::string& dir) {
   // One data set per budget method (gnuplot `index` 0, 1, then 2: the miss-target runs, whose
   // target column is M).
   const std::vector<MethodPoint> all = AllPoints(r);
-  std::vector<std::string> budget_names;
-  for (const std::string& n : names) {
-    if (n.find("budgets") != std::string::npos) budget_names.push_back(n);
-  }
-  if (!r.miss_target_points.empty()) budget_names.push_back(r.miss_target_points[0].method);
   bool first = true;
-  for (const std::string& n : budget_names) {
+  for (const std::string& n : BudgetMethods(r)) {
     f << (first ? "" : "\n\n") << "# " << n << "\n";
     first = false;
     for (const MethodPoint& p : all) {
