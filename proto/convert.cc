@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "spin/numerics.h"
 #include "spin/status_macros.h"
 
 namespace spin {
@@ -123,6 +124,10 @@ pb::LayerStats ToProto(uint32_t layer, const LayerStats& st, double sparsity_bud
   o.set_sparse_blocks_total(st.sparse_blocks_total);
   o.set_probe_topk(st.probe_topk);
   o.set_probe_missed(st.probe_missed);
+  o.set_explore_miss(Ratio(st.explore_est, st.explore_topk) / static_cast<double>(kExploreEstUnit));
+  o.set_explore_steps(st.explore_steps);
+  o.set_explore_topk(st.explore_topk);
+  o.set_explore_est(st.explore_est);
   return o;
 }
 
@@ -139,6 +144,9 @@ LayerStats FromProto(const pb::LayerStats& l) {
   m.bad_scores = l.bad_scores();
   m.probe_topk = l.probe_topk();
   m.probe_missed = l.probe_missed();
+  m.explore_steps = l.explore_steps();
+  m.explore_topk = l.explore_topk();
+  m.explore_est = l.explore_est();
   return m;
 }
 

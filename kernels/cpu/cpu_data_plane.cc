@@ -78,6 +78,7 @@ class CpuDataPlane final : public DataPlane {
     row_scores_.resize(a_.max_blocks);
     order_.reserve(a_.max_blocks);
     probing_.assign(a_.geometry.max_seqs, 0);
+    sparse_.assign(a_.geometry.max_seqs, 0);
     draws_.resize(a_.max_blocks);
     step_rho_.assign(a_.sparsity, a_.sparsity + a_.geometry.layers);
     step_gamma_ = a_.policy->exploration;
@@ -190,16 +191,21 @@ class CpuDataPlane final : public DataPlane {
     SPIN_RETURN_IF_ERROR(Remap(idx, count, stream));
     if (probe_counted_ || count == 0) return absl::OkStatus();
     probe_counted_ = true;
-    // Each probing entry's row 0, mapped: the engine's dense top-K, counted as given.
+    // Each probing entry's row 0, mapped: the engine's dense top-K, counted as given; each
+    // sparse entry's row 0: the exploration estimate of its miss.
     const int32_t layer = a_.batch->selected_layer, rows = a_.batch->rows;
     for (int32_t e = 0; e < a_.batch->n; ++e) {
-      if (a_.entries[e].seq < 0 || !probing_[e]) continue;
+      if (a_.entries[e].seq < 0 || !(probing_[e] || sparse_[e])) continue;
       const int32_t* row = idx + static_cast<int64_t>(e) * rows * count;
       topk_.clear();
       for (int32_t k = 0; k < count; ++k) {
         if (row[k] >= 0) topk_.push_back(row[k]);
       }
-      CountCurve(layer, e);
+      if (probing_[e]) {
+        CountCurve(layer, e);
+      } else {
+        CountExplore(layer, e);
+      }
     }
     return absl::OkStatus();
   }
@@ -252,6 +258,7 @@ class CpuDataPlane final : public DataPlane {
     for (int32_t e = 0; e < a_.batch->n; ++e) {
       const StepEntry& en = a_.entries[e];
       probing_[e] = 0;
+      sparse_[e] = 0;
       if (!Served(en)) {
         a_.union_count[e] = 0;
         for (int32_t r = 0; r < rows; ++r) a_.compact_len[e * g.max_rows + r] = 0;
@@ -261,6 +268,7 @@ class CpuDataPlane final : public DataPlane {
       const bool fresh = !pad && a_.fresh[static_cast<uint64_t>(en.seq) * g.layers + layer] != 0;
       const bool dense = pad || fresh || en.probe;
       probing_[e] = en.probe && !fresh ? 1 : 0;
+      sparse_[e] = dense ? 0 : 1;
       uint8_t* mask = a_.mask + static_cast<int64_t>(e) * a_.max_blocks;
       const int32_t widest_blocks = static_cast<int32_t>(CeilDiv(en.ctx_len + rows - 1, b));
       std::memset(mask, dense ? 1 : 0, widest_blocks);
@@ -285,7 +293,7 @@ class CpuDataPlane final : public DataPlane {
       int32_t* ids = a_.union_ids + static_cast<int64_t>(e) * a_.max_blocks;
       int32_t count = 0;
       for (int32_t j = 0; j < widest_blocks; ++j) {
-        if (mask[j]) ids[count++] = j;
+        if (mask[j] != 0) ids[count++] = j;
       }
       a_.union_count[e] = count;
       if (block_table) {
@@ -312,7 +320,8 @@ class CpuDataPlane final : public DataPlane {
   }
 
   // One row's selection (docs/design.md §5): the query block, then the best-scoring other blocks,
-  // then exploration blocks with the smallest counter-based draws. Marks the chosen blocks in mask.
+  // then exploration blocks with the smallest counter-based draws. Marks the chosen blocks in mask
+  // (bit 0), and row 0's exploration blocks also with kExplored (its exploration estimate).
   void SelectRow(const float* s, int32_t nb, int32_t q_block, double rho, double gamma,
                  uint64_t key, uint64_t step, int32_t layer, int32_t row, uint8_t* mask) {
     const Geometry& g = a_.geometry;
@@ -346,7 +355,8 @@ class CpuDataPlane final : public DataPlane {
       std::nth_element(rest, rest + (explore - 1), order_.end(), [dr](int32_t x, int32_t y) {
         return dr[x] < dr[y] || (dr[x] == dr[y] && x < y);
       });
-      for (int32_t k = 0; k < explore; ++k) mask[rest[k]] = 1;
+      const uint8_t mark = row == 0 ? 1 | kExplored : 1;
+      for (int32_t k = 0; k < explore; ++k) mask[rest[k]] |= mark;
     }
   }
 
@@ -465,6 +475,28 @@ class CpuDataPlane final : public DataPlane {
     st.probe_missed += static_cast<uint64_t>(k - covered_[m_now]);
   }
 
+  // A sparse entry's row 0, top-K given by the engine in topk_ (logical slots): how many of them
+  // lie in the row's exploration blocks, each weighted by the unexplored blocks outside its ranked
+  // part it stands for (ExploreHitWeight).
+  void CountExplore(int32_t layer, int32_t e) {
+    const Geometry& g = a_.geometry;
+    const int32_t b = static_cast<int32_t>(g.block_size);
+    const int32_t nb = static_cast<int32_t>(CeilDiv(a_.entries[e].ctx_len, b));
+    const int32_t m = KeptBlocks(nb, static_cast<int32_t>(g.topk), b, step_rho_[layer]);
+    const int32_t explore = m < nb ? ExplorationBlocks(m, step_gamma_) : 0;
+    if (explore == 0) return;
+    const uint8_t* mask = a_.mask + static_cast<int64_t>(e) * a_.max_blocks;
+    uint32_t hits = 0;
+    for (int32_t slot : topk_) hits += (mask[slot / b] & kExplored) != 0 ? 1 : 0;
+    LayerStats& st = a_.stats[layer];
+    st.explore_steps += 1;
+    st.explore_topk += topk_.size();
+    st.explore_est += hits * ExploreHitWeight(nb - (m - explore), explore);
+  }
+
+  // Mask bit of row 0's exploration blocks (SelectRow).
+  static constexpr uint8_t kExplored = 2;
+
   ArenaView a_;
   std::vector<float> row_scores_;
   std::vector<double> step_rho_;  // the budget table as the step began
@@ -477,6 +509,8 @@ class CpuDataPlane final : public DataPlane {
   // The current selection's probe is counted (reset by Select): by RemapTopK (the engine's
   // top-K) or by Observe (the logits' top-K), whichever came first; the other counts nothing.
   bool probe_counted_ = false;
+  // Per entry: the layer's Select made a sparse selection of a sequence (not dense, not padding).
+  std::vector<uint8_t> sparse_;
   // The engine's table for every layer of the current step (StepBatch::block_table), or null.
   const int32_t* step_table_ = nullptr;
   int64_t step_table_stride_ = 0;

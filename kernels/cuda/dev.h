@@ -33,6 +33,9 @@ static_assert(kProbeCap == kProbeThreads * kProbeItems, "a candidate or block pe
 // A probing block's level byte (probe_lvl): the first curve point whose kept blocks include it,
 // and this bit when the step's own budget keeps it.
 inline constexpr uint8_t kLevelNow = 0x80;
+// On a sparse pair, probe_lvl marks row 0's exploration blocks instead (its Select writes the
+// row's bytes: this bit, or 0), which RemapTopK counts for the exploration estimate.
+inline constexpr uint8_t kLevelExplored = 0x40;
 
 // Everything a kernel needs about the arena, passed by value (fixed for the data plane's life).
 struct Dev {
@@ -71,7 +74,8 @@ struct Dev {
   int32_t* ahead_len;        // [L][S][R]: compacted length per row
   int32_t* probe_list;       // [L][S]: the entries that probe at the layer's Observe
   int32_t* probe_count;      // [L]: how many (ProbeRankKernel; zeroed before it runs)
-  uint8_t* probe_lvl;        // [L][S][MB]: curve level of each block (ProbeRankKernel)
+  uint8_t* probe_lvl;        // [L][S][MB]: curve level of each block (ProbeRankKernel); on a
+                             // sparse pair, row 0's exploration blocks (kLevelExplored)
   uint8_t* probe_on;         // [L][S]: 1 = the pair probes at this selection (ProbeRankKernel)
   unsigned long long* probe_cand;  // [S][kProbeCap]: top-K candidates (ProbeKernel)
   int32_t* probe_cnt;              // [S][2]: candidates and finite logits (0 between launches)

@@ -215,13 +215,19 @@ __device__ inline void RemapShare(const Dev& d, int layer, int32_t* idx, int cou
   // memory, then added to the layer's curve and statistics. Every sum is linear over slots and
   // entries, so the CTAs' shares add up to the reference's per-entry counts exactly.
   const bool counting = probe && selected && d.probe_count[layer] > 0;  // the same in every CTA
+  // And each sparse entry's row 0: the slots in its exploration blocks (kLevelExplored, marked by
+  // its row-0 selection), each weighted by ExploreHitWeight (the reference's CountExplore).
+  const bool exploring = probe && selected;
   __shared__ int s_cnt[kCurvePoints + 1], s_sum[3];  // per level; {slots, kept now, entries}
-  if (counting) {
+  __shared__ unsigned long long s_x[3];             // {entries, slots, estimate}
+  if (exploring) {
     for (int i = static_cast<int>(threadIdx.x); i <= kCurvePoints; i += blockDim.x) s_cnt[i] = 0;
-    if (threadIdx.x < 3) s_sum[threadIdx.x] = 0;
+    if (threadIdx.x < 3) s_sum[threadIdx.x] = 0, s_x[threadIdx.x] = 0;
     __syncthreads();
   }
   int slots = 0, now = 0, entries = 0;
+  unsigned long long xent = 0, xslots = 0, xest = 0;
+  const double rho = d.step_rho[layer], gamma = d.step_rho[d.layers];
   for (int64_t x = t0; x < total; x += nt) {
     const int e = static_cast<int>(x / (static_cast<int64_t>(rows) * count));
     const int r = static_cast<int>((x / count) % rows);
@@ -231,7 +237,8 @@ __device__ inline void RemapShare(const Dev& d, int layer, int32_t* idx, int cou
     const int c = idx[x];
     const int slot = (c < 0 || c >= len) ? -1 : SelIds(d, e)[c / d.block] * d.block + c % d.block;
     idx[x] = slot;
-    if (counting && r == 0 && live && d.probe_on[d.Ahead(layer, e)]) {
+    if (!exploring || r != 0 || !live) continue;
+    if (counting && d.probe_on[d.Ahead(layer, e)]) {
       if (x % count == 0) ++entries;
       if (slot >= 0) {
         const int j = d.block_shift >= 0 ? slot >> d.block_shift : slot / d.block;
@@ -240,9 +247,23 @@ __device__ inline void RemapShare(const Dev& d, int layer, int32_t* idx, int cou
         ++slots;
         if (lv & kLevelNow) ++now;
       }
+    } else if (d.ahead_info[d.Ahead(layer, e)].y == 0) {
+      const int nb = BlocksOf(d, en.ctx_len);
+      const int m = KeptBlocks(nb, d.topk, d.block, rho);
+      const int explore = m < nb ? ExplorationBlocks(m, gamma) : 0;
+      if (explore > 0) {
+        if (x % count == 0) ++xent;
+        if (slot >= 0) {
+          ++xslots;
+          const int j = d.block_shift >= 0 ? slot >> d.block_shift : slot / d.block;
+          if (d.probe_lvl[d.Ahead(layer, e) * d.max_blocks + j] & kLevelExplored) {
+            xest += ExploreHitWeight(nb - (m - explore), explore);
+          }
+        }
+      }
     }
   }
-  if (!counting) return;
+  if (!exploring) return;
   slots = __reduce_add_sync(kAll, slots);
   now = __reduce_add_sync(kAll, now);
   entries = __reduce_add_sync(kAll, entries);
@@ -251,7 +272,18 @@ __device__ inline void RemapShare(const Dev& d, int layer, int32_t* idx, int cou
     atomicAdd(&s_sum[1], now);
     atomicAdd(&s_sum[2], entries);
   }
+  if ((xent | xslots) != 0) {
+    atomicAdd(&s_x[0], xent);
+    atomicAdd(&s_x[1], xslots);
+    atomicAdd(&s_x[2], xest);
+  }
   __syncthreads();
+  LayerStats* st = d.stats + layer;
+  if (threadIdx.x == 0 && (s_x[0] | s_x[1]) != 0) {
+    atomicAdd(reinterpret_cast<unsigned long long*>(&st->explore_steps), s_x[0]);
+    atomicAdd(reinterpret_cast<unsigned long long*>(&st->explore_topk), s_x[1]);
+    atomicAdd(reinterpret_cast<unsigned long long*>(&st->explore_est), s_x[2]);
+  }
   if (threadIdx.x == 0 && (s_sum[0] | s_sum[2]) != 0) {
     unsigned long long* curve = d.curves + static_cast<int64_t>(layer) * kCurvePoints;
     int covered = 0;
@@ -261,7 +293,6 @@ __device__ inline void RemapShare(const Dev& d, int layer, int32_t* idx, int cou
         atomicAdd(&curve[p], static_cast<unsigned long long>(s_sum[0] - covered));
       }
     }
-    LayerStats* st = d.stats + layer;
     atomicAdd(reinterpret_cast<unsigned long long*>(&st->probe_steps),
               static_cast<unsigned long long>(s_sum[2]));
     atomicAdd(reinterpret_cast<unsigned long long*>(&st->probe_topk),

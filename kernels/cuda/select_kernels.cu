@@ -252,9 +252,14 @@ __device__ __forceinline__ void SelectRow(const Dev& d, TopTShared& sh, int laye
       return gsel[j];
     }
   };
+  // Row 0's exploration blocks are marked in the pair's probe_lvl bytes (a sparse pair's are
+  // free: ProbeRankKernel writes them for probing pairs only) for RemapTopK's exploration
+  // estimate; the row's other bytes are cleared first.
+  uint8_t* xmark = r == 0 && explore > 0 ? d.probe_lvl + d.Ahead(layer, e) * d.max_blocks : nullptr;
   unsigned skey[kRegs];
   ForRounds<KPT>(nb, [&](int u, int j) {
     if (j < nb) {
+      if (xmark) xmark[j] = 0;
       sel_of(u, j) = j == qb ? 1 : 0;
       if constexpr (KPT > 0) {
         skey[u] = FloatKey(score[u]);
@@ -299,7 +304,11 @@ __device__ __forceinline__ void SelectRow(const Dev& d, TopTShared& sh, int laye
           return gkey[j];
         }
       },
-      [&](int u, int j) { return sel_of(u, j) == 0; }, [&](int, int j) { mask[j] = 1; });
+      [&](int u, int j) { return sel_of(u, j) == 0; },
+      [&](int, int j) {
+        mask[j] = 1;
+        if (xmark) xmark[j] = kLevelExplored;
+      });
 }
 
 // One (entry, row) selection unless the step is dense for the entry (padding, probe, fresh).

@@ -267,12 +267,13 @@ void SetPolicy(int64_t h, c10::optional<double> target_sparsity, c10::optional<d
 }
 
 // Per layer: steps, dense_steps, probe_steps, blocks_kept, blocks_total, sparse_blocks_kept,
-// sparse_blocks_total, observed, bad_scores, probe_topk, probe_missed (int64 [layers, 11]).
+// sparse_blocks_total, observed, bad_scores, probe_topk, probe_missed, explore_steps,
+// explore_topk, explore_est (int64 [layers, 14]).
 at::Tensor Stats(int64_t h) {
   auto s = Get(h);
   const ArenaView& a = s->dp().arena();
-  static_assert(sizeof(spin::LayerStats) == 11 * sizeof(uint64_t), "11 counters");
-  at::Tensor out = at::empty({static_cast<int64_t>(a.geometry.layers), 11}, at::kLong);
+  static_assert(sizeof(spin::LayerStats) == 14 * sizeof(uint64_t), "14 counters");
+  at::Tensor out = at::empty({static_cast<int64_t>(a.geometry.layers), 14}, at::kLong);
   ArenaRead(*s, out.data_ptr<int64_t>(), a.stats, a.geometry.layers * sizeof(spin::LayerStats),
             "stats");
   return out;

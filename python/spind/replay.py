@@ -96,7 +96,10 @@ def _skipped(kept, total):
 
 
 # LayerStats columns of spind.ops.stats
-STEPS, DENSE, PROBE, KEPT, TOTAL, SKEPT, STOTAL, OBSERVED, BAD, PTOPK, PMISSED = range(11)
+(STEPS, DENSE, PROBE, KEPT, TOTAL, SKEPT, STOTAL, OBSERVED, BAD, PTOPK, PMISSED, XSTEPS, XTOPK,
+ XEST) = range(14)
+# The exploration estimate's fixed-point unit (kExploreEstUnit: 1/1024 slot)
+EXPLORE_EST_UNIT = 1024
 
 
 def replay(args, meta, scores, session, dump, progress):
@@ -150,7 +153,9 @@ def replay(args, meta, scores, session, dump, progress):
                 for r in range(rows):
                     sel = topk_slots(logits[r], clen[r], k)
                     topk[r, :sel.numel()] = sel.to(torch.int32)
-                session.remap(topk)
+                # Given as the engine's: a probe step counts it against the miss curve, and a
+                # sparse step's exploration blocks measure the step's miss (docs/budgets.md).
+                session.remap(topk, engine_topk=True)
                 session.observe(layer, logits, acc_t)
             except RuntimeError as e:
                 raise RuntimeError(f"step {t} layer {layer}: {e}") from None
@@ -182,12 +187,14 @@ def replay(args, meta, scores, session, dump, progress):
     kept = total = skept = stotal = 0
     for layer in range(layers):
         s, s0 = now[layer], start[layer]
-        d = [s[i] - s0[i] for i in range(11)]
+        d = [s[i] - s0[i] for i in range(14)]
         ls = {"layer": layer, "mean_miss": _mean(miss[layer]),
               "p99_miss": _percentile(miss[layer], 0.99),
               "sparsity": _skipped(d[SKEPT], d[STOTAL]),
               "effective_sparsity": _skipped(d[KEPT], d[TOTAL]), "budget": table[layer],
-              "probe_steps": d[PROBE], "bad_scores": d[BAD]}
+              "probe_steps": d[PROBE], "bad_scores": d[BAD],
+              "explore_miss": d[XEST] / EXPLORE_EST_UNIT / d[XTOPK] if d[XTOPK] else 0.0,
+              "explore_steps": d[XSTEPS]}
         everything.extend(miss[layer])
         kept, total, skept, stotal = kept + d[KEPT], total + d[TOTAL], skept + d[SKEPT], \
             stotal + d[STOTAL]

@@ -67,7 +67,7 @@ class LocalSession(unittest.TestCase):
             ids = s.union_ids[0, :16].tolist()
             self.assertEqual(ids, sorted(ids))
             stats = s.stats()
-            self.assertEqual(stats.shape, (2, 11))
+            self.assertEqual(stats.shape, (2, 14))
             self.assertEqual(stats[:, 0].tolist(), [2, 2])  # steps
             self.assertEqual(stats[:, 1].tolist(), [1, 1])  # dense steps
 

@@ -348,6 +348,76 @@ TEST(Observe, RemapTopKOfAPairThatDoesNotProbeCountsNothing) {
   EXPECT_EQ(t.view().curves[0], 0u);
 }
 
+// A sparse step's top-K given to RemapTopK measures the step's miss from row 0's exploration
+// blocks (docs/budgets.md, "Measured between probes"): each top-K slot in an explored block
+// stands for (unranked - explored) / explored more in the unexplored blocks. B = 64 blocks,
+// rho 0.5 -> m = 32 kept, exploration 0.25 -> 8 explored and 24 ranked (the query block 63 and
+// the 23 best others, 40..62: the state scores block j as j), so 40 blocks are unranked and a
+// hit weighs (40 - 8) / 8 = 4 slots. Counted once per selection, on sparse pairs only.
+TEST(Observe, SparseRemapTopKEstimatesTheMissFromExplorationBlocks) {
+  Policy p = Pol(0.5, 0.5f, 0);
+  p.exploration = 0.25;
+  TestArena t(Geo(4096, 128), p);
+  ASSERT_TRUE(t.dp().ResetSequence(0, 7).ok());
+  OneSeqStep s{0, 4095, 4094};
+  std::vector<float> z(4096);
+  for (int i = 0; i < 4096; ++i) z[i] = static_cast<float>(i / 64);
+  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());  // fresh: dense, estimates nothing
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  std::vector<int32_t> dense_topk(128);
+  for (int i = 0; i < 128; ++i) dense_topk[i] = i;
+  ASSERT_TRUE(t.dp().RemapTopK(dense_topk.data(), 128).ok());
+  ASSERT_TRUE(t.dp().Observe(0, z.data(), 4096).ok());
+  const LayerStats& st = t.view().stats[0];
+  EXPECT_EQ(st.explore_steps, 0u);
+  s = OneSeqStep{0, 4096, 4095};
+  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  const std::vector<int> ids = t.Selected();
+  ASSERT_EQ(ids.size(), 32u);
+  std::vector<int> explored, ranked;
+  for (int c = 0; c < 32; ++c) (ids[c] < 40 ? explored : ranked).push_back(c);
+  ASSERT_EQ(explored.size(), 8u);
+  ASSERT_EQ(ids[ranked.front()], 40);
+  // The given top-K, compacted: 3 slots in explored blocks, 100 in ranked ones, 2 past the row
+  // (not valid) and padding.
+  std::vector<int32_t> topk(110, -1);
+  topk[0] = explored[0] * 64 + 5, topk[1] = explored[0] * 64 + 6, topk[2] = explored[5] * 64;
+  for (int i = 0; i < 100; ++i) topk[3 + i] = ranked[i % 24] * 64 + i / 24;
+  topk[103] = 32 * 64, topk[104] = 40 * 64;
+  std::vector<int32_t> plain = topk;
+  ASSERT_TRUE(t.dp().Remap(plain.data(), 110).ok());  // a plain Remap counts nothing
+  EXPECT_EQ(st.explore_steps, 0u);
+  ASSERT_TRUE(t.dp().RemapTopK(topk.data(), 110).ok());
+  EXPECT_EQ(topk, plain);
+  EXPECT_EQ(st.explore_steps, 1u);
+  EXPECT_EQ(st.explore_topk, 103u);
+  EXPECT_EQ(st.explore_est, 3u * 4 * kExploreEstUnit);
+  EXPECT_EQ(ExploreHitWeight(40, 8), 4 * kExploreEstUnit);
+  EXPECT_EQ(st.probe_steps, 0u);
+  // Once per selection: a second RemapTopK, and Observe, add nothing.
+  topk = plain;
+  ASSERT_TRUE(t.dp().RemapTopK(topk.data(), 110).ok());
+  ASSERT_TRUE(t.dp().Observe(0, z.data(), 4096).ok());
+  EXPECT_EQ(st.explore_steps, 1u);
+  EXPECT_EQ(st.explore_est, 3u * 4 * kExploreEstUnit);
+  // Observe alone computes no sparse top-K: nothing is estimated.
+  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  ASSERT_TRUE(t.dp().Observe(0, z.data(), 4096).ok());
+  EXPECT_EQ(st.explore_steps, 1u);
+  // Without exploration there is nothing to estimate from.
+  Policy q = p;
+  q.exploration = 0;
+  ASSERT_TRUE(WritePolicy(t.view(), q).ok());
+  ASSERT_TRUE(t.dp().BeginStep(s.batch()).ok());
+  ASSERT_TRUE(t.dp().Select(0).ok());
+  topk.assign(8, 0);
+  ASSERT_TRUE(t.dp().RemapTopK(topk.data(), 8).ok());
+  EXPECT_EQ(st.explore_steps, 1u);
+  EXPECT_EQ(st.explore_topk, 103u);
+}
+
 // The probe's count at the current budget uses the budget the step's selection used: a policy
 // written between Select and Observe applies from the next step, to the probe as to the
 // selection.

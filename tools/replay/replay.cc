@@ -266,7 +266,9 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
         std::copy(dense_topk.begin(), dense_topk.end(), sparse_topk.begin() + r * k);
       }
       s = mem.Put(d_topk, sparse_topk.data(), sparse_topk.size() * sizeof(int32_t));
-      if (s.ok()) s = dp.Remap(d_topk, k);
+      // Given as the engine's (RemapTopK): a probe step counts it against the miss curve, and
+      // a sparse step's exploration blocks measure the step's miss (docs/budgets.md).
+      if (s.ok()) s = dp.RemapTopK(d_topk, k);
       if (s.ok()) s = mem.Get(sparse_topk.data(), d_topk, sparse_topk.size() * sizeof(int32_t));
       if (s.ok()) s = mem.Put(d_logits, logits.data(), logits.size() * sizeof(float));
       switch (mtp) {
@@ -360,6 +362,11 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
     ls.budget = table[l];
     ls.probe_steps = s.probe_steps - s0.probe_steps;
     ls.bad_scores = s.bad_scores - s0.bad_scores;
+    ls.explore_steps = s.explore_steps - s0.explore_steps;
+    if (const uint64_t k = s.explore_topk - s0.explore_topk; k > 0) {
+      ls.explore_miss = static_cast<double>(s.explore_est - s0.explore_est) /
+                        static_cast<double>(kExploreEstUnit) / static_cast<double>(k);
+    }
     kept += s.blocks_kept - s0.blocks_kept;
     total += s.blocks_total - s0.blocks_total;
     skept += s.sparse_blocks_kept - s0.sparse_blocks_kept;
@@ -424,7 +431,9 @@ std::string SummaryJson(const ReplaySummary& s) {
                               {"effective_sparsity", l.effective_sparsity},
                               {"budget", l.budget},
                               {"probe_steps", l.probe_steps},
-                              {"bad_scores", l.bad_scores}});
+                              {"bad_scores", l.bad_scores},
+                              {"explore_miss", l.explore_miss},
+                              {"explore_steps", l.explore_steps}});
   }
   return j.dump();
 }

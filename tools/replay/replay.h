@@ -65,6 +65,11 @@ struct LayerSummary {
   double budget = 0;              ///< the layer's budget table entry (rho_l) at the end
   uint64_t probe_steps = 0;
   uint64_t bad_scores = 0;
+  /// The data plane's own estimate of mean_miss from its exploration blocks (what spind's
+  /// miss-target controller measures between probes; docs/budgets.md), over the sparse steps
+  /// it could measure (explore_steps); 0 when none.
+  double explore_miss = 0;
+  uint64_t explore_steps = 0;
 };
 
 /// Whole-trace results.

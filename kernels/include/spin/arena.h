@@ -18,7 +18,7 @@ namespace spin {
 /// "SPIN" in little-endian byte order.
 inline constexpr uint32_t kArenaMagic = 0x4E495053u;
 /// Bumped on any change of the bytes below.
-inline constexpr uint32_t kArenaLayoutVersion = 3;
+inline constexpr uint32_t kArenaLayoutVersion = 4;
 /// Section alignment inside the arena.
 inline constexpr uint64_t kArenaAlign = 256;
 /// Keep fractions of the probe-step miss curve: 5%, 10%, ..., 100%.
@@ -142,6 +142,12 @@ struct LayerStats {
   uint64_t bad_scores;           ///< non-finite scores skipped
   uint64_t probe_topk;           ///< dense top-K slots seen on probe steps
   uint64_t probe_missed;         ///< of which outside the layer's current budget
+  /// Sparse steps whose row-0 top-K the engine gave (RemapTopK, RemapAndObserve) and whose
+  /// selection explored: the exploration estimate of their miss (docs/budgets.md, "Measured
+  /// between probes"; ExploreHitWeight in spin/numerics.h).
+  uint64_t explore_steps;
+  uint64_t explore_topk;  ///< valid top-K slots of those rows
+  uint64_t explore_est;   ///< estimated missed slots of those rows, in 1/kExploreEstUnit slot
 };
 
 /// The current step of the batch, written by BeginStep.
@@ -206,7 +212,7 @@ struct ArenaHeader {
 
 // The layout is shared by host and device code and across processes: pin the record sizes.
 static_assert(sizeof(ArenaPolicy) == 48);
-static_assert(sizeof(LayerStats) == 88);
+static_assert(sizeof(LayerStats) == 112);
 static_assert(sizeof(BatchHeader) == 16);
 static_assert(sizeof(StepEntry) == 24);
 static_assert(sizeof(SeqRecord) == 24);

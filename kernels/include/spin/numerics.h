@@ -149,6 +149,22 @@ SPIN_HD int32_t ExplorationBlocks(int32_t kept, double exploration) {
   return static_cast<int32_t>(e);
 }
 
+/// Fixed-point unit of the exploration miss estimate (LayerStats::explore_est): 1/1024 slot.
+inline constexpr uint64_t kExploreEstUnit = 1024;
+
+/// The weight of one top-K slot found in a row's exploration blocks, in the exploration estimate
+/// of how many top-K slots the row's selection missed (docs/budgets.md, "Measured between
+/// probes"): the row ranks m - e blocks and explores e more, drawn uniformly from the
+/// `unranked` = B - (m - e) blocks outside its ranked part, which hold every top-K slot it
+/// misses; each top-K slot found in the explored blocks stands for (unranked - e) / e more in
+/// the unexplored rest. In units of 1/kExploreEstUnit slot, rounded down (a slot's weight, so
+/// sums over slots are exact in any order); 0 without exploration.
+SPIN_HD uint64_t ExploreHitWeight(int32_t unranked, int32_t explored) {
+  if (explored <= 0 || unranked <= explored) return 0;
+  return kExploreEstUnit * static_cast<uint64_t>(unranked - explored) /
+         static_cast<uint64_t>(explored);
+}
+
 /// One EMA update of a state entry: z if unset (NaN), else fmaf(alpha, v, beta * z), where
 /// beta = (float)(1 - alpha) is computed once by the caller. EmaUpdateScaled takes beta * z
 /// (bz) already computed, for a caller that updates two entries with one score.
