@@ -328,11 +328,11 @@ class CpuDataPlane final : public DataPlane {
     const int32_t m =
         KeptBlocks(nb, static_cast<int32_t>(g.topk), static_cast<int32_t>(g.block_size), rho);
     if (m >= nb) {
-      std::memset(mask, 1, nb);
+      for (int32_t j = 0; j < nb; ++j) mask[j] |= 1;  // keeps row 0's kExplored marks
       return;
     }
     const int32_t qb = std::min(q_block, nb - 1);
-    mask[qb] = 1;
+    mask[qb] |= 1;
     const int32_t explore = ExplorationBlocks(m, gamma);
     const int32_t top = m - 1 - explore;
     order_.clear();
@@ -341,7 +341,7 @@ class CpuDataPlane final : public DataPlane {
     }
     if (top > 0) {
       std::nth_element(order_.begin(), order_.begin() + (top - 1), order_.end(), ByScore{s});
-      for (int32_t k = 0; k < top; ++k) mask[order_[k]] = 1;
+      for (int32_t k = 0; k < top; ++k) mask[order_[k]] |= 1;
     }
     if (explore > 0) {
       // The candidates are the blocks left after the top set; the draw is a pure function of

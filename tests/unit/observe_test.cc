@@ -418,6 +418,73 @@ TEST(Observe, SparseRemapTopKEstimatesTheMissFromExplorationBlocks) {
   EXPECT_EQ(st.explore_topk, 103u);
 }
 
+// The exploration estimate is row 0's alone: with MTP rows, a block row 0 explored counts as
+// explored even when another row ranked it too. Two arenas fed the same row-0 history (one with a
+// second query row, whose own blocks get non-finite scores so that both states stay equal) select
+// the same row-0 blocks and, given the same row-0 top-K, estimate exactly the same miss.
+TEST(Observe, TheExplorationEstimateIsRowZerosAloneWithMtpRows) {
+  Policy p = Pol(0.6, 0.5f, 0);
+  p.exploration = 0.2;
+  TestArena one(Geo(64 * 48, 96, 1), p), two(Geo(64 * 48, 96, 3), p);
+  ASSERT_TRUE(one.dp().ResetSequence(0, 11).ok());
+  ASSERT_TRUE(two.dp().ResetSequence(0, 11).ok());
+  std::mt19937 rng(5);
+  std::normal_distribution<float> noise(0.0f, 1.0f);
+  std::vector<float> truth(64 * 48);
+  for (float& x : truth) x = noise(rng);
+  const int32_t stride = 64 * 48;
+  uint64_t hits_seen = 0;
+  for (int t = 0; t < 400; ++t) {
+    for (float& x : truth) x = 0.8f * x + 0.6f * noise(rng);
+    const int32_t ctx = 64 * 40 + t;
+    OneSeqStep s{0, ctx, ctx - 1};
+    ASSERT_TRUE(one.dp().BeginStep(s.batch(1)).ok());
+    ASSERT_TRUE(two.dp().BeginStep(s.batch(3)).ok());
+    for (int32_t layer = 0; layer < 2; ++layer) {
+      ASSERT_TRUE(one.dp().Select(layer).ok());
+      ASSERT_TRUE(two.dp().Select(layer).ok());
+      const std::vector<int> u1 = one.Selected(), u2 = two.Selected();
+      // Row 0's top-K, given in each arena's compacted order: K slots of row 0's union by truth.
+      std::vector<int32_t> slots;
+      for (int j : u1) {
+        for (int32_t i = j * 64; i < std::min((j + 1) * 64, ctx); ++i) slots.push_back(i);
+      }
+      std::sort(slots.begin(), slots.end(), [&](int32_t a, int32_t b) { return truth[a] > truth[b]; });
+      slots.resize(std::min<size_t>(slots.size(), 96));
+      auto compact = [](const std::vector<int>& u, int32_t slot) {
+        const int k = static_cast<int>(std::lower_bound(u.begin(), u.end(), slot / 64) - u.begin());
+        return k * 64 + slot % 64;
+      };
+      std::vector<int32_t> k1, k2(3 * 96, -1);
+      for (int32_t slot : slots) k1.push_back(compact(u1, slot));
+      for (size_t i = 0; i < slots.size(); ++i) k2[i] = compact(u2, slots[i]);
+      ASSERT_TRUE(one.dp().RemapTopK(k1.data(), static_cast<int32_t>(k1.size())).ok());
+      ASSERT_TRUE(two.dp().RemapTopK(k2.data(), 96).ok());
+      // Scores of row 0's union in both; the second arena's other blocks (row 1's) get NaN.
+      std::vector<float> z1(stride, NAN), z2(3 * stride, NAN);
+      for (size_t k = 0; k < u1.size(); ++k) {
+        for (int c = 0; c < 64 && u1[k] * 64 + c < ctx; ++c) z1[k * 64 + c] = truth[u1[k] * 64 + c];
+      }
+      for (size_t k = 0; k < u2.size(); ++k) {
+        if (!std::binary_search(u1.begin(), u1.end(), u2[k])) continue;
+        for (int c = 0; c < 64 && u2[k] * 64 + c < ctx; ++c) z2[k * 64 + c] = truth[u2[k] * 64 + c];
+      }
+      const int32_t acc = 1;
+      ASSERT_TRUE(one.dp().Observe(layer, z1.data(), stride, &acc).ok());
+      ASSERT_TRUE(two.dp().Observe(layer, z2.data(), stride, &acc).ok());
+    }
+  }
+  for (int32_t layer = 0; layer < 2; ++layer) {
+    const LayerStats &a = one.view().stats[layer], &b = two.view().stats[layer];
+    EXPECT_EQ(a.explore_steps, b.explore_steps) << "layer " << layer;
+    EXPECT_EQ(a.explore_topk, b.explore_topk) << "layer " << layer;
+    EXPECT_EQ(a.explore_est, b.explore_est) << "layer " << layer;
+    EXPECT_GT(a.explore_steps, 300u);
+    hits_seen += a.explore_est;
+  }
+  EXPECT_GT(hits_seen, 0u) << "the top-K should reach some explored blocks";
+}
+
 // The probe's count at the current budget uses the budget the step's selection used: a policy
 // written between Select and Observe applies from the next step, to the probe as to the
 // selection.
