@@ -129,7 +129,10 @@ absl::Status LocalBudgets::WriteUniform(const DataPlane& dp) {
 
 absl::StatusOr<bool> LocalBudgets::AfterStep(const DataPlane& dp, int64_t step) {
   SPIN_ASSIGN_OR_RETURN(const ArenaPolicy p, ReadArenaPolicy(dp));
-  if (p.probe_period == 0 || step < 0 || step % p.probe_period != 0) return false;
+  // A miss-target session's controller also measures every sparse step (the exploration
+  // estimate), so it reads the counters after every step; the other modes after probe steps.
+  const bool every = p.budget_mode == static_cast<uint32_t>(BudgetMode::kMissTarget);
+  if (p.probe_period == 0 || step < 0 || (!every && step % p.probe_period != 0)) return false;
   const ArenaView& a = dp.arena();
   SPIN_RETURN_IF_ERROR(ReadArena(dp, curves_.data(), a.curves, curves_.size() * sizeof(uint64_t)));
   SPIN_RETURN_IF_ERROR(ReadArena(dp, stats_.data(), a.stats, stats_.size() * sizeof(LayerStats)));

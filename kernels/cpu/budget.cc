@@ -262,9 +262,13 @@ absl::Status ValidateBudgetTuning(const BudgetTuning& t) {
   if (t.min_probes < 1) {
     return absl::InvalidArgumentError("budget min_probes must be >= 1");
   }
-  if (!(t.payback_probes >= 1) || !std::isfinite(t.payback_probes)) {
+  if (!(t.payback_steps >= 1) || !std::isfinite(t.payback_steps)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("budget payback probes ", t.payback_probes, " must be a finite value >= 1"));
+        absl::StrCat("budget payback steps ", t.payback_steps, " must be a finite value >= 1"));
+  }
+  if (!(t.credit_share >= 0 && t.credit_share <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("budget credit share ", t.credit_share, " is out of range [0, 1]"));
   }
   if (!(t.level_band >= 0 && t.level_band < 1)) {
     return absl::InvalidArgumentError(
@@ -276,7 +280,7 @@ absl::Status ValidateBudgetTuning(const BudgetTuning& t) {
 namespace {
 // A miss-target layer's level stays within [kMinLevel M, kMaxLevel M]. Its debt is at most what
 // kMaxDebt payback horizons at the lowest level repay, its credit what the highest level spends
-// in one (no wind-up).
+// in one (no wind-up; at a sparse table, what credit_share spends).
 constexpr double kMinLevel = 0.25, kMaxLevel = 2.0, kMaxDebt = 4.0;
 }  // namespace
 
@@ -310,7 +314,7 @@ void BudgetController::Reset() {
 }
 
 double BudgetController::Level(int32_t l, double miss_target) const {
-  return std::clamp(miss_target - debt_[l] / tuning_.payback_probes, kMinLevel * miss_target,
+  return std::clamp(miss_target - debt_[l] / tuning_.payback_steps, kMinLevel * miss_target,
                     kMaxLevel * miss_target);
 }
 
@@ -331,14 +335,21 @@ void BudgetController::Measure(int32_t l, uint64_t probes, double probe_miss, do
                          CurveMiss(mono, static_cast<double>(m) / B);
     e = std::min(1.0, probe_miss + std::max(0.0, shift)) * x.unrecovered;
   }
+  Accrue(l, probes, e, miss_target, m >= B);
+}
+
+void BudgetController::Accrue(int32_t l, uint64_t steps, double miss, double miss_target,
+                              bool dense) {
   // A measured excess is debt, repaid in full (up to kMaxDebt levels' worth). A measured
-  // shortfall is banked only when the table was dense (its miss is exactly 0): elsewhere the
-  // measurement is one probe step's estimate of its window, and banking its noise would turn
-  // into excess in the worst layer.
-  const double pay = tuning_.payback_probes;
-  const double lo = m >= B ? -(kMaxLevel - 1) * miss_target * pay : std::min(0.0, debt_[l]);
+  // shortfall is banked in full when the table was dense (its miss is exactly 0); at a sparse
+  // table only up to credit_share of the target over the payback horizon: the measurements are
+  // estimates, and banking all of their noise turned into excess in the worst layer. A
+  // shortfall never takes back credit already banked.
+  const double pay = tuning_.payback_steps;
+  const double lo = dense ? -(kMaxLevel - 1) * miss_target * pay
+                          : std::min(debt_[l], -tuning_.credit_share * miss_target * pay);
   const double hi = kMaxDebt * (1 - kMinLevel) * miss_target * pay;
-  debt_[l] = std::clamp(debt_[l] + static_cast<double>(probes) * (e - miss_target), lo, hi);
+  debt_[l] = std::clamp(debt_[l] + static_cast<double>(steps) * (miss - miss_target), lo, hi);
 }
 
 absl::StatusOr<std::optional<BudgetUpdate>> BudgetController::Update(const ProbeSnapshot& snap,
@@ -361,7 +372,8 @@ absl::StatusOr<std::optional<BudgetUpdate>> BudgetController::Update(const Probe
   for (int32_t l = 0; l < layers_ && !backwards; ++l) {
     const LayerStats &s = snap.stats[l], &b = base_stats_[l];
     backwards = s.steps < b.steps || s.probe_steps < b.probe_steps || s.probe_topk < b.probe_topk ||
-                s.blocks_total < b.blocks_total;
+                s.blocks_total < b.blocks_total || s.explore_steps < b.explore_steps ||
+                s.explore_topk < b.explore_topk || s.explore_est < b.explore_est;
   }
   for (size_t i = 0; i < base_curves_.size() && !backwards; ++i) {
     backwards = snap.curves[i] < base_curves_[i];
@@ -374,10 +386,19 @@ absl::StatusOr<std::optional<BudgetUpdate>> BudgetController::Update(const Probe
   uint64_t dsteps = 0, dblocks = 0;
   // Miss-target mode: each layer's new probe steps and their miss at the table in force.
   std::vector<std::pair<uint64_t, double>> window(miss_target > 0 ? layers_ : 0, {0, 0.0});
+  // ... and its sparse steps' miss as their exploration blocks estimate it (docs/budgets.md,
+  // "Measured between probes").
+  std::vector<std::pair<uint64_t, double>> explored(window.size(), {0, 0.0});
   for (int32_t l = 0; l < layers_; ++l) {
     const LayerStats &s = snap.stats[l], &b = base_stats_[l];
     dsteps += s.steps - b.steps;
     dblocks += s.blocks_total - b.blocks_total;
+    if (!explored.empty() && s.explore_steps > b.explore_steps && s.explore_topk > b.explore_topk) {
+      explored[l] = {s.explore_steps - b.explore_steps,
+                     std::min(1.0, static_cast<double>(s.explore_est - b.explore_est) /
+                                       static_cast<double>(kExploreEstUnit) /
+                                       static_cast<double>(s.explore_topk - b.explore_topk))};
+    }
     const uint64_t probes = s.probe_steps - b.probe_steps;
     const uint64_t topk = s.probe_topk - b.probe_topk;
     if (probes == 0 || topk == 0) continue;
@@ -411,6 +432,8 @@ absl::StatusOr<std::optional<BudgetUpdate>> BudgetController::Update(const Probe
     for (int32_t l = 0; l < static_cast<int32_t>(window.size()); ++l) {
       if (window[l].first > 0)
         Measure(l, window[l].first, window[l].second, miss_target, exploration);
+      // The estimate is of the table in force, exploration included.
+      if (explored[l].first > 0) Accrue(l, explored[l].first, explored[l].second, miss_target);
     }
   }
 

@@ -232,8 +232,10 @@ expect_error "miss target 1" "miss-target 1 is out of range \(0, 1\)" \
   "$spinctl" replay --trace "$work/pl" --miss-target 1 --probe-period 4
 expect_error "miss target negative" "miss-target -0.1 is out of range \(0, 1\)" \
   "$spinctl" replay --trace "$work/pl" --miss-target -0.1 --probe-period 4
-expect_error "budget payback below 1" "budget payback probes 0.5 must be a finite value >= 1" \
+expect_error "budget payback below 1" "budget payback steps 0.5 must be a finite value >= 1" \
   "$spinctl" replay --trace "$work/pl" --miss-target 0.02 --probe-period 4 --budget-payback 0.5
+expect_error "budget credit above 1" "budget credit share 1.5 is out of range \[0, 1\]" \
+  "$spinctl" replay --trace "$work/pl" --miss-target 0.02 --probe-period 4 --budget-credit 1.5
 expect_error "budget band 1" "budget level band 1 is out of range \[0, 1\)" \
   "$spinctl" replay --trace "$work/pl" --miss-target 0.02 --probe-period 4 --budget-band 1
 

@@ -260,6 +260,14 @@ struct FakeCounters {
           static_cast<uint64_t>(std::llround(c[p] * topk));
     }
   }
+  // `steps` sparse steps of the layer measured by their exploration blocks: `topk` slots each,
+  // the estimated miss `missed` (LayerStats::explore_*).
+  void Explore(int layer, uint64_t steps, double missed, uint64_t topk = 1000) {
+    stats[layer].explore_steps += steps;
+    stats[layer].explore_topk += steps * topk;
+    stats[layer].explore_est += static_cast<uint64_t>(
+        std::llround(missed * static_cast<double>(steps * topk * kExploreEstUnit)));
+  }
   ProbeSnapshot Snap() const { return ProbeSnapshot{curves, stats}; }
 };
 
@@ -547,8 +555,9 @@ TEST(MissTargetController, ColdStartIsDenseUntilEveryLayerHasProbeData) {
 
 // The closed loop: every probe step measures each layer's miss at the table in force (the
 // probe's count at the layer's budget); a measured excess over the target is debt, paid back
-// by lowering the layer's level; a measured shortfall is not banked (only a dense table's exact
-// zero is credit); a new target starts over.
+// by lowering the layer's level; a measured shortfall at a sparse table is banked only up to
+// credit_share of the target over the payback horizon (a dense table's exact zero in full); a
+// new target starts over.
 TEST(MissTargetController, MeasuredMissAboveTheTargetIsPaidBack) {
   const double M = 0.05;
   BudgetController c(Geo(2));
@@ -572,17 +581,17 @@ TEST(MissTargetController, MeasuredMissAboveTheTargetIsPaidBack) {
   EXPECT_NE((*u)->reason.find("(layer 0)"), std::string::npos) << (*u)->reason;
   EXPECT_NEAR(c.miss_debt()[0], 2 * M, 1e-9);
   EXPECT_NEAR(c.miss_debt()[1], 0, 1e-9);
-  EXPECT_NEAR(c.miss_levels()[0], M - 2 * M / 8, 1e-9) << "paid back over 8 probes";
+  EXPECT_NEAR(c.miss_levels()[0], M - 2 * M / 8, 1e-9) << "paid back over 8 measured steps";
   EXPECT_EQ(c.miss_levels()[1], M);
   EXPECT_GT((*u)->allocation.blocks[0], m0) << "the layer that missed more keeps more";
   EXPECT_EQ((*u)->allocation.blocks[1], m0);
-  // A probe that measures no miss at all: layer 0 repays M, layer 1 banks nothing.
+  // A probe that measures no miss at all: layer 0 repays M, layer 1 banks M.
   f.Steps(8, 200);
   f.Probe(0, curve, 1000, 0.0);
   f.Probe(1, curve, 1000, 0.0);
   ASSERT_TRUE(c.Update(f.Snap(), 0.5, M).ok());
   EXPECT_NEAR(c.miss_debt()[0], M, 1e-9);
-  EXPECT_NEAR(c.miss_debt()[1], 0, 1e-9) << "a shortfall at a sparse table is not credit";
+  EXPECT_NEAR(c.miss_debt()[1], -M, 1e-9);
   f.Steps(8, 200);
   f.Probe(0, curve, 1000, 0.0);
   f.Probe(1, curve, 1000, 0.0);
@@ -596,10 +605,13 @@ TEST(MissTargetController, MeasuredMissAboveTheTargetIsPaidBack) {
   for (int k = 0; k < 20; ++k) {
     f.Steps(8, 200);
     f.Probe(0, curve, 1000, 1.0);
-    f.Probe(1, curve, 1000, M);
+    f.Probe(1, curve, 1000, 0.0);
     ASSERT_TRUE(c.Update(f.Snap(), 0.5, M).ok());
   }
   EXPECT_NEAR(c.miss_debt()[0], 4 * 0.75 * M * 8, 1e-9);
+  // Credit at a sparse table is bounded by credit_share: M / 4 over 8 steps, 2 M.
+  EXPECT_NEAR(c.miss_debt()[1], -0.25 * M * 8, 1e-9);
+  EXPECT_LE(c.miss_levels()[1], 1.25 * M + 1e-12);
   EXPECT_NEAR(c.miss_levels()[0], M / 4, 1e-9);
   // A new miss target is a new contract: the debts start over.
   u = c.Update(f.Snap(), 0.5, 0.03);
@@ -607,6 +619,52 @@ TEST(MissTargetController, MeasuredMissAboveTheTargetIsPaidBack) {
   EXPECT_EQ((*u)->reason, "target");
   EXPECT_EQ(c.miss_debt(), std::vector<double>(2, 0.0));
   EXPECT_EQ(c.miss_levels(), std::vector<double>(2, 0.03));
+}
+
+// Between probes, every sparse step whose exploration blocks measured its miss (LayerStats
+// explore_*, docs/budgets.md "Measured between probes") moves the layer's debt as a probe does:
+// an overshoot right after the first table is seen within the steps that make it, not a probe
+// period later.
+TEST(MissTargetController, SparseStepsMeasuredByExplorationMoveTheDebt) {
+  const double M = 0.02;
+  BudgetController c(Geo(2));
+  FakeCounters f(2);
+  const MissCurve curve = PowerCurve(0.6, 2);
+  f.Steps(8, 200);
+  f.Probe(0, curve, 1000, 0.0);
+  f.Probe(1, curve, 1000, 0.0);
+  absl::StatusOr<std::optional<BudgetUpdate>> u = c.Update(f.Snap(), 0.5, M);
+  ASSERT_TRUE(u.ok() && u->has_value());
+  const std::vector<int32_t> first = (*u)->allocation.blocks;
+  const std::vector<double> debt0 = c.miss_debt();
+  // Three sparse steps: layer 0 estimated at 3 M each, layer 1 at M.
+  f.Steps(3, 200);
+  f.Explore(0, 3, 3 * M);
+  f.Explore(1, 3, M);
+  u = c.Update(f.Snap(), 0.5, M);
+  ASSERT_TRUE(u.ok() && u->has_value());
+  EXPECT_NEAR(c.miss_debt()[0], debt0[0] + 3 * 2 * M, 1e-6);
+  EXPECT_NEAR(c.miss_debt()[1], debt0[1], 1e-6);
+  EXPECT_NE((*u)->reason.find("(layer 0)"), std::string::npos) << (*u)->reason;
+  EXPECT_GT((*u)->allocation.blocks[0], first[0]);
+  // Nothing new: nothing moves.
+  const std::vector<double> debt1 = c.miss_debt();
+  u = c.Update(f.Snap(), 0.5, M);
+  ASSERT_TRUE(u.ok());
+  EXPECT_FALSE(u->has_value());
+  EXPECT_EQ(c.miss_debt(), debt1);
+  // Not in the sparsity-target modes: the estimate is the miss-target mode's.
+  BudgetController plain(Geo(2));
+  FakeCounters g(2);
+  g.Steps(8, 200);
+  g.Probe(0, curve);
+  g.Probe(1, curve);
+  ASSERT_TRUE(plain.Update(g.Snap(), 0.5).ok());
+  g.Explore(0, 3, 0.5);
+  u = plain.Update(g.Snap(), 0.5);
+  ASSERT_TRUE(u.ok());
+  EXPECT_FALSE(u->has_value());
+  EXPECT_EQ(plain.miss_debt(), std::vector<double>(2, 0.0));
 }
 
 // The dense cold table misses exactly nothing: its probe window is credit, spent over the
@@ -709,9 +767,16 @@ TEST(BudgetController, RejectsBadSnapshots) {
   t.min_probes = 0;
   EXPECT_FALSE(ValidateBudgetTuning(t).ok());
   t = {};
-  t.payback_probes = 0.5;
+  t.payback_steps = 0.5;
   EXPECT_FALSE(ValidateBudgetTuning(t).ok());
-  t.payback_probes = std::nan("");
+  t.payback_steps = std::nan("");
+  EXPECT_FALSE(ValidateBudgetTuning(t).ok());
+  t = {};
+  t.credit_share = -0.1;
+  EXPECT_FALSE(ValidateBudgetTuning(t).ok());
+  t.credit_share = 1.5;
+  EXPECT_FALSE(ValidateBudgetTuning(t).ok());
+  t.credit_share = std::nan("");
   EXPECT_FALSE(ValidateBudgetTuning(t).ok());
   t = {};
   t.level_band = 1;

@@ -368,8 +368,13 @@ void AddReplay(CLI::App& app, Run* run) {
   r->add_option("--budget-drift", ro.budget_tuning.drift_threshold,
                 "per-layer: recompute when a smoothed curve moved by more than this, in [0, 1]")
       ->capture_default_str();
-  r->add_option("--budget-payback", ro.budget_tuning.payback_probes,
-                "miss-target: probe steps over which a layer's measured excess is paid back (>= 1)")
+  r->add_option("--budget-payback", ro.budget_tuning.payback_steps,
+                "miss-target: measured steps (probe steps, and sparse steps measured by their "
+                "exploration blocks) over which a layer's measured excess is paid back (>= 1)")
+      ->capture_default_str();
+  r->add_option("--budget-credit", ro.budget_tuning.credit_share,
+                "miss-target: a measured shortfall at a sparse table is banked up to this share "
+                "of the target over the payback horizon, in [0, 1] (0: none)")
       ->capture_default_str();
   r->add_option("--budget-band", ro.budget_tuning.level_band,
                 "miss-target: recompute when a layer's expected miss leaves its level by more "

@@ -108,11 +108,15 @@ struct BudgetTuning {
   double blocks_drift = 0.1;
   /// Probe samples every layer needs before the first recompute. >= 1.
   uint64_t min_probes = 1;
-  /// Miss-target mode: a layer's measured miss above the target, summed over probe steps (its
-  /// debt), is paid back over this many probe steps by lowering the layer's level below the
-  /// target; the zero miss of a dense table (the cold start) is credit, spent the same way.
-  /// >= 1.
-  double payback_probes = 8;
+  /// Miss-target mode: a layer's measured miss above the target, summed over measured steps
+  /// (probe steps, and sparse steps measured by their exploration blocks: its debt), is paid
+  /// back over this many measured steps by lowering the layer's level below the target; the
+  /// zero miss of a dense table (the cold start) is credit, spent the same way. >= 1.
+  double payback_steps = 8;
+  /// Miss-target mode: a measured shortfall at a sparse table is banked as credit up to this
+  /// share of the target over the payback horizon (so credit lifts a level to at most
+  /// (1 + credit_share) M); 0 banks none. [0, 1].
+  double credit_share = 0.25;
   /// Miss-target mode: recompute when a layer's expected miss at the blocks it has left
   /// [level (1 - band), level (1 + band)] (below only when fewer blocks would meet the level).
   /// [0, 1).
@@ -201,6 +205,9 @@ class BudgetController {
   // Miss-target mode: adds each layer's measured miss at the table in force to its debt.
   void Measure(int32_t layer, uint64_t probes, double probe_miss, double miss_target,
                double exploration);
+  // Miss-target mode: adds `steps` measured steps of mean miss `miss` at the table in force to
+  // the layer's debt (`dense`: that table kept every block, so a shortfall is exact).
+  void Accrue(int32_t layer, uint64_t steps, double miss, double miss_target, bool dense = false);
   // Miss-target mode: layer l's level for the next table.
   double Level(int32_t layer, double miss_target) const;
 
