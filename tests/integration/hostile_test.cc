@@ -157,6 +157,9 @@ TEST(Hostile, ArenaWritesByTheClientCannotCrashOrEscape) {
     v.stats[l].probe_steps = 1000;
     v.stats[l].probe_topk = 3;
     v.stats[l].probe_missed = std::numeric_limits<uint64_t>::max();
+    v.stats[l].explore_steps = 7;
+    v.stats[l].explore_topk = 1;
+    v.stats[l].explore_est = std::numeric_limits<uint64_t>::max();
     for (int p = 0; p < kCurvePoints; ++p) v.curves[l * kCurvePoints + p] = ~0ull - p;
   }
   v.header->layers = 1u << 30;
