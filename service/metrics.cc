@@ -61,6 +61,11 @@ class SessionCollector final : public prometheus::Collectable {
     MetricFamily miss =
         family("spin_layer_miss_ratio",
                "Dense top-K slots outside the budget, measured on probe steps", MetricType::Gauge);
+    MetricFamily xmiss =
+        family("spin_layer_explore_miss_ratio",
+               "The sparse steps' miss as their exploration blocks estimate it (steps whose "
+               "top-K the engine gave), since attach",
+               MetricType::Gauge);
     MetricFamily budget = family("spin_layer_budget_sparsity_ratio",
                                  "The layer's sparsity budget now", MetricType::Gauge);
     MetricFamily steps =
@@ -85,6 +90,10 @@ class SessionCollector final : public prometheus::Collectable {
     MetricFamily s_miss = family("spin_session_miss_ratio",
                                  "Dense top-K slots outside the budget on probe steps, all layers",
                                  MetricType::Gauge);
+    MetricFamily s_xmiss =
+        family("spin_session_explore_miss_ratio",
+               "The sparse steps' miss as their exploration blocks estimate it, all layers",
+               MetricType::Gauge);
     MetricFamily s_worst =
         family("spin_session_worst_layer_miss_ratio",
                "The highest spin_layer_miss_ratio of the session's layers", MetricType::Gauge);
@@ -146,6 +155,9 @@ class SessionCollector final : public prometheus::Collectable {
         sum.bad_scores += st.bad_scores;
         sum.probe_topk += st.probe_topk;
         sum.probe_missed += st.probe_missed;
+        sum.explore_steps += st.explore_steps;
+        sum.explore_topk += st.explore_topk;
+        sum.explore_est += st.explore_est;
         if (!per_layer) continue;
         ClientMetric m;
         m.label = {{"session", s->id}, {"layer", std::to_string(l)}};
@@ -162,6 +174,7 @@ class SessionCollector final : public prometheus::Collectable {
         gauge(realized, ratios.realized_sparsity());
         gauge(effective, ratios.effective_sparsity());
         gauge(miss, ratios.miss_rate());
+        gauge(xmiss, ratios.explore_miss());
         gauge(budget, layer_budget);
         counter(steps, st.steps);
         counter(probes, st.probe_steps);
@@ -185,6 +198,7 @@ class SessionCollector final : public prometheus::Collectable {
       gauge(s_realized, pooled.realized_sparsity());
       gauge(s_effective, pooled.effective_sparsity());
       gauge(s_miss, pooled.miss_rate());
+      gauge(s_xmiss, pooled.explore_miss());
       gauge(s_worst, worst);
       counter(s_steps, sum.steps);
       counter(s_probes, sum.probe_steps);
@@ -197,9 +211,10 @@ class SessionCollector final : public prometheus::Collectable {
     b.gauge.value = static_cast<double>(total);
     bytes.metric.push_back(b);
     std::vector<MetricFamily> out = {info,       count,    bytes,      realized,    effective,
-                                     miss,       budget,   steps,      probes,      bad,
-                                     recomputes, s_layers, s_realized, s_effective, s_miss,
-                                     s_worst,    s_steps,  s_probes,   s_bad,       left_out};
+                                     miss,       xmiss,    budget,     steps,       probes,
+                                     bad,        recomputes, s_layers, s_realized,  s_effective,
+                                     s_miss,     s_xmiss,  s_worst,    s_steps,     s_probes,
+                                     s_bad,      left_out};
     // Every series carries the GPU labels, so they join dcgm-exporter's.
     for (MetricFamily& f : out) {
       for (ClientMetric& m : f.metric) {

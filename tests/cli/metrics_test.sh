@@ -42,6 +42,8 @@ session=$(head -n 1 "$work/helper.out")
 
 http_get 127.0.0.1 "$port" /metrics >"$work/metrics.txt"
 if grep -q "^spin_layer_budget_sparsity_ratio{session=\"$session\",layer=\"1\"}" "$work/metrics.txt" \
+  && grep -q "^spin_layer_explore_miss_ratio{session=\"$session\",layer=\"1\"}" "$work/metrics.txt" \
+  && grep -q "^spin_session_explore_miss_ratio{session=\"$session\"}" "$work/metrics.txt" \
   && grep -q '^spin_sessions 1' "$work/metrics.txt" && grep -q '^spin_build_info{' "$work/metrics.txt" \
   && grep -q '^grpc_server_handled_total{grpc_code="OK",grpc_method="Attach"' "$work/metrics.txt"; then
   pass "/metrics has the spin and gRPC series"
