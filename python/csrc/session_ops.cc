@@ -201,7 +201,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> Outputs(int64_t h) {
 }
 
 // Between steps. Attached: notices a lost daemon and switches in a new session. Local with
-// per-layer budgets: after each probe-period step, the budget controller may write a new table
+// per-layer budgets: after each probe-period step (miss-target: after every step, which the
+// exploration estimate measures), the budget controller may write a new table
 // (spin::LocalBudgets, as spind's probe thread does). Returns 1 when the budget table or the
 // session changed, else 0.
 int64_t Refresh(int64_t h) {

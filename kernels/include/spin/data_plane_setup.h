@@ -85,8 +85,10 @@ class LocalBudgets {
   absl::Status WriteUniform(const DataPlane& dp);
 
   /// Call after step `step` (0: the first step begun) has run. On a probe step (the arena's
-  /// probe period P > 0 divides it) feeds the controller and writes the table it returns, if
-  /// any; true when a table was written.
+  /// probe period P > 0 divides it), and in the miss-target mode on every step (its sparse
+  /// steps are measured too), feeds the controller and writes the table it returns, if any;
+  /// true when a table was written. On a device arena each call copies the policy (and when it
+  /// feeds the controller the curves and statistics) to the host: a synchronising copy.
   absl::StatusOr<bool> AfterStep(const DataPlane& dp, int64_t step);
 
   /// Tables the controller returned so far.
