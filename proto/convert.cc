@@ -124,7 +124,7 @@ pb::LayerStats ToProto(uint32_t layer, const LayerStats& st, double sparsity_bud
   o.set_sparse_blocks_total(st.sparse_blocks_total);
   o.set_probe_topk(st.probe_topk);
   o.set_probe_missed(st.probe_missed);
-  o.set_explore_miss(Ratio(st.explore_est, st.explore_topk) / static_cast<double>(kExploreEstUnit));
+  o.set_explore_miss(ExploreMissRate(st.explore_est, st.explore_topk));
   o.set_explore_steps(st.explore_steps);
   o.set_explore_topk(st.explore_topk);
   o.set_explore_est(st.explore_est);

@@ -395,9 +395,8 @@ absl::StatusOr<std::optional<BudgetUpdate>> BudgetController::Update(const Probe
     dblocks += s.blocks_total - b.blocks_total;
     if (!explored.empty() && s.explore_steps > b.explore_steps && s.explore_topk > b.explore_topk) {
       explored[l] = {s.explore_steps - b.explore_steps,
-                     std::min(1.0, static_cast<double>(s.explore_est - b.explore_est) /
-                                       static_cast<double>(kExploreEstUnit) /
-                                       static_cast<double>(s.explore_topk - b.explore_topk))};
+                     std::min(1.0, ExploreMissRate(s.explore_est - b.explore_est,
+                                                   s.explore_topk - b.explore_topk))};
     }
     const uint64_t probes = s.probe_steps - b.probe_steps;
     const uint64_t topk = s.probe_topk - b.probe_topk;

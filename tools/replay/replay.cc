@@ -363,10 +363,8 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
     ls.probe_steps = s.probe_steps - s0.probe_steps;
     ls.bad_scores = s.bad_scores - s0.bad_scores;
     ls.explore_steps = s.explore_steps - s0.explore_steps;
-    if (const uint64_t k = s.explore_topk - s0.explore_topk; k > 0) {
-      ls.explore_miss = static_cast<double>(s.explore_est - s0.explore_est) /
-                        static_cast<double>(kExploreEstUnit) / static_cast<double>(k);
-    }
+    ls.explore_miss =
+        ExploreMissRate(s.explore_est - s0.explore_est, s.explore_topk - s0.explore_topk);
     kept += s.blocks_kept - s0.blocks_kept;
     total += s.blocks_total - s0.blocks_total;
     skept += s.sparse_blocks_kept - s0.sparse_blocks_kept;

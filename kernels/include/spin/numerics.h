@@ -165,6 +165,14 @@ SPIN_HD uint64_t ExploreHitWeight(int32_t unranked, int32_t explored) {
          static_cast<uint64_t>(explored);
 }
 
+/// The mean miss the exploration estimate gives for `est` (LayerStats::explore_est, or a delta of
+/// it) over `topk` top-K slots (explore_topk): est / kExploreEstUnit / topk; 0 without slots.
+SPIN_HD double ExploreMissRate(uint64_t est, uint64_t topk) {
+  return topk == 0 ? 0.0
+                   : static_cast<double>(est) / static_cast<double>(kExploreEstUnit) /
+                         static_cast<double>(topk);
+}
+
 /// One EMA update of a state entry: z if unset (NaN), else fmaf(alpha, v, beta * z), where
 /// beta = (float)(1 - alpha) is computed once by the caller. EmaUpdateScaled takes beta * z
 /// (bz) already computed, for a caller that updates two entries with one score.
