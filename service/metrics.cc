@@ -210,11 +210,10 @@ class SessionCollector final : public prometheus::Collectable {
     ClientMetric b;
     b.gauge.value = static_cast<double>(total);
     bytes.metric.push_back(b);
-    std::vector<MetricFamily> out = {info,       count,    bytes,      realized,    effective,
-                                     miss,       xmiss,    budget,     steps,       probes,
-                                     bad,        recomputes, s_layers, s_realized,  s_effective,
-                                     s_miss,     s_xmiss,  s_worst,    s_steps,     s_probes,
-                                     s_bad,      left_out};
+    std::vector<MetricFamily> out = {
+        info,    count,   bytes,   realized,   effective, miss,       xmiss,       budget,
+        steps,   probes,  bad,     recomputes, s_layers,  s_realized, s_effective, s_miss,
+        s_xmiss, s_worst, s_steps, s_probes,   s_bad,     left_out};
     // Every series carries the GPU labels, so they join dcgm-exporter's.
     for (MetricFamily& f : out) {
       for (ClientMetric& m : f.metric) {

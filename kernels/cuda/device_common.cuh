@@ -219,7 +219,7 @@ __device__ inline void RemapShare(const Dev& d, int layer, int32_t* idx, int cou
   // its row-0 selection), each weighted by ExploreHitWeight (the reference's CountExplore).
   const bool exploring = probe && selected;
   __shared__ int s_cnt[kCurvePoints + 1], s_sum[3];  // per level; {slots, kept now, entries}
-  __shared__ unsigned long long s_x[3];             // {entries, slots, estimate}
+  __shared__ unsigned long long s_x[3];              // {entries, slots, estimate}
   if (exploring) {
     for (int i = static_cast<int>(threadIdx.x); i <= kCurvePoints; i += blockDim.x) s_cnt[i] = 0;
     if (threadIdx.x < 3) s_sum[threadIdx.x] = 0, s_x[threadIdx.x] = 0;

@@ -449,7 +449,8 @@ TEST(Observe, TheExplorationEstimateIsRowZerosAloneWithMtpRows) {
       for (int j : u1) {
         for (int32_t i = j * 64; i < std::min((j + 1) * 64, ctx); ++i) slots.push_back(i);
       }
-      std::sort(slots.begin(), slots.end(), [&](int32_t a, int32_t b) { return truth[a] > truth[b]; });
+      std::sort(slots.begin(), slots.end(),
+                [&](int32_t a, int32_t b) { return truth[a] > truth[b]; });
       slots.resize(std::min<size_t>(slots.size(), 96));
       auto compact = [](const std::vector<int>& u, int32_t slot) {
         const int k = static_cast<int>(std::lower_bound(u.begin(), u.end(), slot / 64) - u.begin());
