@@ -25,8 +25,9 @@ class TraceError(Exception):
 
 
 def load_trace(path):
-    """meta.json and scores.npy ([steps, layers, rows, slots] float32), checked for what replay
-    reads; TraceError says what is wrong."""
+    """meta.json and scores.npy ([steps, layers, rows, slots] float32, or float16 widened to
+    float32 in memory as spinctl does), checked for what replay reads; TraceError says what is
+    wrong."""
     meta_path = os.path.join(path, "meta.json")
     scores_path = os.path.join(path, "scores.npy")
     for p in (meta_path, scores_path):
@@ -46,9 +47,12 @@ def load_trace(path):
     except (OSError, ValueError) as e:
         raise TraceError(f"{scores_path}: {e}") from None
     want = (meta["steps"], meta["layers"], meta["rows"])
-    if scores.dtype != numpy.float32 or scores.ndim != 4 or tuple(scores.shape[:3]) != want:
-        raise TraceError(f"{scores_path}: float32 [{want[0]}, {want[1]}, {want[2]}, slots] "
-                         f"expected, found {scores.dtype} {list(scores.shape)}")
+    if (scores.dtype not in (numpy.dtype("<f4"), numpy.dtype("<f2")) or scores.ndim != 4
+            or tuple(scores.shape[:3]) != want):
+        raise TraceError(f"{scores_path}: float32 or float16 [{want[0]}, {want[1]}, {want[2]}, "
+                         f"slots] expected, found {scores.dtype} {list(scores.shape)}")
+    if scores.dtype == numpy.float16:
+        scores = scores.astype(numpy.float32)
     for key in ("q_pos", "ctx_len"):
         if len(meta[key]) != meta["steps"]:
             raise TraceError(f"{meta_path}: '{key}' has {len(meta[key])} entries for "

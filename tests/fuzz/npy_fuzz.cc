@@ -3,10 +3,11 @@
 // Properties checked, besides "no crash, no sanitizer report":
 //  - ReadNpyF32 on the input written to a file agrees with ParseNpyF32 on the bytes in memory
 //    (same verdict, same message, same shape and element count);
-//  - an accepted file's shape accounts for every byte (header + 4 * count == size), and every
-//    element can be read through the mapping;
-//  - the header NpyF32Header writes for that shape, followed by the same data, reads back with
-//    the same shape and data.
+//  - an accepted file's shape accounts for every byte (header + item * count == size, item 4
+//    for '<f4' and 2 for '<f2'), and every element reads back: the mapped bytes for float32,
+//    HalfToFloat of each value for float16;
+//  - the header NpyF32Header writes for that shape, followed by the same float32 data, reads
+//    back with the same shape and data.
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -23,7 +24,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<int64_t> shape;
   int64_t count = -1;
   size_t offset = 0;
-  const absl::Status parsed = spin::ParseNpyF32(path, data, size, &shape, &count, &offset);
+  int item = 0;
+  const absl::Status parsed = spin::ParseNpyF32(path, data, size, &shape, &count, &offset, &item);
 
   spin::fuzz::WriteFileOrDie(path, data, size);
   const absl::StatusOr<spin::NpyArray> read = spin::ReadNpyF32(path);
@@ -45,14 +47,25 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (int64_t d : shape) product *= d;  // cannot overflow: the reader checked
   FUZZ_CHECK(product == count, "count %lld is not the shape's product %lld",
              static_cast<long long>(count), static_cast<long long>(product));
-  FUZZ_CHECK(offset + 4 * static_cast<uint64_t>(count) == size, "bytes unaccounted for");
-  FUZZ_CHECK(std::memcmp(read->data(), data + offset, 4 * static_cast<size_t>(count)) == 0,
-             "mapped data differs from the file");
+  FUZZ_CHECK(item == 4 || item == 2, "element size %d", item);
+  FUZZ_CHECK(offset + item * static_cast<uint64_t>(count) == size, "bytes unaccounted for");
+  std::vector<float> values(static_cast<size_t>(count));
+  if (item == 4) {
+    if (count > 0) std::memcpy(values.data(), data + offset, 4 * static_cast<size_t>(count));
+  } else {
+    for (int64_t i = 0; i < count; ++i) {
+      uint16_t bits;
+      std::memcpy(&bits, data + offset + 2 * i, 2);
+      values[static_cast<size_t>(i)] = spin::HalfToFloat(bits);
+    }
+  }
+  FUZZ_CHECK(count == 0 || std::memcmp(read->data(), values.data(), 4 * values.size()) == 0,
+             "the data read differs from the file's");
 
-  // Round trip through the writer's header.
+  // Round trip through the writer's header, with the data as float32.
   const std::string header = spin::NpyF32Header(shape);
   std::string rewritten = header;
-  rewritten.append(reinterpret_cast<const char*>(data + offset), 4 * static_cast<size_t>(count));
+  rewritten.append(reinterpret_cast<const char*>(values.data()), 4 * values.size());
   std::vector<int64_t> shape2;
   int64_t count2 = -1;
   size_t offset2 = 0;

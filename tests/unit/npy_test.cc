@@ -4,6 +4,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -167,6 +169,45 @@ TEST(NpyRead, AcceptsVersion2AndNumPyVariants) {
   }
 }
 
+// Every float16 bit pattern widens to the value the compiler's own _Float16 conversion gives
+// (NaN to a NaN of the same sign), so a float16 trace replays the exact values it holds.
+TEST(NpyRead, HalfToFloatIsExactForEveryPattern) {
+  for (uint32_t b = 0; b <= 0xffff; ++b) {
+    const uint16_t bits = static_cast<uint16_t>(b);
+    const float want = static_cast<float>(std::bit_cast<_Float16>(bits));
+    const float got = HalfToFloat(bits);
+    if (std::isnan(want)) {
+      ASSERT_TRUE(std::isnan(got)) << std::hex << b;
+      ASSERT_EQ(std::signbit(got), std::signbit(want)) << std::hex << b;
+    } else {
+      ASSERT_EQ(std::bit_cast<uint32_t>(got), std::bit_cast<uint32_t>(want)) << std::hex << b;
+    }
+  }
+}
+
+// A float16 file (as numpy.save writes one) reads as float32: shape, size and every value.
+TEST(NpyRead, ReadsFloat16WidenedToFloat32) {
+  const std::string path = TestDir() + "/half.npy";
+  const uint16_t bits[] = {0x0000, 0x8000, 0x3c00, 0xc100, 0x0001, 0x7bff, 0x3555, 0x7c00};
+  const float want[] = {0.0f, -0.0f, 1.0f, -2.5f, 0x1p-24f, 65504.0f, 0.333251953125f,
+                        INFINITY};
+  std::string bytes =
+      MakeNpy("{'descr': '<f2', 'fortran_order': False, 'shape': (2, 4), }", 1, 0);
+  bytes.append(reinterpret_cast<const char*>(bits), sizeof bits);
+  WriteBytes(path, bytes);
+  absl::StatusOr<NpyArray> array = ReadNpyF32(path);
+  ASSERT_TRUE(array.ok()) << array.status();
+  EXPECT_EQ(array->shape(), (std::vector<int64_t>{2, 4}));
+  ASSERT_EQ(array->size(), 8);
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_EQ(std::bit_cast<uint32_t>(array->data()[i]), std::bit_cast<uint32_t>(want[i])) << i;
+  }
+  // The widened values move with the array.
+  NpyArray moved = *std::move(array);
+  EXPECT_EQ(moved.data()[2], 1.0f);
+  EXPECT_EQ(moved.size(), 8);
+}
+
 TEST(NpyRead, MissingFileIsNotFound) {
   const std::string path = TestDir() + "/nope.npy";
   absl::StatusOr<NpyArray> array = ReadNpyF32(path);
@@ -209,8 +250,15 @@ TEST(NpyRead, RejectsMalformedFilesWithPreciseMessages) {
        "has dtype '<f8'; expected float32 '<f4'"},
       {"be.npy", MakeNpy("{'descr': '>f4', 'fortran_order': False, 'shape': (6,), }", 1, 24),
        "has dtype '>f4'; expected float32 '<f4'"},
-      {"f2.npy", MakeNpy("{'descr': '<f2', 'fortran_order': False, 'shape': (6,), }", 1, 12),
-       "has dtype '<f2'"},
+      {"be2.npy", MakeNpy("{'descr': '>f2', 'fortran_order': False, 'shape': (6,), }", 1, 12),
+       "has dtype '>f2'; expected float32 '<f4' or float16 '<f2'"},
+      {"f2trunc.npy", MakeNpy("{'descr': '<f2', 'fortran_order': False, 'shape': (6,), }", 1, 10),
+       "is truncated: shape [6] needs 12 data bytes but the file has 10"},
+      {"f2trail.npy", MakeNpy("{'descr': '<f2', 'fortran_order': False, 'shape': (6,), }", 1, 16),
+       "has 4 trailing bytes"},
+      {"f2misaligned.npy",
+       MakeNpy("{'descr': '<f2', 'fortran_order': False, 'shape': (6,)}", 1, 12, 64, 1),
+       "not a multiple of 2, so it cannot be mapped as float16"},
       {"struct.npy",
        MakeNpy("{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (6,), }", 1, 24),
        "structured dtype"},

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <bit>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <string_view>
 #include <tuple>
@@ -233,9 +234,11 @@ absl::Status TooShort(const std::string& path, size_t len) {
                                     "with numpy.save"));
 }
 
-// Validates the bytes of a mapped file; on success fills shape, element count and data offset.
+// Validates the bytes of a mapped file; on success fills shape, element count, data offset and
+// element size (4 for '<f4', 2 for '<f2').
 absl::Status ParseNpy(const std::string& path, const unsigned char* bytes, size_t len,
-                      std::vector<int64_t>* shape, int64_t* count, size_t* data_offset) {
+                      std::vector<int64_t>* shape, int64_t* count, size_t* data_offset,
+                      int* item_bytes) {
   if (len < kMagicLen + 2 || std::memcmp(bytes, kMagic, kMagicLen) != 0) {
     return Invalid(path,
                    absl::StrCat("is not a .npy file (", len < kMagicLen + 2 ? "too short, " : "",
@@ -298,11 +301,13 @@ absl::Status ParseNpy(const std::string& path, const unsigned char* bytes, size_
     return Invalid(path, absl::StrCat("has dtype ", Quote(descr->raw),
                                       " (a structured dtype); expected float32 '<f4'"));
   }
-  if (descr->str != "<f4") {
+  if (descr->str != "<f4" && descr->str != "<f2") {
     return Invalid(path, absl::StrCat("has dtype '", Quote(descr->str),
-                                      "'; expected float32 '<f4' (convert with "
+                                      "'; expected float32 '<f4' or float16 '<f2' (convert with "
                                       "arr.astype('<f4'))"));
   }
+  const int item = descr->str == "<f4" ? 4 : 2;
+  *item_bytes = item;
   if (fortran->kind != PyValue::kBool) {
     return Invalid(
         path, absl::StrCat("has fortran_order ", Quote(fortran->raw), "; expected True or False"));
@@ -328,16 +333,17 @@ absl::Status ParseNpy(const std::string& path, const unsigned char* bytes, size_
     overflow = overflow || __builtin_mul_overflow(n, dim.integer, &n);
   }
   int64_t data_bytes = 0;
-  if (overflow || __builtin_mul_overflow(n, int64_t{4}, &data_bytes)) {
+  if (overflow || __builtin_mul_overflow(n, int64_t{item}, &data_bytes)) {
     return Invalid(path, absl::StrCat("has shape ", Quote(shape_value->raw),
                                       " whose size does not fit in 64 bits"));
   }
   *count = n;
 
-  if (*data_offset % alignof(float) != 0) {
-    return Invalid(path, absl::StrCat("puts its data at byte ", *data_offset,
-                                      ", not a multiple of 4, so it cannot be mapped as float32; "
-                                      "rewrite it with numpy.save"));
+  if (*data_offset % static_cast<size_t>(item) != 0) {
+    return Invalid(path, absl::StrCat("puts its data at byte ", *data_offset, ", not a multiple of ",
+                                      item, ", so it cannot be mapped as ",
+                                      item == 4 ? "float32" : "float16",
+                                      "; rewrite it with numpy.save"));
   }
   const size_t actual = len - *data_offset;
   if (actual < static_cast<uint64_t>(data_bytes)) {
@@ -379,9 +385,11 @@ NpyArray::NpyArray(NpyArray&& other) noexcept
     : map_(std::exchange(other.map_, nullptr)),
       map_len_(std::exchange(other.map_len_, 0)),
       data_(std::exchange(other.data_, nullptr)),
+      widened_(std::move(other.widened_)),
       size_(std::exchange(other.size_, 0)),
       shape_(std::move(other.shape_)),
       path_(std::move(other.path_)) {
+  other.widened_.clear();
   other.shape_.clear();
   other.path_.clear();
 }
@@ -392,6 +400,8 @@ NpyArray& NpyArray::operator=(NpyArray&& other) noexcept {
     map_ = std::exchange(other.map_, nullptr);
     map_len_ = std::exchange(other.map_len_, 0);
     data_ = std::exchange(other.data_, nullptr);
+    widened_ = std::move(other.widened_);
+    other.widened_.clear();
     size_ = std::exchange(other.size_, 0);
     shape_ = std::move(other.shape_);
     path_ = std::move(other.path_);
@@ -406,6 +416,7 @@ void NpyArray::Reset() {
   map_ = nullptr;
   map_len_ = 0;
   data_ = nullptr;
+  widened_ = {};
   size_ = 0;
   shape_.clear();
   path_.clear();
@@ -473,9 +484,29 @@ absl::StatusOr<RegularFile> OpenRegularFile(const std::string& path, const char*
 }
 
 absl::Status ParseNpyF32(const std::string& path, const unsigned char* bytes, size_t len,
-                         std::vector<int64_t>* shape, int64_t* count, size_t* data_offset) {
+                         std::vector<int64_t>* shape, int64_t* count, size_t* data_offset,
+                         int* item_bytes) {
   if (len < kMagicLen + 2) return TooShort(path, len);
-  return ParseNpy(path, bytes, len, shape, count, data_offset);
+  int item = 0;
+  SPIN_RETURN_IF_ERROR(ParseNpy(path, bytes, len, shape, count, data_offset, &item));
+  if (item_bytes != nullptr) *item_bytes = item;
+  return absl::OkStatus();
+}
+
+float HalfToFloat(uint16_t bits) {
+  const uint32_t sign = static_cast<uint32_t>(bits >> 15) << 31;
+  const uint32_t exponent = (bits >> 10) & 0x1f;
+  const uint32_t mantissa = bits & 0x3ff;
+  if (exponent == 0) {  // zero or subnormal: mantissa x 2^-24, exact in float32
+    const float magnitude = std::ldexp(static_cast<float>(mantissa), -24);
+    return sign != 0 ? -magnitude : magnitude;
+  }
+  if (exponent == 0x1f) {  // infinity, or NaN with its payload kept (and quiet)
+    return std::bit_cast<float>(sign | 0x7f800000u | (mantissa << 13) |
+                                (mantissa != 0 ? 0x400000u : 0u));
+  }
+  // A normal value: rebias the exponent (15 -> 127) and widen the mantissa (10 -> 23 bits).
+  return std::bit_cast<float>(sign | ((exponent + 112) << 23) | (mantissa << 13));
 }
 
 absl::StatusOr<NpyArray> ReadNpyF32(const std::string& path) {
@@ -496,10 +527,26 @@ absl::StatusOr<NpyArray> ReadNpyF32(const std::string& path) {
   array.map_len_ = len;
   array.path_ = path;
   size_t offset = 0;
+  int item = 0;
   absl::Status status = ParseNpyF32(path, static_cast<const unsigned char*>(map), len,
-                                    &array.shape_, &array.size_, &offset);
+                                    &array.shape_, &array.size_, &offset, &item);
   if (!status.ok()) return status;  // array's destructor unmaps
-  array.data_ = reinterpret_cast<const float*>(static_cast<const char*>(map) + offset);
+  const char* first = static_cast<const char*>(map) + offset;
+  if (item == 4) {
+    array.data_ = reinterpret_cast<const float*>(first);
+    return array;
+  }
+  // float16: widen once into memory the array owns, then drop the mapping.
+  array.widened_.resize(static_cast<size_t>(array.size_));
+  for (int64_t i = 0; i < array.size_; ++i) {
+    uint16_t bits;
+    std::memcpy(&bits, first + 2 * i, sizeof bits);
+    array.widened_[static_cast<size_t>(i)] = HalfToFloat(bits);
+  }
+  ::munmap(array.map_, array.map_len_);
+  array.map_ = nullptr;
+  array.map_len_ = 0;
+  array.data_ = array.widened_.data();
   return array;
 }
 

@@ -1,8 +1,10 @@
 // NumPy .npy files holding little-endian float32 in C order, read through a read-only mapping
-// (trace scores run to gigabytes and must not be copied) and written atomically.
+// (trace scores run to gigabytes and must not be copied) and written atomically. float16 files
+// are read too, widened once into memory (exactly: every float16 value is a float32 value), so
+// real-attention traces can be kept at half the size (bench/traces/attn-h100-32k-hard).
 //
-// Supported: format versions 1.0 and 2.0, dtype '<f4', fortran_order False, any rank (rank 0
-// is a scalar). A file longer than its shape implies is rejected: trailing bytes mean the
+// Supported: format versions 1.0 and 2.0, dtype '<f4' or '<f2', fortran_order False, any rank
+// (rank 0 is a scalar). A file longer than its shape implies is rejected: trailing bytes mean the
 // header and the data disagree, and guessing which one is right would hide a broken writer.
 #pragma once
 
@@ -16,7 +18,8 @@
 
 namespace spin {
 
-/// A float32 array mapped read-only from a .npy file; owns the mapping (move-only).
+/// A float32 array mapped read-only from a .npy file (or widened from a float16 file into memory
+/// it owns); owns the mapping or the memory (move-only).
 class NpyArray {
  public:
   /// An empty array that maps nothing.
@@ -39,6 +42,7 @@ class NpyArray {
   /// Number of elements (product of the shape; 1 for a scalar).
   int64_t size() const { return size_; }
   /// First element, 64-byte aligned for files written by WriteNpyF32; valid while *this lives.
+  /// For a float16 file, the widened copy.
   const float* data() const { return data_; }
   /// The path the array was read from.
   const std::string& path() const { return path_; }
@@ -50,6 +54,7 @@ class NpyArray {
   void* map_ = nullptr;
   size_t map_len_ = 0;
   const float* data_ = nullptr;
+  std::vector<float> widened_;  // a float16 file's values as float32 (then nothing is mapped)
   int64_t size_ = 0;
   std::vector<int64_t> shape_;
   std::string path_;
@@ -93,16 +98,22 @@ class RegularFile {
 /// found and what to do, and the errno's code (with the path) for other open failures.
 absl::StatusOr<RegularFile> OpenRegularFile(const std::string& path, const char* missing_hint);
 
-/// Maps `path` read-only and validates its header and length. Errors: NotFound for a missing
+/// Maps `path` read-only and validates its header and length; a float16 ('<f2') file is widened
+/// to float32 in memory and unmapped. Errors: NotFound for a missing
 /// file, InvalidArgument (one line naming the file and the problem) for anything malformed or
 /// not a regular file (opened with OpenRegularFile: a FIFO is refused, never waited on).
 absl::StatusOr<NpyArray> ReadNpyF32(const std::string& path);
 
 /// Validates the bytes of a whole .npy file held in memory exactly as ReadNpyF32 validates a
-/// mapped file (the fuzz target's entry point); on success fills the shape, the element count
-/// and the offset of the first data byte. `path` only names the file in messages.
+/// mapped file (the fuzz target's entry point); on success fills the shape, the element count,
+/// the offset of the first data byte and (if not null) the element size: 4 for '<f4', 2 for
+/// '<f2'. `path` only names the file in messages.
 absl::Status ParseNpyF32(const std::string& path, const unsigned char* bytes, size_t len,
-                         std::vector<int64_t>* shape, int64_t* count, size_t* data_offset);
+                         std::vector<int64_t>* shape, int64_t* count, size_t* data_offset,
+                         int* item_bytes = nullptr);
+
+/// The float32 value of an IEEE 754 binary16 bit pattern (exact; NaN stays NaN).
+float HalfToFloat(uint16_t bits);
 
 /// Writes `data` (product of `shape` floats, C order) to `path` via a temporary file and a
 /// rename, so readers see either the old file or the complete new one.
