@@ -1,23 +1,33 @@
 #!/usr/bin/env bash
-# The miss target held on real attention (issue 36 item 2): `spinctl replay --miss-target M
-# --probe-period 8`, as a user runs it, on the committed real-attention traces
-# (bench/traces/attn-cpu-2560) keeps the worst layer's realized mean miss within 1.1 M.
-# The controller before 077f93d let doc0 reach 1.138 M at M 0.01 and 1.183 M at 0.03.
+# The miss target on real attention (issue 36 item 2): `spinctl replay --miss-target M
+# --probe-period 8`, as a user runs it, on the committed real-attention traces.
+# - bench/traces/attn-cpu-2560 (4 layers, 2560 slots): the worst layer's realized mean miss
+#   stays within 1.1 M at every M. The controller before 077f93d let doc0 reach 1.138 M at
+#   M 0.01 and 1.183 M at 0.03.
+# - bench/traces/attn-h100-32k-seed2-b/doc9-L1-3 (3 layers, 32K slots, float16): within 1.1 M
+#   at M 0.02, 0.03 and 0.05. At M 0.01 the promise does NOT hold on this trace (1.21 M at
+#   c24302d, the estimate's noise at small M: docs/budgets.md, "Not held on long real
+#   attention"); that run is held to 1.25 M, a regression bound, not the promise. The
+#   probes-only controller of 8d6669b gives 1.66, 1.68, 1.54 and 1.43 M on this trace.
 # Usage: miss_target_attention_test.sh SPINCTL REPO
 set -euo pipefail
 spinctl=$1 repo=$2
 fail=0
+check() {  # check TRACE_DIR M BOUND_FACTOR
+  local worst
+  worst=$("$spinctl" replay --trace "$1" --miss-target "$2" --probe-period 8 --json --quiet |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["worst_layer_mean_miss"])')
+  if python3 -c "import sys; sys.exit(0 if $worst <= $3 * $2 else 1)"; then
+    echo "ok   $(basename "$1") M $2: worst-layer mean miss $worst (<= $3 M)"
+  else
+    echo "FAIL $(basename "$1") M $2: worst-layer mean miss $worst > $3 x $2"
+    fail=1
+  fi
+}
 for doc in doc0 doc1; do
-  for m in 0.01 0.02 0.03 0.05; do
-    worst=$("$spinctl" replay --trace "$repo/bench/traces/attn-cpu-2560/$doc" --miss-target "$m" \
-      --probe-period 8 --json --quiet |
-      python3 -c 'import json,sys; print(json.load(sys.stdin)["worst_layer_mean_miss"])')
-    if python3 -c "import sys; sys.exit(0 if $worst <= 1.1 * $m else 1)"; then
-      echo "ok   $doc M $m: worst-layer mean miss $worst"
-    else
-      echo "FAIL $doc M $m: worst-layer mean miss $worst > 1.1 x $m"
-      fail=1
-    fi
-  done
+  for m in 0.01 0.02 0.03 0.05; do check "$repo/bench/traces/attn-cpu-2560/$doc" "$m" 1.1; done
 done
+long="$repo/bench/traces/attn-h100-32k-seed2-b/doc9-L1-3"
+check "$long" 0.01 1.25
+for m in 0.02 0.03 0.05; do check "$long" "$m" 1.1; done
 exit $fail
