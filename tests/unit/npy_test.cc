@@ -189,8 +189,8 @@ TEST(NpyRead, HalfToFloatIsExactForEveryPattern) {
       }
       continue;
     }
-    const double magnitude = exponent == 0 ? std::ldexp(fraction, -24)
-                                           : std::ldexp(1024 + fraction, exponent - 25);
+    const double magnitude =
+        exponent == 0 ? std::ldexp(fraction, -24) : std::ldexp(1024 + fraction, exponent - 25);
     ASSERT_EQ(static_cast<double>(got), negative ? -magnitude : magnitude) << std::hex << b;
   }
 }
@@ -199,10 +199,8 @@ TEST(NpyRead, HalfToFloatIsExactForEveryPattern) {
 TEST(NpyRead, ReadsFloat16WidenedToFloat32) {
   const std::string path = TestDir() + "/half.npy";
   const uint16_t bits[] = {0x0000, 0x8000, 0x3c00, 0xc100, 0x0001, 0x7bff, 0x3555, 0x7c00};
-  const float want[] = {0.0f, -0.0f, 1.0f, -2.5f, 0x1p-24f, 65504.0f, 0.333251953125f,
-                        INFINITY};
-  std::string bytes =
-      MakeNpy("{'descr': '<f2', 'fortran_order': False, 'shape': (2, 4), }", 1, 0);
+  const float want[] = {0.0f, -0.0f, 1.0f, -2.5f, 0x1p-24f, 65504.0f, 0.333251953125f, INFINITY};
+  std::string bytes = MakeNpy("{'descr': '<f2', 'fortran_order': False, 'shape': (2, 4), }", 1, 0);
   bytes.append(reinterpret_cast<const char*>(bits), sizeof bits);
   WriteBytes(path, bytes);
   absl::StatusOr<NpyArray> array = ReadNpyF32(path);

@@ -340,10 +340,10 @@ absl::Status ParseNpy(const std::string& path, const unsigned char* bytes, size_
   *count = n;
 
   if (*data_offset % static_cast<size_t>(item) != 0) {
-    return Invalid(path, absl::StrCat("puts its data at byte ", *data_offset, ", not a multiple of ",
-                                      item, ", so it cannot be mapped as ",
-                                      item == 4 ? "float32" : "float16",
-                                      "; rewrite it with numpy.save"));
+    return Invalid(
+        path, absl::StrCat("puts its data at byte ", *data_offset, ", not a multiple of ", item,
+                           ", so it cannot be mapped as ", item == 4 ? "float32" : "float16",
+                           "; rewrite it with numpy.save"));
   }
   const size_t actual = len - *data_offset;
   if (actual < static_cast<uint64_t>(data_bytes)) {
