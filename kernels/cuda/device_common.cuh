@@ -83,7 +83,9 @@ __device__ __forceinline__ void StepKernelEntry() {
 // An entry whose rows get a selection: a sequence's, or one without a sequence (seq = -1)
 // given ctx_len > 0 slots, served dense (data_plane.h, StepBatch::seq). A sequence reset since
 // the step began left its entry at seq = -1, ctx_len = 0: not served.
-__device__ __forceinline__ bool Served(const StepEntry& en) { return en.seq >= 0 || en.ctx_len > 0; }
+__device__ __forceinline__ bool Served(const StepEntry& en) {
+  return en.seq >= 0 || en.ctx_len > 0;
+}
 
 // Blocks of a row of n >= 0 slots: CeilDiv in 32 bits (numerics.h's 64-bit division is a
 // long instruction sequence on the device), by shift for a power-of-two block.
