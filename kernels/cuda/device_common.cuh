@@ -274,7 +274,15 @@ __device__ inline void RemapShare(const Dev& d, int layer, int32_t* idx, int cou
     atomicAdd(&s_sum[1], now);
     atomicAdd(&s_sum[2], entries);
   }
-  if ((xent | xslots) != 0) {
+  // The exploration sums too are per warp first: one shared 64-bit add per thread serialised
+  // the CTA's threads on three words (ProbeKernel's 1024 threads: about +37 us per
+  // RemapAndObserve on an H100, bench/results/gpu-vllm-fused-h100-f9320a3.md).
+  for (int o = 16; o > 0; o >>= 1) {
+    xent += __shfl_down_sync(kAll, xent, o);
+    xslots += __shfl_down_sync(kAll, xslots, o);
+    xest += __shfl_down_sync(kAll, xest, o);
+  }
+  if (threadIdx.x % 32 == 0 && (xent | xslots) != 0) {
     atomicAdd(&s_x[0], xent);
     atomicAdd(&s_x[1], xslots);
     atomicAdd(&s_x[2], xest);
