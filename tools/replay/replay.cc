@@ -312,6 +312,17 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
       }
       const double m = dense_topk.empty() ? 0.0 : static_cast<double>(lost) / dense_topk.size();
       if (!dense) miss[l].push_back(m);
+      if (options.exact_miss_measure && !dense) {
+        // The step's exploration estimate (RemapTopK's increment of the layer's counters), if
+        // the data plane measured it, replaced by the realized miss: lost of the dense top-K.
+        LayerStats st;
+        SPIN_RETURN_IF_ERROR(mem.Get(&st, a.stats + l, sizeof(st)));
+        if (st.explore_steps > after.explore_steps) {
+          st.explore_topk = after.explore_topk + dense_topk.size();
+          st.explore_est = after.explore_est + static_cast<uint64_t>(lost) * kExploreEstUnit;
+          SPIN_RETURN_IF_ERROR(mem.Put(a.stats + l, &st, sizeof(st)));
+        }
+      }
       if (dump) {
         std::string line = absl::StrCat("{\"step\":", t, ",\"layer\":", l, ",\"blocks\":[");
         for (int32_t c = 0; c < count; ++c) absl::StrAppend(&line, c ? "," : "", ids[c]);

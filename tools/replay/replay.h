@@ -51,6 +51,12 @@ struct ReplayOptions {
   /// arena's owner (spind) writes the table and replay only reads it.
   bool local_budgets = true;
   BudgetTuning budget_tuning;  ///< smoothing and drift rule of the local controller
+  /// Offline diagnostic of the miss-target mode (`--miss-measure exact`): every sparse step that
+  /// the data plane measured by its exploration blocks is measured instead by its realized row-0
+  /// miss, which replay knows from the trace's dense scores. The controller then sees what an
+  /// exact measurement would show it; the selections, exploration included, are unchanged until
+  /// the tables differ. Local replay only (an engine never knows its realized miss).
+  bool exact_miss_measure = false;
   /// Called after each step with (steps done, steps total).
   std::function<void(int, int)> progress;
 };

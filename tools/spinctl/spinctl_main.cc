@@ -266,7 +266,7 @@ void AddTraceStats(CLI::App& app, Run* run) {
 struct ReplayArgs {
   ReplayOptions ro;
   std::string trace_dir, budget = "uniform", state = "fp32", backend = "cpu";
-  std::string mtp_observe = "same-step";
+  std::string mtp_observe = "same-step", miss_measure = "estimate";
   std::optional<double> miss_target;  // given: must be in (0, 1)
   bool json = false, quiet = false, remote = false;
   int pace_ms = 0;
@@ -301,6 +301,19 @@ int RunReplay(const Globals& g, const ReplayArgs& a) {
           " needs --probe-period > 0 (probe steps measure the miss curves)")));
     }
     if (absl::Status s = ValidateBudgetTuning(ro.budget_tuning); !s.ok()) return Fail(s);
+  }
+  if (a.miss_measure == "exact") {
+    if (ro.policy.budget_mode != BudgetMode::kMissTarget) {
+      return Fail(absl::InvalidArgumentError(
+          "--miss-measure exact changes what the miss-target controller measures: it needs "
+          "--miss-target"));
+    }
+    if (!g.target.empty()) {
+      return Fail(absl::InvalidArgumentError(
+          "--miss-measure exact is an offline diagnostic of the in-process controller: drop "
+          "--target (spind's controller measures the exploration estimate)"));
+    }
+    ro.exact_miss_measure = true;
   }
   // Through spind the daemon's probe thread owns the table.
   ro.local_budgets = g.target.empty();
@@ -379,6 +392,12 @@ void AddReplay(CLI::App& app, Run* run) {
   r->add_option("--budget-band", ro.budget_tuning.level_band,
                 "miss-target: recompute when a layer's expected miss leaves its level by more "
                 "than this fraction, in [0, 1)")
+      ->capture_default_str();
+  r->add_option("--miss-measure", a->miss_measure,
+                "miss-target: what the controller measures between probes: estimate (the "
+                "exploration blocks' estimate, as in spind) or exact (the realized miss, which "
+                "only an offline replay knows: a diagnostic of the estimate's part in the result)")
+      ->check(CLI::IsMember({"estimate", "exact"}))
       ->capture_default_str();
   r->add_option("--seed", ro.seed, "Session seed of the exploration draws")->capture_default_str();
   r->add_option("--key", ro.sequence_key, "Sequence key of the exploration draws")
