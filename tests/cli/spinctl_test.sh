@@ -269,5 +269,32 @@ else
   fail "eval --trace: $(head -c 300 "$work/err") $(head -c 300 "$work/md")"
 fi
 
+# trace-cut: a window of steps and layers is a trace of its own that replays, and replays as a
+# trace of those steps written directly would (the first window equals the source's first steps
+# replayed alone: same selections from a cold start).
+if "$spinctl" trace-cut "$work/t" "$work/cut" --first-step 2 --steps 3 --first-layer 1 \
+  >"$work/out" 2>"$work/err" \
+  && grep -q "^wrote $work/cut: steps 2-4 and layers 1-1 of $work/t (3 steps x 1 layers" \
+    "$work/out" \
+  && "$spinctl" replay --trace "$work/cut" --json --quiet >"$work/json" 2>>"$work/err" \
+  && grep -q '"steps":3' "$work/json" && grep -q '"layers":1' "$work/json"; then
+  pass "trace-cut"
+else
+  fail "trace-cut: $(cat "$work/out" "$work/err")"
+fi
+"$spinctl" trace-cut "$work/t" "$work/head" --steps 4 >/dev/null 2>&1
+"$spinctl" replay --trace "$work/head" --dump "$work/head.jsonl" --quiet >/dev/null 2>&1
+if [ -s "$work/head.jsonl" ] && head -n 8 "$work/d.jsonl" | cmp -s - "$work/head.jsonl"; then
+  pass "trace-cut: the first steps replay as in the whole trace"
+else
+  fail "trace-cut: the first 4 steps replay differently alone"
+fi
+expect_error "trace-cut past the last step" "steps 4-7 run past the trace's last step, 5" \
+  "$spinctl" trace-cut "$work/t" "$work/bad" --first-step 4 --steps 4
+expect_error "trace-cut onto itself" "would replace the trace it reads" \
+  "$spinctl" trace-cut "$work/t" "$work/t" --steps 2
+[ ! -e "$work/bad" ] && pass "trace-cut: nothing written for a refused cut" \
+  || fail "trace-cut wrote $work/bad"
+
 echo "spinctl cli: $fails failed"
 exit $((fails > 0))

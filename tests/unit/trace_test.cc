@@ -141,6 +141,86 @@ TEST(TraceWriter, StreamsStepsAndPublishesOnlyOnClose) {
   EXPECT_EQ(writer->Close().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// trace-cut: every kept (step, layer, row) row of scores equal to the source's, the per-step
+// arrays sliced, the geometry otherwise the same.
+TEST(TraceCut, KeepsTheRangeOfStepsAndLayers) {
+  const std::string dir = TestDir();
+  TraceMeta meta = SmallMeta(2);
+  meta.layers = 3;
+  meta.steps = 4;
+  meta.q_pos = {9, 10, 12, 14};
+  meta.ctx_len = {10, 11, 13, 15};
+  meta.accepted = {1, 2, 0, 2};
+  const int n = 16;
+  const std::vector<float> scores = IndexScores(meta.steps, meta.layers, meta.rows, n);
+  ASSERT_TRUE(WriteTrace(dir + "/in", meta, n, scores.data()).ok());
+  absl::StatusOr<Trace> in = LoadTrace(dir + "/in");
+  ASSERT_TRUE(in.ok()) << in.status();
+
+  ASSERT_TRUE(CutTrace(*in, dir + "/cut", TraceCut{1, 2, 1, 0}).ok());
+  absl::StatusOr<Trace> cut = LoadTrace(dir + "/cut");
+  ASSERT_TRUE(cut.ok()) << cut.status();
+  const TraceMeta& c = cut->meta();
+  EXPECT_EQ(c.steps, 2);
+  EXPECT_EQ(c.layers, 2);  // 0: to the end, layers 1-2
+  EXPECT_EQ(c.rows, 2);
+  EXPECT_EQ(c.block_size, meta.block_size);
+  EXPECT_EQ(c.topk, meta.topk);
+  EXPECT_EQ(c.q_pos, (std::vector<int32_t>{10, 12}));
+  EXPECT_EQ(c.ctx_len, (std::vector<int32_t>{11, 13}));
+  EXPECT_EQ(c.accepted, (std::vector<int32_t>{2, 0}));
+  ASSERT_EQ(cut->n_max(), n);
+  for (int t = 0; t < 2; ++t) {
+    for (int l = 0; l < 2; ++l) {
+      for (int r = 0; r < 2; ++r) {
+        EXPECT_TRUE(
+            std::equal(cut->scores(t, l, r), cut->scores(t, l, r) + n, in->scores(t + 1, l + 1, r)))
+            << "step " << t << " layer " << l << " row " << r;
+      }
+    }
+  }
+  // The whole trace by default, without accepted when the source has none.
+  meta.rows = 1;
+  meta.accepted.clear();
+  const std::vector<float> one = IndexScores(meta.steps, meta.layers, 1, n);
+  ASSERT_TRUE(WriteTrace(dir + "/in1", meta, n, one.data()).ok());
+  absl::StatusOr<Trace> in1 = LoadTrace(dir + "/in1");
+  ASSERT_TRUE(in1.ok()) << in1.status();
+  ASSERT_TRUE(CutTrace(*in1, dir + "/all", TraceCut{}).ok());
+  absl::StatusOr<Trace> all = LoadTrace(dir + "/all");
+  ASSERT_TRUE(all.ok()) << all.status();
+  ExpectSameMeta(all->meta(), meta);
+  EXPECT_TRUE(std::equal(all->scores(0, 0, 0), all->scores(0, 0, 0) + one.size(), one.data()));
+}
+
+TEST(TraceCut, RefusesRangesOutsideTheTraceAndItsOwnDirectory) {
+  const std::string dir = TestDir();
+  const TraceMeta meta = SmallMeta(1);  // 3 steps, 2 layers
+  const std::vector<float> scores = IndexScores(meta.steps, meta.layers, 1, 16);
+  ASSERT_TRUE(WriteTrace(dir + "/in", meta, 16, scores.data()).ok());
+  absl::StatusOr<Trace> in = LoadTrace(dir + "/in");
+  ASSERT_TRUE(in.ok()) << in.status();
+  const std::vector<std::pair<TraceCut, std::string>> bad = {
+      {{3, 0, 0, 0}, "first step 3 is outside the trace's steps 0-2"},
+      {{-1, 0, 0, 0}, "first step -1 is outside"},
+      {{1, 3, 0, 0}, "steps 1-3 run past the trace's last step, 2 (at most 2 from 1)"},
+      {{0, -1, 0, 0}, "a negative step count (-1)"},
+      {{0, 0, 2, 0}, "first layer 2 is outside the trace's layers 0-1"},
+      {{0, 0, 1, 2}, "layers 1-2 run past the trace's last layer, 1"},
+  };
+  for (const auto& [cut, text] : bad) {
+    const absl::Status s = CutTrace(*in, dir + "/out", cut);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << text;
+    EXPECT_NE(s.message().find(text), std::string::npos) << s.message();
+  }
+  EXPECT_FALSE(fs::exists(dir + "/out"));  // nothing written for a refused cut
+  const absl::Status self = CutTrace(*in, dir + "/in", TraceCut{0, 1, 0, 0});
+  EXPECT_NE(self.message().find("would replace the trace it reads"), std::string::npos) << self;
+  absl::StatusOr<Trace> still = LoadTrace(dir + "/in");
+  ASSERT_TRUE(still.ok()) << still.status();
+  ExpectSameMeta(still->meta(), meta);
+}
+
 TEST(TraceWriter, FailedCloseKeepsTheOldTrace) {
   const std::string dir = TestDir();
   const int n = 16;

@@ -1,7 +1,7 @@
-// spinctl: the command-line tool. Trace tools offline (gen-trace, trace-stats, replay, eval) and
-// control of a running spind (status, health, sessions, policy, budgets, stats; replay through
-// a session in it). Each command registers its subcommand, its flags and a callback; main()
-// parses the command line and runs the one command given.
+// spinctl: the command-line tool. Trace tools offline (gen-trace, trace-stats, trace-cut,
+// replay, eval) and control of a running spind (status, health, sessions, policy, budgets,
+// stats; replay through a session in it). Each command registers its subcommand, its flags and
+// a callback; main() parses the command line and runs the one command given.
 #include <unistd.h>
 
 #include <cctype>
@@ -245,6 +245,38 @@ void AddGenTrace(CLI::App& app, Run* run) {
                   t->meta().steps, t->meta().layers, t->meta().rows, static_cast<int>(t->n_max()),
                   FormatTraceStats(*st).c_str());
     }
+    return 0;
+  });
+}
+
+void AddTraceCut(CLI::App& app, Run* run) {
+  struct Args {
+    std::string in, out;
+    TraceCut cut;
+  };
+  auto a = std::make_shared<Args>();
+  CLI::App* c = app.add_subcommand(
+      "trace-cut", "Write a part of a trace (a range of steps, of layers) as a new trace");
+  c->add_option("TRACE", a->in, "Trace directory to read")->required();
+  c->add_option("OUT", a->out, "Output directory (created if missing; a trace there is replaced)")
+      ->required();
+  c->add_option("--first-step", a->cut.first_step, "First step kept")->capture_default_str();
+  c->add_option("--steps", a->cut.steps, "Steps kept (0: to the end)")->capture_default_str();
+  c->add_option("--first-layer", a->cut.first_layer, "First layer kept")->capture_default_str();
+  c->add_option("--layers", a->cut.layers, "Layers kept (0: to the end)")->capture_default_str();
+  OnParsed(c, run, [a](const Globals&) {
+    absl::StatusOr<Trace> t = OpenTrace(a->in);
+    if (!t.ok()) return Fail(t.status());
+    if (absl::Status s = CutTrace(*t, a->out, a->cut); !s.ok()) return Fail(s);
+    absl::StatusOr<Trace> out = OpenTrace(a->out);
+    if (!out.ok()) return Fail(out.status());
+    const TraceMeta& m = out->meta();
+    std::printf(
+        "wrote %s: steps %d-%d and layers %d-%d of %s (%d steps x %d layers x %d rows x "
+        "%d slots)\n",
+        a->out.c_str(), a->cut.first_step, a->cut.first_step + m.steps - 1, a->cut.first_layer,
+        a->cut.first_layer + m.layers - 1, a->in.c_str(), m.steps, m.layers, m.rows,
+        static_cast<int>(out->n_max()));
     return 0;
   });
 }
@@ -681,6 +713,7 @@ int main(int argc, char** argv) {
   Run run;
   AddGenTrace(app, &run);
   AddTraceStats(app, &run);
+  AddTraceCut(app, &run);
   AddReplay(app, &run);
   AddEval(app, &run);
   AddStatus(app, &run);

@@ -447,4 +447,47 @@ absl::Status WriteTrace(const std::string& dir, const TraceMeta& meta, int64_t n
   return writer.Close();
 }
 
+absl::Status CutTrace(const Trace& in, const std::string& out_dir, const TraceCut& cut) {
+  const TraceMeta& m = in.meta();
+  auto range = [](const char* what, int first, int count, int total) -> absl::Status {
+    if (first < 0 || first >= total) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "first ", what, " ", first, " is outside the trace's ", what, "s 0-", total - 1));
+    }
+    if (count < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a negative ", what, " count (", count, "); 0 keeps them to the end"));
+    }
+    if (count > total - first) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, "s ", first, "-", int64_t{first} + count - 1, " run past the trace's last ", what,
+          ", ", total - 1, " (at most ", total - first, " from ", first, ")"));
+    }
+    return absl::OkStatus();
+  };
+  SPIN_RETURN_IF_ERROR(range("step", cut.first_step, cut.steps, m.steps));
+  SPIN_RETURN_IF_ERROR(range("layer", cut.first_layer, cut.layers, m.layers));
+  std::error_code ec;
+  if (std::filesystem::equivalent(in.dir(), out_dir, ec)) {
+    return absl::InvalidArgumentError(absl::StrCat("the cut would replace the trace it reads (",
+                                                   out_dir, "): give another directory"));
+  }
+  const int steps = cut.steps > 0 ? cut.steps : m.steps - cut.first_step;
+  const int layers = cut.layers > 0 ? cut.layers : m.layers - cut.first_layer;
+  TraceMeta geometry = m;
+  geometry.steps = steps;
+  geometry.layers = layers;
+  geometry.q_pos.clear();
+  geometry.ctx_len.clear();
+  geometry.accepted.clear();
+  SPIN_ASSIGN_OR_RETURN(TraceWriter writer, TraceWriter::Open(out_dir, geometry, in.n_max()));
+  // A step's layers are contiguous in the trace: the kept ones are one run of floats.
+  for (int i = 0; i < steps; ++i) {
+    const int t = cut.first_step + i;
+    SPIN_RETURN_IF_ERROR(writer.WriteStep(in.scores(t, cut.first_layer, 0), m.q_pos[t],
+                                          m.ctx_len[t], m.accepted.empty() ? -1 : m.accepted[t]));
+  }
+  return writer.Close();
+}
+
 }  // namespace spin

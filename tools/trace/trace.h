@@ -143,4 +143,21 @@ class TraceWriter {
 absl::Status WriteTrace(const std::string& dir, const TraceMeta& meta, int64_t n_max,
                         const float* scores);
 
+/// The part of a trace CutTrace keeps: steps [first_step, first_step + steps) and layers
+/// [first_layer, first_layer + layers); a count of 0 means "to the end".
+struct TraceCut {
+  int first_step = 0;
+  int steps = 0;
+  int first_layer = 0;
+  int layers = 0;
+};
+
+/// Writes the part `cut` of `in` as a trace in `out_dir` (through TraceWriter, so a failure
+/// leaves no loadable trace there): the same rows, slots, block size and top-K; q_pos, ctx_len
+/// and accepted sliced; scores as float32 (a float16 trace is widened, exactly). Each step is
+/// a trace step as it was, so the cut replays from a cold start at its first step, as a new
+/// sequence would. InvalidArgument when the part is empty or leaves the trace, or when
+/// `out_dir` is the trace's own directory.
+absl::Status CutTrace(const Trace& in, const std::string& out_dir, const TraceCut& cut);
+
 }  // namespace spin
