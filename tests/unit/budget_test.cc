@@ -425,7 +425,9 @@ TEST(MissTarget, EachLayerTakesTheFewestBlocksThatMeetTheTarget) {
     const MissCurve mono = MonotoneCurve(curves[l]);
     const int32_t m = ex->blocks[l];
     EXPECT_LE(ExpectedMiss(mono, m, 200, 0.2), 0.02) << "layer " << l;
-    if (m > 8) EXPECT_GT(ExpectedMiss(mono, m - 1, 200, 0.2), 0.02) << "the fewest";
+    if (m > 8) {
+      EXPECT_GT(ExpectedMiss(mono, m - 1, 200, 0.2), 0.02) << "the fewest";
+    }
     int32_t ranked_only = plain->blocks[l];
     while (ranked_only < 200 &&
            ranked_only - ExplorationBlocks(ranked_only, 0.2) < plain->blocks[l])
