@@ -1,11 +1,14 @@
 // libFuzzer target: the whole trace reader, as every spinctl command that reads a trace runs it
-// (LoadTrace, then trace-stats' ComputeTraceStats and replay's Replay on the loaded trace).
+// (LoadTrace, then trace-stats' ComputeTraceStats, trace-cut's CutTrace and replay's Replay on
+// the loaded trace).
 //
 // Input: a trace directory, written from the bytes before each run:
 //   byte 0      what meta.json is: bits 0-2, 0-4 a regular file, 5 missing, 6 a FIFO,
 //               7 a directory; bit 6 set: replay with per-layer budgets (probe period 2);
-//               bit 7 set: replay with bf16 state
-//   byte 1      what scores.npy is, the same way in bits 0-2; bit 3 set: a symlink to the file
+//               bit 7 set: replay with bf16 state; bits 3-4 and 5-6: trace-cut's first step
+//               and step count (0: to the end)
+//   byte 1      what scores.npy is, the same way in bits 0-2; bit 3 set: a symlink to the file;
+//               bit 4: trace-cut keeps layer 0 only (else all)
 //   bytes 2-3   meta.json's length L (little endian; clamped to what is left)
 //   L bytes     meta.json
 //   the rest    scores.npy
@@ -15,7 +18,9 @@
 //  - errors are one line;
 //  - a trace that loads passes the data plane's ValidateGeometry, its scores can all be read,
 //    trace-stats and replay run on it without error (replay is skipped above 64 MiB of arena and
-//    top-K buffers).
+//    top-K buffers);
+//  - trace-cut of it writes a trace that loads with the sliced geometry and the same score bits
+//    when the range is inside it, and is refused with one line otherwise.
 // LLVMFuzzerInitialize also checks that trace.h's limits are exactly the data plane's: each
 // limit passes ValidateGeometry and one more fails.
 #include <sys/stat.h>
@@ -24,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <string>
 
 #include "fuzz_common.h"
@@ -153,6 +159,36 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(stats.ok(), "trace-stats failed on a loaded trace: %s",
                stats.status().ToString().c_str());
     (void)spin::FormatTraceStats(*stats);
+  }
+
+  // trace-cut, over a range from the input's bits (bits 3-6 of meta_bits: the first step and
+  // count; bit 4 of scores_bits: one layer or all): in range it writes a trace that loads with
+  // the sliced geometry and the same score bits; out of range it is refused with one line.
+  {
+    const spin::TraceCut cut{(meta_bits >> 3) & 3, (meta_bits >> 5) & 3, 0, (scores_bits >> 4) & 1};
+    const bool in_range = cut.first_step < m.steps && cut.steps <= m.steps - cut.first_step;
+    static const std::string out = ScratchDir() + "/trace-cut";
+    const absl::Status s = spin::CutTrace(*trace, out, cut);
+    FUZZ_CHECK(s.ok() == in_range, "trace-cut of steps %d+%d of %d: %s", cut.first_step, cut.steps,
+               m.steps, s.ToString().c_str());
+    if (s.ok()) {
+      absl::StatusOr<spin::Trace> part = spin::LoadTrace(out);
+      FUZZ_CHECK(part.ok(), "a cut does not load: %s", part.status().ToString().c_str());
+      const int steps = cut.steps > 0 ? cut.steps : m.steps - cut.first_step;
+      const int layers = cut.layers > 0 ? cut.layers : m.layers;
+      FUZZ_CHECK(part->meta().steps == steps && part->meta().layers == layers &&
+                     part->meta().rows == m.rows && part->n_max() == trace->n_max(),
+                 "a cut has the wrong geometry");
+      for (int t = 0; t < steps; ++t) {
+        FUZZ_CHECK(part->meta().ctx_len[t] == m.ctx_len[cut.first_step + t], "ctx_len not sliced");
+        FUZZ_CHECK(std::memcmp(part->scores(t, 0, 0), trace->scores(cut.first_step + t, 0, 0),
+                               sizeof(float) * layers * m.rows * trace->n_max()) == 0,
+                   "a cut's scores differ from the trace's");
+      }
+    } else {
+      FUZZ_CHECK(s.message().find('\n') == absl::string_view::npos, "not one line: %s",
+                 s.ToString().c_str());
+    }
   }
 
   // replay (CPU), on arenas of reasonable size.
