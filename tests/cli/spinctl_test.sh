@@ -56,6 +56,13 @@ expect_error "missing trace dir" "$work/nope" "$spinctl" replay --trace "$work/n
 expect_error "sparsity out of range" "sparsity 1.5 is out of range" \
   "$spinctl" replay --trace "$work/t" --sparsity 1.5
 expect_error "alpha out of range" "alpha" "$spinctl" replay --trace "$work/t" --alpha 1
+expect_error "--miss-measure exact without --miss-target" "needs --miss-target" \
+  "$spinctl" replay --trace "$work/t" --probe-period 2 --miss-measure exact
+expect_error "--miss-measure exact through spind" "offline diagnostic" \
+  "$spinctl" --target 127.0.0.1:1 replay --trace "$work/t" --probe-period 2 --miss-target 0.02 \
+  --miss-measure exact
+expect_error "--miss-measure unknown" "not in \{estimate,exact\}" \
+  "$spinctl" replay --trace "$work/t" --probe-period 2 --miss-target 0.02 --miss-measure perfect
 expect_error "exploration out of range" "exploration" \
   "$spinctl" replay --trace "$work/t" --exploration -0.1
 expect_error "unknown budget mode" "budget" "$spinctl" replay --trace "$work/t" --budget magic
