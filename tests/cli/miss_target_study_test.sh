@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # bench/miss-target-study on a small generated trace: one row per M, the kept JSON summaries,
-# SPIN_STUDY_ARGS (the miss-target runs only), SEEDS, and the refusal of a directory that is not
-# a trace. Usage: miss_target_study_test.sh SPINCTL SOURCE_DIR
+# SPIN_STUDY_ARGS (the miss-target runs only), SEEDS, a failing replay, and the refusal of a
+# directory that is not a trace. Usage: miss_target_study_test.sh SPINCTL SOURCE_DIR
 set -uo pipefail
 spinctl="$1"
 study="$2/bench/miss-target-study"
@@ -57,6 +57,14 @@ SEEDS="1 2" bash "$study" "$spinctl" "$work/seeds.md" "$work/tiny" 2>"$work/err"
 s1=$(grep -c "^| t0-tiny-s1 " "$work/seeds.md" 2>/dev/null)
 s2=$(grep -c "^| t0-tiny-s2 " "$work/seeds.md" 2>/dev/null)
 [ "$s1" = 4 ] && [ "$s2" = 4 ] && pass "SEEDS gives rows per seed" || fail "SEEDS rows: $s1 $s2"
+
+# A replay that fails (here a bad SPIN_STUDY_ARGS) names itself and stops the study.
+SPIN_STUDY_ARGS="--miss-measure bogus" bash "$study" "$spinctl" "$work/bad.md" "$work/tiny" \
+  >/dev/null 2>"$work/err"
+rc=$?
+[ $rc != 0 ] && grep -q "^miss-target-study: the replay t0-tiny mt-0.0[1-5] (.*--miss-measure bogus) failed" \
+  "$work/err" && grep -q "bogus not in {estimate,exact}" "$work/err" && [ ! -e "$work/bad.md" ] &&
+  pass "a failed replay is named and stops the study" || fail "failed replay: rc $rc, $(cat "$work/err")"
 
 # Not a trace: refused, nothing written.
 mkdir "$work/empty"
