@@ -114,11 +114,8 @@ TEST(TraceMetaJson, KeysInDesignOrderAndAcceptedOnlyWhenPresent) {
 
 TEST(TraceWriter, StreamsStepsAndPublishesOnlyOnClose) {
   const std::string dir = TestDir();
-  TraceMeta geometry = SmallMeta(2);
-  const TraceMeta full = geometry;
-  geometry.q_pos.clear();
-  geometry.ctx_len.clear();
-  geometry.accepted.clear();
+  const TraceMeta full = SmallMeta(2);
+  const TraceMeta geometry = TraceGeometry(full);
   const int n = 16;
   const std::vector<float> scores = IndexScores(3, 2, 2, n);
   absl::StatusOr<TraceWriter> writer = TraceWriter::Open(dir, geometry, n);
@@ -227,9 +224,7 @@ TEST(TraceWriter, FailedCloseKeepsTheOldTrace) {
   const std::vector<float> scores = IndexScores(3, 2, 1, n);
   ASSERT_TRUE(WriteTrace(dir, SmallMeta(1), n, scores.data()).ok());
 
-  TraceMeta geometry = SmallMeta(1);
-  geometry.q_pos.clear();
-  geometry.ctx_len.clear();
+  const TraceMeta geometry = TraceGeometry(SmallMeta(1));
   absl::StatusOr<TraceWriter> writer = TraceWriter::Open(dir, geometry, n);
   ASSERT_TRUE(writer.ok());
   for (int t = 0; t < 3; ++t) {
@@ -249,9 +244,7 @@ TEST(TraceWriter, FailedCloseKeepsTheOldTrace) {
 
 TEST(TraceWriter, IncompleteTraceLeavesNothingLoadable) {
   const std::string dir = TestDir();
-  TraceMeta geometry = SmallMeta(1);
-  geometry.q_pos.clear();
-  geometry.ctx_len.clear();
+  const TraceMeta geometry = TraceGeometry(SmallMeta(1));
   const std::vector<float> scores = IndexScores(1, 2, 1, 16);
   {
     absl::StatusOr<TraceWriter> writer = TraceWriter::Open(dir, geometry, 16);
@@ -277,9 +270,7 @@ TEST(TraceWriter, RejectsBadGeometryAndMixedAccepted) {
   EXPECT_EQ(with_arrays.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(with_arrays.status().message().find("geometry only"), std::string::npos);
 
-  geometry.q_pos.clear();
-  geometry.ctx_len.clear();
-  geometry.accepted.clear();
+  geometry = TraceGeometry(geometry);
   TraceMeta zero_layers = geometry;
   zero_layers.layers = 0;
   EXPECT_NE(TraceWriter::Open(dir, zero_layers, 16).status().message().find("'layers' is 0"),

@@ -423,12 +423,15 @@ absl::Status TraceWriter::Close() {
   return WriteFileAtomically(meta_path, TraceMetaToJson(meta_));
 }
 
+TraceMeta TraceGeometry(TraceMeta meta) {
+  meta.q_pos.clear();
+  meta.ctx_len.clear();
+  meta.accepted.clear();
+  return meta;
+}
+
 absl::Status WriteTrace(const std::string& dir, const TraceMeta& meta, int64_t n_max,
                         const float* scores) {
-  TraceMeta geometry = meta;
-  geometry.q_pos.clear();
-  geometry.ctx_len.clear();
-  geometry.accepted.clear();
   if (meta.q_pos.size() != static_cast<size_t>(meta.steps) ||
       meta.ctx_len.size() != static_cast<size_t>(meta.steps) ||
       (!meta.accepted.empty() && meta.accepted.size() != static_cast<size_t>(meta.steps))) {
@@ -438,7 +441,7 @@ absl::Status WriteTrace(const std::string& dir, const TraceMeta& meta, int64_t n
         s.ok() ? absl::InvalidArgumentError("per-step arrays do not match steps") : s,
         absl::StrCat("trace ", dir));
   }
-  SPIN_ASSIGN_OR_RETURN(TraceWriter writer, TraceWriter::Open(dir, geometry, n_max));
+  SPIN_ASSIGN_OR_RETURN(TraceWriter writer, TraceWriter::Open(dir, TraceGeometry(meta), n_max));
   const int64_t step_floats = int64_t{meta.layers} * meta.rows * n_max;
   for (int t = 0; t < meta.steps; ++t) {
     SPIN_RETURN_IF_ERROR(writer.WriteStep(scores + t * step_floats, meta.q_pos[t], meta.ctx_len[t],
@@ -474,12 +477,9 @@ absl::Status CutTrace(const Trace& in, const std::string& out_dir, const TraceCu
   }
   const int steps = cut.steps > 0 ? cut.steps : m.steps - cut.first_step;
   const int layers = cut.layers > 0 ? cut.layers : m.layers - cut.first_layer;
-  TraceMeta geometry = m;
+  TraceMeta geometry = TraceGeometry(m);
   geometry.steps = steps;
   geometry.layers = layers;
-  geometry.q_pos.clear();
-  geometry.ctx_len.clear();
-  geometry.accepted.clear();
   SPIN_ASSIGN_OR_RETURN(TraceWriter writer, TraceWriter::Open(out_dir, geometry, in.n_max()));
   // A step's layers are contiguous in the trace: the kept ones are one run of floats.
   for (int i = 0; i < steps; ++i) {

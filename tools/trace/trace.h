@@ -97,6 +97,10 @@ absl::StatusOr<TraceMeta> ParseTraceMeta(const std::string& json_text, const std
 /// The meta.json text for `meta` (keys in the §9 order, `accepted` only when present).
 std::string TraceMetaToJson(const TraceMeta& meta);
 
+/// `meta` without its per-step arrays (q_pos, ctx_len, accepted): the geometry that
+/// TraceWriter::Open takes.
+TraceMeta TraceGeometry(TraceMeta meta);
+
 /// Writes a trace one step at a time, so a generator never holds all scores in memory. Until
 /// Close() succeeds only `dir` and a temporary file in it are created; Close then replaces any
 /// trace there, removing meta.json first and writing it last, so a failure at any point leaves
