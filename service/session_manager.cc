@@ -75,7 +75,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const Geometry& 
   s->policy = policy;
   s->engine_control = engine_control;
   if (executor_ != nullptr) s->strand = std::make_shared<Strand>(executor_);
-  s->budgets_written.assign(g.layers, policy.target_sparsity);
+  s->budgets_written.assign(g.layers, InitialBudget(policy));  // as the arena starts
   absl::StatusOr<std::string> id = RandomHex(8), token = RandomHex(16);
   if (!id.ok() || !token.ok()) {
     release();

@@ -206,9 +206,9 @@ absl::StatusOr<ArenaView> InitArena(void* base, uint64_t bytes, const Geometry& 
   std::memset(v.fresh, 1, static_cast<size_t>(g.max_seqs) * g.layers);
   v.batch->selected_layer = -1;
   SPIN_RETURN_IF_ERROR(WritePolicy(v, policy));
-  // The budget table starts uniform at the target in every mode (as InitDeviceArena does): a
-  // per-layer session selects at its target until the probe thread's first table.
-  for (uint32_t l = 0; l < g.layers; ++l) v.sparsity[l] = policy.target_sparsity;
+  // The budget table starts at InitialBudget (as InitDeviceArena does): a per-layer session
+  // selects at its target until the probe thread's first table, a miss-target session densely.
+  for (uint32_t l = 0; l < g.layers; ++l) v.sparsity[l] = InitialBudget(policy);
   v.policy->epoch = 1;
   return v;
 }
@@ -277,6 +277,10 @@ absl::Status WritePolicy(const ArenaView& a, const Policy& p) {
   }
   a.policy->epoch += 1;
   return absl::OkStatus();
+}
+
+double InitialBudget(const Policy& p) {
+  return p.budget_mode == BudgetMode::kMissTarget ? 0.0 : p.target_sparsity;
 }
 
 void FillArenaPolicy(const Policy& p, ArenaPolicy* ap) {

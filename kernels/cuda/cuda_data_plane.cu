@@ -692,7 +692,7 @@ absl::StatusOr<ArenaView> InitDeviceArena(void* device_base, uint64_t bytes, con
   ArenaPolicy ap{};
   FillArenaPolicy(policy, &ap);
   ap.epoch = 1;
-  std::vector<double> sparsity(g.layers, policy.target_sparsity);
+  std::vector<double> sparsity(g.layers, InitialBudget(policy));
   std::vector<uint8_t> fresh(static_cast<size_t>(g.max_seqs) * g.layers, 1);
   BatchHeader bh{0, 0, -1, 0};  // as InitArena leaves it
   // The copies read host memory that lives only until return: synchronise before returning.

@@ -51,6 +51,23 @@ TEST(Arena, InitWritesAValidHeaderAndUnsetState) {
   }
 }
 
+// A miss-target arena starts dense: before the first probe curve nothing says what a sparsity
+// would miss (a daemon's session ran its first steps at the uniform target before 2026-12-07,
+// until the probe thread's first pass). The other modes start at the target.
+TEST(Arena, InitialBudgetIsDenseOnlyForAMissTarget) {
+  Policy p;
+  p.target_sparsity = 0.6;
+  p.probe_period = 8;
+  for (BudgetMode mode : {BudgetMode::kUniform, BudgetMode::kPerLayer, BudgetMode::kMissTarget}) {
+    p.budget_mode = mode;
+    p.miss_target = mode == BudgetMode::kMissTarget ? 0.02 : 0.0;
+    const double want = mode == BudgetMode::kMissTarget ? 0.0 : 0.6;
+    EXPECT_EQ(InitialBudget(p), want);
+    TestArena t(Geo(), p);
+    for (int l = 0; l < 3; ++l) EXPECT_EQ(t.view().sparsity[l], want) << "mode " << int(mode);
+  }
+}
+
 TEST(Arena, ViewRejectsWhatIsNotAnArena) {
   TestArena t(Geo());
   EXPECT_FALSE(ViewArena(t.base(), 16).ok());

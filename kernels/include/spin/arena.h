@@ -289,6 +289,12 @@ enum ArenaError : uint32_t {
 /// bumps the epoch. Host memory only; the CUDA backend has its own device-side write.
 absl::Status WritePolicy(const ArenaView& a, const Policy& p);
 
+/// The budget table (rho_l, every layer) a new arena starts with: the target sparsity, except in
+/// the miss-target mode, where nothing says what a sparsity would miss before the first probe
+/// curve, so it starts dense (0), as the controller's cold table; a daemon's session then misses
+/// nothing in the steps before its probe thread's first pass (docs/budgets.md).
+double InitialBudget(const Policy& p);
+
 /// Fills every field of an arena policy block from `p` except the epoch (no validation).
 void FillArenaPolicy(const Policy& p, ArenaPolicy* out);
 
