@@ -1,7 +1,9 @@
 #include "budget_probe.h"
 
+#include <algorithm>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "spin/status_macros.h"
 
@@ -71,10 +73,12 @@ absl::StatusOr<bool> RefreshBudgets(Session& s, bool policy_changed) {
 }
 
 BudgetProbe::BudgetProbe(SessionManager* sessions, std::chrono::milliseconds interval,
+                         std::chrono::milliseconds miss_target_interval,
                          std::function<void(Session&)> publish,
                          std::function<void(const char*, const std::string&)> log)
     : sessions_(sessions),
       interval_(interval),
+      miss_target_interval_(miss_target_interval),
       publish_(std::move(publish)),
       log_(std::move(log)) {}
 
@@ -94,23 +98,51 @@ void BudgetProbe::Stop() {
 }
 
 void BudgetProbe::Loop() {
+  using Clock = std::chrono::steady_clock;
+  // The pass interval: the miss-target one while some session runs that mode, else the other.
+  std::chrono::milliseconds wait = interval_;
   std::unique_lock<std::mutex> lock(mu_);
-  while (!cv_.wait_for(lock, interval_, [this] { return stop_; })) {
+  while (!cv_.wait_for(lock, wait, [this] { return stop_; })) {
     lock.unlock();
+    bool miss_target_seen = false;
     for (const std::shared_ptr<Session>& s : sessions_->List()) {
       // A session busy with a call is visited at the next pass: the thread never waits on one
       // session while the others' budgets are due.
       std::unique_lock<std::mutex> session_lock(s->mu, std::try_to_lock);
       if (!session_lock.owns_lock() || s->freed) continue;
+      const bool miss_target = s->policy.budget_mode == BudgetMode::kMissTarget;
+      miss_target_seen = miss_target_seen || miss_target;
+      const Clock::time_point now = Clock::now();
+      // Other sessions every interval_ (a pass may come up to a miss-target interval early).
+      if (!miss_target && now - s->probe_visited < interval_ - miss_target_interval_) continue;
+      s->probe_visited = now;
       absl::StatusOr<bool> written = RefreshBudgets(*s, false);
       if (!written.ok()) {
         log_("error", absl::StrCat("budgets of session ", s->id, ": ", written.status().message()));
-      } else if (*written) {
-        log_("info", absl::StrCat("session ", s->id, ": per-layer budgets recomputed (",
-                                  s->budget_reason, "), recompute ", s->budget_recomputes));
-        publish_(*s);
+        continue;
       }
+      if (!*written) continue;
+      publish_(*s);
+      // A miss-target session moves its levels about once a step: those lines are rate-limited.
+      const bool level = absl::StartsWith(s->budget_reason, "miss ") ||
+                         absl::StartsWith(s->budget_reason, "slack ");
+      if (level && now - s->level_logged < level_log_interval_) {
+        s->level_unlogged += 1;
+        continue;
+      }
+      std::string line = absl::StrCat("session ", s->id, ": per-layer budgets recomputed (",
+                                      s->budget_reason, "), recompute ", s->budget_recomputes);
+      if (level) {
+        if (s->level_unlogged > 0) {
+          absl::StrAppend(&line, "; ", s->level_unlogged,
+                          " level recomputes since the last such line not logged");
+        }
+        s->level_logged = now;
+        s->level_unlogged = 0;
+      }
+      log_("info", line);
     }
+    wait = miss_target_seen ? std::min(miss_target_interval_, interval_) : interval_;
     lock.lock();
   }
 }

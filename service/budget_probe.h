@@ -36,9 +36,15 @@ absl::Status WriteSessionBudgets(Session& s, const std::vector<double>& sparsity
 /// The background thread.
 class BudgetProbe {
  public:
-  /// `publish` is called (holding the session's lock) after each table written; `log` gets
-  /// a level ("info", "error") and a line.
+  /// Sessions are read every `interval`, miss-target sessions every `miss_target_interval`:
+  /// their controller measures every sparse step and should act before the next one, as
+  /// offline replay's does (docs/budgets.md, "Live: spind's probe thread"). `publish` is called
+  /// (holding the session's lock) after each table written; `log` gets a level ("info",
+  /// "error") and a line. A miss-target session's level recomputes ("miss ...", "slack ...",
+  /// one per step or so) are logged at most once per `level_log_interval`, with the count of
+  /// those left out.
   BudgetProbe(SessionManager* sessions, std::chrono::milliseconds interval,
+              std::chrono::milliseconds miss_target_interval,
               std::function<void(Session&)> publish,
               std::function<void(const char*, const std::string&)> log);
   ~BudgetProbe();
@@ -48,7 +54,8 @@ class BudgetProbe {
  private:
   void Loop();
   SessionManager* sessions_;
-  std::chrono::milliseconds interval_;
+  std::chrono::milliseconds interval_, miss_target_interval_;
+  std::chrono::milliseconds level_log_interval_{10000};
   std::function<void(Session&)> publish_;
   std::function<void(const char*, const std::string&)> log_;
   std::mutex mu_;

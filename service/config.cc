@@ -118,6 +118,13 @@ ParseResult ParseConfig(int argc, const char* const* argv) {
       ->envname("SPIND_PROBE_INTERVAL_MS")
       ->check(CLI::Range(1u, 3600000u))
       ->capture_default_str();
+  app.add_option("--miss-target-interval-ms", c.miss_target_interval_ms,
+                 "How often the probe thread reads miss-target sessions: their controller "
+                 "measures every sparse step and should act before the next one, so keep it "
+                 "under the decode step time (docs/budgets.md)")
+      ->envname("SPIND_MISS_TARGET_INTERVAL_MS")
+      ->check(CLI::Range(1u, 3600000u))
+      ->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -24,6 +24,7 @@ struct Config {
   std::string log_format = "text";   ///< text | json
   uint32_t client_grace_ms = 30000;  ///< a session outlives its last client by this much
   uint32_t probe_interval_ms = 100;  ///< per-layer budgets: how often the probe thread runs
+  uint32_t miss_target_interval_ms = 10;  ///< miss-target sessions: how often it reads them
   std::vector<uint32_t> allow_uids;  ///< fd socket peers accepted besides spind's uid and root
   std::vector<uint32_t> allow_gids;  ///< fd socket peers accepted by group
   bool tcp_allow_unauthenticated = false;  ///< state-changing calls over TCP without a token

@@ -235,6 +235,7 @@ int main(int argc, char** argv) {
   service.RestoreDefaults();
   BudgetProbe probe(
       &sessions, std::chrono::milliseconds(c.probe_interval_ms),
+      std::chrono::milliseconds(c.miss_target_interval_ms),
       [&service](Session& s) { service.PublishBudgets(s); },
       [&c](const char* level, const std::string& msg) { Log(c, level, msg); });
   probe.Start();

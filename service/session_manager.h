@@ -43,6 +43,11 @@ struct Session {
   std::unique_ptr<BudgetController> budgets;
   uint64_t budget_recomputes = 0;  ///< budget tables written by the allocator
   std::string budget_reason;       ///< why the last one was written ("first", "drift ...")
+  /// The probe thread's bookkeeping (under mu): when it last read this session's counters, when
+  /// it last logged one of its miss-target level recomputes, and how many it left unlogged since.
+  std::chrono::steady_clock::time_point probe_visited{};
+  std::chrono::steady_clock::time_point level_logged{};
+  uint64_t level_unlogged = 0;
   bool freed = false;              ///< set (under mu) when the manager dropped the session
   /// The policy spind wrote last: the authority for GetPolicy, SetPolicy and the probe thread
   /// (the arena's copy can be overwritten by a client that maps it).

@@ -13,15 +13,22 @@
 #   of the exploration estimate, an offline diagnostic): on the 32K trace it holds 1.1 M at
 #   every M, M 0.01 included, which locates the overshoot in the estimate, not the controller
 #   (its refusals are in spinctl_test.sh).
-# Usage: miss_target_attention_test.sh SPINCTL REPO
+# - Through spind (`spinctl --target ... replay --pace-ms 30`, the daemon's probe thread running
+#   the controller on its own clock): the 32K trace within 1.1 M at M 0.02 and 1.25 M at 0.01,
+#   at an effective sparsity within 0.02 of the offline run's. Before 2026-12-07's fix a
+#   miss-target session started at the uniform --sparsity table until the probe thread's first
+#   pass, and the thread read it every 100 ms, a table per five steps or so: 1.39 M at M 0.02
+#   (pace 20), 4.5 M at 0.01 (no pace).
+# Usage: miss_target_attention_test.sh SPINCTL REPO SPIND
 set -euo pipefail
-spinctl=$1 repo=$2
+spinctl=$1 repo=$2 spind=$3
 fail=0
 json=""  # the last check's replay summary
+target=()  # --target unix://SOCK for the checks through spind
 check() {  # check TRACE_DIR M BOUND_FACTOR [REPLAY_ARGS...]
   local worst
-  json=$("$spinctl" replay --trace "$1" --miss-target "$2" --probe-period 8 --json --quiet \
-    "${@:4}")
+  json=$("$spinctl" "${target[@]}" replay --trace "$1" --miss-target "$2" --probe-period 8 \
+    --json --quiet "${@:4}")
   worst=$(python3 -c 'import json,sys; print(json.load(sys.stdin)["worst_layer_mean_miss"])' \
     <<<"$json")
   if python3 -c "import sys; sys.exit(0 if $worst <= $3 * $2 else 1)"; then
@@ -46,4 +53,28 @@ if [ "$est" = "$exact" ]; then
   echo "FAIL --miss-measure exact replayed exactly as the estimate"
   fail=1
 fi
+# Through spind, paced as an engine decodes (30 ms a step, three passes of the probe thread's
+# 10 ms miss-target interval).
+work=$(mktemp -d)
+"$spind" --listen "unix://$work/s.sock" --backend cpu 2>"$work/spind.log" &
+pid=$!
+trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$work"' EXIT
+for _ in $(seq 50); do
+  "$spinctl" --target "unix://$work/s.sock" status >/dev/null 2>&1 && break
+  sleep 0.2
+done
+sparsity() { python3 -c 'import json,sys; print(json.load(sys.stdin)["effective_sparsity"])' <<<"$1"; }
+for m in 0.01 0.02; do
+  offline=$("$spinctl" replay --trace "$long" --miss-target "$m" --probe-period 8 --json --quiet)
+  target=(--target "unix://$work/s.sock")
+  if [ "$m" = 0.01 ]; then check "$long" "$m" 1.25 --pace-ms 30; else check "$long" "$m" 1.1 --pace-ms 30; fi
+  target=()
+  a=$(sparsity "$json") b=$(sparsity "$offline")
+  if python3 -c "import sys; sys.exit(0 if abs($a - $b) <= 0.02 else 1)"; then
+    echo "ok   through spind M $m: effective sparsity $a (offline $b)"
+  else
+    echo "FAIL through spind M $m: effective sparsity $a, offline $b (more than 0.02 apart)"
+    fail=1
+  fi
+done
 exit $fail

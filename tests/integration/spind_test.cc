@@ -1319,5 +1319,28 @@ TEST(Spind, PerLayerSessionWithoutProbesTakesANewTargetUniformly) {
   EXPECT_EQ(b.budget_mode(), pb::BUDGET_MODE_PER_LAYER);
 }
 
+// A miss-target session is dense from its first step, before any pass of the probe thread (here
+// none comes for an hour): before 2026-12-07 it selected at the uniform target (0.5) until the
+// thread's first pass, and missed far more than its target in those steps.
+TEST(Spind, MissTargetSessionStartsDenseBeforeTheProbeThreadsFirstPass) {
+  Daemon d({"--probe-interval-ms", "3600000", "--miss-target-interval-ms", "3600000"});
+  ASSERT_TRUE(d.ready());
+  for (bool miss_target : {true, false}) {
+    pb::AttachRequest req = AttachReq(3);
+    req.mutable_policy()->set_budget_mode(miss_target ? pb::BUDGET_MODE_MISS_TARGET
+                                                      : pb::BUDGET_MODE_PER_LAYER);
+    if (miss_target) req.mutable_policy()->set_miss_target(0.02);
+    req.mutable_policy()->set_probe_period(8);
+    pb::AttachResponse a;
+    ASSERT_TRUE(CALL(d, Attach, req, &a).ok());
+    pb::GetBudgetsRequest gb;
+    *gb.mutable_session() = Ref(a);
+    pb::GetBudgetsResponse b;
+    ASSERT_TRUE(CALL(d, GetBudgets, gb, &b).ok());
+    ASSERT_EQ(b.layer_sparsity_size(), 3);
+    for (double x : b.layer_sparsity()) EXPECT_EQ(x, miss_target ? 0.0 : 0.5);
+  }
+}
+
 }  // namespace
 }  // namespace spin::testing
