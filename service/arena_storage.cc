@@ -75,6 +75,10 @@ class CpuArenaStorage final : public ArenaStorage {
                        const int32_t* accepted) override {
     return dp_->Observe(layer, logits, stride, accepted);
   }
+  absl::Status ObserveTopK(int32_t layer, int32_t* topk, int32_t count, const float* logits,
+                           int64_t stride, const int32_t* accepted) override {
+    return dp_->RemapAndObserve(layer, topk, count, logits, stride, accepted);
+  }
 
  private:
   int memfd_ = -1;

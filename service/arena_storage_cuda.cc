@@ -147,6 +147,10 @@ class CudaArenaStorage final : public ArenaStorage {
   }
   absl::Status Observe(int32_t layer, const float* logits, int64_t stride,
                        const int32_t* accepted) override {
+    return ObserveTopK(layer, nullptr, 0, logits, stride, accepted);
+  }
+  absl::Status ObserveTopK(int32_t layer, int32_t* topk, int32_t count, const float* logits,
+                           int64_t stride, const int32_t* accepted) override {
     SPIN_RETURN_IF_ERROR(PullOutputs());
     if (host_.batch->selected_layer == layer) {
       // Otherwise the data plane's own call-order check answers below.
@@ -161,9 +165,20 @@ class CudaArenaStorage final : public ArenaStorage {
       SPIN_ASSIGN_OR_RETURN(void* d, accepted_.Put(accepted, host_.batch->n * sizeof(int32_t)));
       da = static_cast<const int32_t*>(d);
     }
-    if (absl::Status s = dp_->Observe(layer, static_cast<const float*>(dl), stride, da); !s.ok())
+    if (topk == nullptr) {
+      if (absl::Status s = dp_->Observe(layer, static_cast<const float*>(dl), stride, da); !s.ok())
+        return s;
+      return CheckDeviceError("ObserveScores");
+    }
+    const uint64_t idx_bytes = rows * static_cast<uint64_t>(count) * sizeof(int32_t);
+    SPIN_ASSIGN_OR_RETURN(void* dt, topk_.Put(topk, idx_bytes));
+    if (absl::Status s = dp_->RemapAndObserve(layer, static_cast<int32_t*>(dt), count,
+                                              static_cast<const float*>(dl), stride, da);
+        !s.ok()) {
       return s;
-    return CheckDeviceError("ObserveScores");
+    }
+    SPIN_RETURN_IF_ERROR(CheckDeviceError("ObserveScores"));
+    return CopyToHost(topk, dt, idx_bytes);
   }
 
  private:
@@ -199,7 +214,7 @@ class CudaArenaStorage final : public ArenaStorage {
   ArenaView view_;
   std::unique_ptr<DataPlane> dp_;
   void* mirror_ = nullptr;
-  Staging batch_, logits_, accepted_;
+  Staging batch_, logits_, accepted_, topk_;
 };
 
 }  // namespace

@@ -97,6 +97,29 @@ void BudgetProbe::Stop() {
   if (thread_.joinable()) thread_.join();
 }
 
+void ReportBudgets(Session& s, std::chrono::steady_clock::time_point now,
+                   const std::function<void(Session&)>& publish,
+                   const std::function<void(const char*, const std::string&)>& log) {
+  publish(s);
+  const bool level =
+      absl::StartsWith(s.budget_reason, "miss ") || absl::StartsWith(s.budget_reason, "slack ");
+  if (level && now - s.level_logged < kLevelLogInterval) {
+    s.level_unlogged += 1;
+    return;
+  }
+  std::string line = absl::StrCat("session ", s.id, ": per-layer budgets recomputed (",
+                                  s.budget_reason, "), recompute ", s.budget_recomputes);
+  if (level) {
+    if (s.level_unlogged > 0) {
+      absl::StrAppend(&line, "; ", s.level_unlogged,
+                      " level recomputes since the last such line not logged");
+    }
+    s.level_logged = now;
+    s.level_unlogged = 0;
+  }
+  log("info", line);
+}
+
 void BudgetProbe::Loop() {
   using Clock = std::chrono::steady_clock;
   // The pass interval: the miss-target one while some session runs that mode, else the other.
@@ -110,6 +133,9 @@ void BudgetProbe::Loop() {
       // session while the others' budgets are due.
       std::unique_lock<std::mutex> session_lock(s->mu, std::try_to_lock);
       if (!session_lock.owns_lock() || s->freed) continue;
+      // A remote session is refreshed as each of its steps begins (PredictMasks), after every
+      // layer of the last one: a read here could fall between two layers of a step.
+      if (s->mode == DriveMode::kRemote) continue;
       const bool miss_target = s->policy.budget_mode == BudgetMode::kMissTarget;
       miss_target_seen = miss_target_seen || miss_target;
       const Clock::time_point now = Clock::now();
@@ -119,28 +145,9 @@ void BudgetProbe::Loop() {
       absl::StatusOr<bool> written = RefreshBudgets(*s, false);
       if (!written.ok()) {
         log_("error", absl::StrCat("budgets of session ", s->id, ": ", written.status().message()));
-        continue;
+      } else if (*written) {
+        ReportBudgets(*s, now, publish_, log_);
       }
-      if (!*written) continue;
-      publish_(*s);
-      // A miss-target session moves its levels about once a step: those lines are rate-limited.
-      const bool level = absl::StartsWith(s->budget_reason, "miss ") ||
-                         absl::StartsWith(s->budget_reason, "slack ");
-      if (level && now - s->level_logged < level_log_interval_) {
-        s->level_unlogged += 1;
-        continue;
-      }
-      std::string line = absl::StrCat("session ", s->id, ": per-layer budgets recomputed (",
-                                      s->budget_reason, "), recompute ", s->budget_recomputes);
-      if (level) {
-        if (s->level_unlogged > 0) {
-          absl::StrAppend(&line, "; ", s->level_unlogged,
-                          " level recomputes since the last such line not logged");
-        }
-        s->level_logged = now;
-        s->level_unlogged = 0;
-      }
-      log_("info", line);
     }
     wait = miss_target_seen ? std::min(miss_target_interval_, interval_) : interval_;
     lock.lock();

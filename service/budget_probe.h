@@ -33,16 +33,25 @@ absl::Status WriteSessionPolicy(Session& s, const Policy& p);
 /// `s.mu`). Changes nothing on error.
 absl::Status WriteSessionBudgets(Session& s, const std::vector<double>& sparsity);
 
+/// A miss-target session moves its levels about once a step: those recomputes ("miss ...",
+/// "slack ...") are logged at most this often per session, with the count left out.
+inline constexpr std::chrono::seconds kLevelLogInterval{10};
+
+/// After RefreshBudgets wrote a table (caller holds `s.mu`): publishes it (`publish`) and logs
+/// why, level recomputes at most once per kLevelLogInterval.
+void ReportBudgets(Session& s, std::chrono::steady_clock::time_point now,
+                   const std::function<void(Session&)>& publish,
+                   const std::function<void(const char*, const std::string&)>& log);
+
 /// The background thread.
 class BudgetProbe {
  public:
   /// Sessions are read every `interval`, miss-target sessions every `miss_target_interval`:
   /// their controller measures every sparse step and should act before the next one, as
-  /// offline replay's does (docs/budgets.md, "Live: spind's probe thread"). `publish` is called
-  /// (holding the session's lock) after each table written; `log` gets a level ("info",
-  /// "error") and a line. A miss-target session's level recomputes ("miss ...", "slack ...",
-  /// one per step or so) are logged at most once per `level_log_interval`, with the count of
-  /// those left out.
+  /// offline replay's does (docs/budgets.md, "Live: spind's probe thread"). Remote-mode
+  /// sessions are not read here: spind refreshes them as each of their steps begins. `publish`
+  /// is called (holding the session's lock) after each table written; `log` gets a level
+  /// ("info", "error") and a line (ReportBudgets).
   BudgetProbe(SessionManager* sessions, std::chrono::milliseconds interval,
               std::chrono::milliseconds miss_target_interval,
               std::function<void(Session&)> publish,
@@ -55,7 +64,6 @@ class BudgetProbe {
   void Loop();
   SessionManager* sessions_;
   std::chrono::milliseconds interval_, miss_target_interval_;
-  std::chrono::milliseconds level_log_interval_{10000};
   std::function<void(Session&)> publish_;
   std::function<void(const char*, const std::string&)> log_;
   std::mutex mu_;

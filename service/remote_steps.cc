@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "convert.h"
+#include "spin/row_topk.h"
 #include "spin/status_macros.h"
 
 namespace spin::service {
@@ -82,7 +83,8 @@ absl::Status OpenRemoteSequences(SessionManager& sessions, Session& s,
 
 absl::Status PredictRemoteMasks(SessionManager& sessions, Session& s,
                                 const pb::PredictMasksRequest& req,
-                                pb::PredictMasksResponse* resp) {
+                                pb::PredictMasksResponse* resp,
+                                const std::function<void(Session&)>& before_step) {
   SPIN_RETURN_IF_ERROR(sessions.CheckBind(s, DriveMode::kRemote));
   const Geometry& g = s.geometry;
   if (req.layer() < 0 || static_cast<uint32_t>(req.layer()) >= g.layers) {
@@ -130,6 +132,7 @@ absl::Status PredictRemoteMasks(SessionManager& sessions, Session& s,
   }
   SPIN_RETURN_IF_ERROR(sessions.Bind(s, DriveMode::kRemote));
   if (req.begin_step()) {
+    if (before_step) before_step(s);
     SPIN_RETURN_IF_ERROR(s.arena->BeginStep(batch));
     s.remote_n = batch.n;
     s.remote_rows = batch.rows;
@@ -218,8 +221,34 @@ absl::Status ObserveRemoteScores(SessionManager& sessions, Session& s,
     return b;
   };
   const uint64_t bad_before = bad_total();
-  if (absl::Status st = arena.Observe(req.layer(), logits.data(), stride,
-                                      accepted.empty() ? nullptr : accepted.data());
+  // The engine's top-K, as an engine that maps the arena gives it (RemapAndObserve): each live
+  // entry's row-0 top-K over its compacted logits (RowTopKHost: ties to the lower index; a
+  // non-finite score is never in it), so a probe counts it and a sparse step's exploration
+  // blocks measure the step's miss, which the miss-target controller needs between probes.
+  // Remote sessions had no such measurement before 2026-12-07 (docs/budgets.md).
+  const int32_t k = static_cast<int32_t>(g.topk);
+  std::vector<int32_t> topk;
+  if (k <= kRowTopKMaxK) {
+    std::vector<int32_t> lens(static_cast<size_t>(n * rows), 0);
+    for (int64_t e = 0; e < n; ++e) {
+      if (v.entries[e].seq >= 0) lens[e * rows] = v.compact_len[e * g.max_rows];
+    }
+    topk.assign(static_cast<size_t>(n * rows * k), -1);
+    RowTopKArgs t{.logits = logits.data(), .logits_stride = stride, .width = stride,
+                  .lens = lens.data(), .rows = static_cast<int32_t>(n * rows), .k = k,
+                  .out = topk.data(), .out_stride = k};
+    SPIN_RETURN_IF_ERROR(RowTopKHost(t));
+    for (int64_t x = 0; x < n * rows; x += rows) {
+      for (int32_t j = 0; j < k; ++j) {
+        int32_t& c = topk[x * k + j];
+        if (c >= 0 && !std::isfinite(logits[x * stride + c])) c = -1;
+      }
+    }
+  }
+  const int32_t* acc = accepted.empty() ? nullptr : accepted.data();
+  if (absl::Status st = topk.empty() ? arena.Observe(req.layer(), logits.data(), stride, acc)
+                                     : arena.ObserveTopK(req.layer(), topk.data(), k,
+                                                         logits.data(), stride, acc);
       !st.ok()) {
     return st;
   }

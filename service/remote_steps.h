@@ -5,6 +5,8 @@
 // size or an index. The caller holds the session's lock.
 #pragma once
 
+#include <functional>
+
 #include <cstdint>
 
 #include "absl/status/status.h"
@@ -20,10 +22,13 @@ inline constexpr int64_t kMaxObserveFloats = int64_t{1} << 26;
 absl::Status OpenRemoteSequences(SessionManager& sessions, Session& s,
                                  const spin::v1::OpenSequencesRequest& req);
 /// PredictMasks: begins a step when the request says so, selects one layer's blocks and
-/// answers each entry's block ids and compacted lengths.
+/// answers each entry's block ids and compacted lengths. `before_step` runs when a step that
+/// passed every check is about to begin (spind refreshes the session's budgets there, after
+/// every layer of the last step, as offline replay does after each step).
 absl::Status PredictRemoteMasks(SessionManager& sessions, Session& s,
                                 const spin::v1::PredictMasksRequest& req,
-                                spin::v1::PredictMasksResponse* resp);
+                                spin::v1::PredictMasksResponse* resp,
+                                const std::function<void(Session&)>& before_step);
 /// ObserveScores: feeds one layer's compacted logits of the step PredictMasks selected.
 absl::Status ObserveRemoteScores(SessionManager& sessions, Session& s,
                                  const spin::v1::ObserveScoresRequest& req,

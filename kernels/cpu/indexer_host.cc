@@ -26,8 +26,8 @@ float Fp8E4m3ToFloat(uint8_t v) {
 
 absl::Status ValidateRowTopK(const RowTopKArgs& a) {
   if (a.rows < 0) return absl::InvalidArgumentError(absl::StrCat("rows ", a.rows, " < 0"));
-  if (a.k < 1 || a.k > 8192) {
-    return absl::InvalidArgumentError(absl::StrCat("k ", a.k, " outside [1, 8192]"));
+  if (a.k < 1 || a.k > kRowTopKMaxK) {
+    return absl::InvalidArgumentError(absl::StrCat("k ", a.k, " outside [1, ", kRowTopKMaxK, "]"));
   }
   if (a.width < 0 || a.width > a.logits_stride) {
     return absl::InvalidArgumentError(

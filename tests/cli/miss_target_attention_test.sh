@@ -19,6 +19,7 @@
 #   miss-target session started at the uniform --sparsity table until the probe thread's first
 #   pass, and the thread read it every 100 ms, a table per five steps or so: 1.39 M at M 0.02
 #   (pace 20), 4.5 M at 0.01 (no pace).
+# - Remote mode (--remote): exactly the offline replay at M 0.01, 0.02 and 0.05, estimates included.
 # Usage: miss_target_attention_test.sh SPINCTL REPO SPIND
 set -euo pipefail
 spinctl=$1 repo=$2 spind=$3
@@ -74,6 +75,30 @@ for m in 0.01 0.02; do
     echo "ok   through spind M $m: effective sparsity $a (offline $b)"
   else
     echo "FAIL through spind M $m: effective sparsity $a, offline $b (more than 0.02 apart)"
+    fail=1
+  fi
+done
+# Remote mode (spind gets the logits through ObserveScores, not the engine's top-K): spind takes
+# the top-K from the logits itself, so its sparse steps are measured as a mapped session's are,
+# and it refreshes the budgets as each step begins, after every layer of the last one, as replay
+# does offline: so the remote replay is the offline one, whatever the pace. Before 2026-12-07 a
+# remote session had no measurement between probes (1.72 M at M 0.02, every explore_miss 0) and
+# its tables came from the probe thread's clock.
+same() {  # the fields a remote replay and an offline one must share
+  python3 -c 'import json,sys
+d = json.loads(sys.argv[1])
+print(d["effective_sparsity"], d["mean_miss"], d["worst_layer_mean_miss"],
+      [(l["mean_miss"], l["explore_miss"], l["explore_steps"]) for l in d["per_layer"]])' "$1"
+}
+for m in 0.01 0.02 0.05; do
+  offline=$("$spinctl" replay --trace "$long" --miss-target "$m" --probe-period 8 --json --quiet)
+  remote=$("$spinctl" --target "unix://$work/s.sock" replay --trace "$long" --miss-target "$m" \
+    --probe-period 8 --json --quiet --remote)
+  if [ "$(same "$remote")" = "$(same "$offline")" ] \
+     && python3 -c 'import json,sys; sys.exit(0 if all(l["explore_steps"] > 0 for l in json.loads(sys.argv[1])["per_layer"]) else 1)' "$remote"; then
+    echo "ok   remote M $m: the offline replay's misses, sparsity and estimates"
+  else
+    echo "FAIL remote M $m: $(same "$remote") against offline $(same "$offline")"
     fail=1
   fi
 done

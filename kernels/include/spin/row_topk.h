@@ -18,6 +18,9 @@ using cudaStream_t = CUstream_st*;
 
 namespace spin {
 
+/// The largest k a call takes.
+inline constexpr int32_t kRowTopKMaxK = 8192;
+
 /// Arguments of one call (device pointers for the CUDA launch, host pointers for the CPU one).
 struct RowTopKArgs {
   const float* logits = nullptr;  ///< [rows][logits_stride]
@@ -25,7 +28,7 @@ struct RowTopKArgs {
   int64_t width = 0;              ///< valid columns of a row at most (<= logits_stride)
   const int32_t* lens = nullptr;  ///< [rows]: the row's valid prefix
   int32_t rows = 0;
-  int32_t k = 0;           ///< 1..8192
+  int32_t k = 0;           ///< 1..kRowTopKMaxK
   int32_t* out = nullptr;  ///< [rows][out_stride], out_stride >= k
   int64_t out_stride = 0;
 };
