@@ -121,10 +121,13 @@ absl::StatusOr<LocalBudgets> LocalBudgets::Create(const Geometry& g) {
 
 uint64_t LocalBudgets::recomputes() const { return controller_->recomputes(); }
 
-absl::Status LocalBudgets::WriteUniform(const DataPlane& dp) {
+absl::Status LocalBudgets::WriteInitial(const DataPlane& dp) {
   SPIN_ASSIGN_OR_RETURN(const ArenaPolicy p, ReadArenaPolicy(dp));
-  const std::vector<double> uniform(dp.arena().geometry.layers, p.target_sparsity);
-  return WriteArenaBudgets(dp, uniform);
+  Policy mode;  // only the fields InitialBudget reads
+  mode.target_sparsity = p.target_sparsity;
+  mode.budget_mode = static_cast<BudgetMode>(p.budget_mode);
+  const std::vector<double> table(dp.arena().geometry.layers, InitialBudget(mode));
+  return WriteArenaBudgets(dp, table);
 }
 
 absl::StatusOr<bool> LocalBudgets::AfterStep(const DataPlane& dp, int64_t step) {

@@ -37,7 +37,7 @@ struct Handle {
   /// Local: the data plane owns its arena; per-layer sessions also run their budgets here.
   std::unique_ptr<spin::DataPlane> local;
   std::optional<spin::LocalBudgets> budgets;
-  bool write_uniform_table = false;  ///< local per-layer: at the first begin_step
+  bool write_initial_table = false;  ///< local per-layer: at the first begin_step
   int64_t steps_begun = 0;
   /// The last begun step's entries and rows: what the per-layer ops' tensors must cover.
   int64_t step_n = 0, step_rows = 0;

@@ -156,7 +156,7 @@ int64_t Attach(const std::string& target, int64_t layers, int64_t max_slots, int
       absl::StatusOr<spin::LocalBudgets> b = spin::LocalBudgets::Create(g);
       Check(b.status(), "attach");
       h->budgets.emplace(std::move(*b));
-      h->write_uniform_table = true;  // at the first begin_step, as spind's probe thread does
+      h->write_initial_table = true;  // at the first begin_step, as spind's probe thread does
     }
   }
   std::lock_guard<std::mutex> lock(registry_mu);

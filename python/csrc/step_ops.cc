@@ -68,11 +68,11 @@ void BeginStep(int64_t h, const at::Tensor& seq, const at::Tensor& ctx_len, cons
     b.block_table = Int32Data(*block_table, "block_table", 0);
     b.table_stride = block_table->size(1);
   }
-  if (s->write_uniform_table) {
-    // Before the first step, a control-plane write: the uniform table at the target, with an
-    // epoch of its own, as spind's probe thread writes a per-layer session's first table.
-    Check(s->budgets->WriteUniform(*s->local), "begin_step");
-    s->write_uniform_table = false;
+  if (s->write_initial_table) {
+    // Before the first step, a control-plane write: the first table (InitialBudget), with an
+    // epoch of its own, as spind writes a per-layer session's first table.
+    Check(s->budgets->WriteInitial(*s->local), "begin_step");
+    s->write_initial_table = false;
   }
   Check(s->dp().BeginStep(b, Stream(*s)), "begin_step");
   ++s->steps_begun;

@@ -94,12 +94,30 @@ TEST(DataPlaneSetup, PolicyAndBudgetWritesAdvanceTheEpoch) {
 
 // The loop replay and the torch ops' local sessions run: a table only after probe steps, each
 // with a new epoch, the first one uniform at the target.
+// The first table: uniform at the target, dense for a miss target (InitialBudget), whatever the
+// table holds before (a miss-target session's first steps ran at the target until 2026-12-07).
+TEST(LocalBudgets, WriteInitialIsTheTargetOrDenseForAMissTarget) {
+  for (BudgetMode mode : {BudgetMode::kPerLayer, BudgetMode::kMissTarget}) {
+    DataPlaneSpec spec = Spec(mode, 2);
+    if (mode == BudgetMode::kMissTarget) spec.policy.miss_target = 0.02;
+    std::unique_ptr<DataPlane> dp = *NewDataPlane(spec);
+    const std::vector<double> other(Geo().layers, 0.3);
+    ASSERT_TRUE(WriteArenaBudgets(*dp, other).ok());
+    absl::StatusOr<LocalBudgets> budgets = LocalBudgets::Create(Geo());
+    ASSERT_TRUE(budgets.ok()) << budgets.status();
+    ASSERT_TRUE(budgets->WriteInitial(*dp).ok());
+    for (uint32_t l = 0; l < Geo().layers; ++l) {
+      EXPECT_EQ(dp->arena().sparsity[l], mode == BudgetMode::kMissTarget ? 0.0 : 0.5);
+    }
+  }
+}
+
 TEST(LocalBudgets, RecomputesAfterProbeStepsOnly) {
   EXPECT_FALSE(LocalBudgets::Create(Geo(), BudgetTuning{.smoothing = 0}).ok());
   std::unique_ptr<DataPlane> dp = *NewDataPlane(Spec(BudgetMode::kPerLayer, 2));
   absl::StatusOr<LocalBudgets> budgets = LocalBudgets::Create(Geo());
   ASSERT_TRUE(budgets.ok()) << budgets.status();
-  ASSERT_TRUE(budgets->WriteUniform(*dp).ok());
+  ASSERT_TRUE(budgets->WriteInitial(*dp).ok());
   EXPECT_EQ(dp->arena().policy->epoch, 2u);
   ASSERT_TRUE(dp->ResetSequence(0, 9).ok());
   std::mt19937 rng(5);

@@ -187,11 +187,11 @@ absl::StatusOr<ReplaySummary> ReplayOn(DataPlane& dp, const Trace& trace,
   const BudgetMode mode = static_cast<BudgetMode>(policy.budget_mode);
 
   // Per-layer budgets run here after each probe step, as spind's probe thread runs them (the
-  // table starts uniform at the target).
+  // table starts at InitialBudget: uniform at the target, dense for a miss target).
   std::optional<LocalBudgets> budgets;
   if (TableFromProbes(mode) && options.local_budgets) {
     SPIN_ASSIGN_OR_RETURN(budgets, LocalBudgets::Create(g, options.budget_tuning));
-    SPIN_RETURN_IF_ERROR(budgets->WriteUniform(dp));
+    SPIN_RETURN_IF_ERROR(budgets->WriteInitial(dp));
   }
   auto probe = [&](int t) -> absl::Status {
     if (!budgets) return {};

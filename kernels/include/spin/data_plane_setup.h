@@ -80,9 +80,9 @@ class LocalBudgets {
   LocalBudgets& operator=(LocalBudgets&&) noexcept;
   ~LocalBudgets();
 
-  /// Writes the uniform table at the arena's target sparsity, with a new epoch: the first
-  /// table of a per-layer session, as spind's probe thread writes it.
-  absl::Status WriteUniform(const DataPlane& dp);
+  /// Writes the first table of a session, with a new epoch: the uniform table at the arena's
+  /// target sparsity, dense in the miss-target mode (InitialBudget, as a new arena starts).
+  absl::Status WriteInitial(const DataPlane& dp);
 
   /// Call after step `step` (0: the first step begun) has run. On a probe step (the arena's
   /// probe period P > 0 divides it), and in the miss-target mode on every step (its sparse
