@@ -18,7 +18,7 @@
 #   at an effective sparsity within 0.02 of the offline run's. Before 2026-12-07's fix a
 #   miss-target session started at the uniform --sparsity table until the probe thread's first
 #   pass, and the thread read it every 100 ms, a table per five steps or so: 1.39 M at M 0.02
-#   (pace 20), 4.5 M at 0.01 (no pace).
+#   (pace 20), 2.2-4.5 M at 0.01 (no pace, two runs).
 # - Remote mode (--remote): exactly the offline replay at M 0.01, 0.02 and 0.05, estimates included.
 # Usage: miss_target_attention_test.sh SPINCTL REPO SPIND
 set -euo pipefail
