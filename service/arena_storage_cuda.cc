@@ -177,8 +177,9 @@ class CudaArenaStorage final : public ArenaStorage {
         !s.ok()) {
       return s;
     }
-    SPIN_RETURN_IF_ERROR(CheckDeviceError("ObserveScores"));
-    return CopyToHost(topk, dt, idx_bytes);
+    // The mapped indices stay on the device: the caller does not read them (no copy back that
+    // could fail a call whose observation already happened).
+    return CheckDeviceError("ObserveScores");
   }
 
  private:

@@ -54,9 +54,15 @@ absl::StatusOr<bool> RefreshBudgets(Session& s, bool policy_changed) {
     SPIN_RETURN_IF_ERROR(WriteSessionBudgets(s, u->sparsity));
     s.budget_recomputes += 1;
     s.budget_reason = u->reason;
-    // The model's curves for its next sessions (warm budgets).
-    if (s.warm && !s.model.empty()) {
+    // The model's curves for its next sessions (warm budgets): a file written with two fsyncs,
+    // so a miss-target session's level recomputes (about one a step) save at most once per
+    // kLevelLogInterval.
+    const auto now = std::chrono::steady_clock::now();
+    const bool level = IsLevelRecompute(u->reason);
+    if (s.warm && !s.model.empty() &&
+        (!level || !s.level_saved || now - *s.level_saved >= kLevelLogInterval)) {
       s.warm->Save(s.model, s.geometry, s.budgets->smoothed(), s.budgets->num_blocks());
+      if (level) s.level_saved = now;
     }
     return true;
   }
@@ -97,13 +103,16 @@ void BudgetProbe::Stop() {
   if (thread_.joinable()) thread_.join();
 }
 
+bool IsLevelRecompute(const std::string& reason) {
+  return absl::StartsWith(reason, "miss ") || absl::StartsWith(reason, "slack ");
+}
+
 void ReportBudgets(Session& s, std::chrono::steady_clock::time_point now,
                    const std::function<void(Session&)>& publish,
                    const std::function<void(const char*, const std::string&)>& log) {
   publish(s);
-  const bool level =
-      absl::StartsWith(s.budget_reason, "miss ") || absl::StartsWith(s.budget_reason, "slack ");
-  if (level && now - s.level_logged < kLevelLogInterval) {
+  const bool level = IsLevelRecompute(s.budget_reason);
+  if (level && s.level_logged && now - *s.level_logged < kLevelLogInterval) {
     s.level_unlogged += 1;
     return;
   }
@@ -122,25 +131,25 @@ void ReportBudgets(Session& s, std::chrono::steady_clock::time_point now,
 
 void BudgetProbe::Loop() {
   using Clock = std::chrono::steady_clock;
-  // The pass interval: the miss-target one while some session runs that mode, else the other.
-  std::chrono::milliseconds wait = interval_;
+  // Every pass at the shorter interval: miss-target sessions are read each pass, the others
+  // once their interval has passed (a pass costs a list and a try-lock per session).
+  const std::chrono::milliseconds wait = std::min(miss_target_interval_, interval_);
   std::unique_lock<std::mutex> lock(mu_);
   while (!cv_.wait_for(lock, wait, [this] { return stop_; })) {
     lock.unlock();
-    bool miss_target_seen = false;
     for (const std::shared_ptr<Session>& s : sessions_->List()) {
       // A session busy with a call is visited at the next pass: the thread never waits on one
       // session while the others' budgets are due.
       std::unique_lock<std::mutex> session_lock(s->mu, std::try_to_lock);
       if (!session_lock.owns_lock() || s->freed) continue;
-      // A remote session is refreshed as each of its steps begins (PredictMasks), after every
-      // layer of the last one: a read here could fall between two layers of a step.
-      if (s->mode == DriveMode::kRemote) continue;
+      // A remote session (one that began a step through PredictMasks; remote_rows is under mu,
+      // unlike the drive mode) is refreshed as each of its steps begins, after every layer of
+      // the last one: a read here could fall between two layers of a step.
+      if (s->remote_rows > 0) continue;
       const bool miss_target = s->policy.budget_mode == BudgetMode::kMissTarget;
-      miss_target_seen = miss_target_seen || miss_target;
       const Clock::time_point now = Clock::now();
-      // Other sessions every interval_ (a pass may come up to a miss-target interval early).
-      if (!miss_target && now - s->probe_visited < interval_ - miss_target_interval_) continue;
+      // Other sessions every interval_ (a pass may come up to `wait` early).
+      if (!miss_target && now - s->probe_visited < interval_ - wait) continue;
       s->probe_visited = now;
       absl::StatusOr<bool> written = RefreshBudgets(*s, false);
       if (!written.ok()) {
@@ -149,7 +158,6 @@ void BudgetProbe::Loop() {
         ReportBudgets(*s, now, publish_, log_);
       }
     }
-    wait = miss_target_seen ? std::min(miss_target_interval_, interval_) : interval_;
     lock.lock();
   }
 }

@@ -34,8 +34,11 @@ absl::Status WriteSessionPolicy(Session& s, const Policy& p);
 absl::Status WriteSessionBudgets(Session& s, const std::vector<double>& sparsity);
 
 /// A miss-target session moves its levels about once a step: those recomputes ("miss ...",
-/// "slack ...") are logged at most this often per session, with the count left out.
+/// "slack ...") are logged, and save the model's warm curves, at most this often per session.
 inline constexpr std::chrono::seconds kLevelLogInterval{10};
+
+/// True for a miss-target level recompute's reason ("miss ...", "slack ...").
+bool IsLevelRecompute(const std::string& reason);
 
 /// After RefreshBudgets wrote a table (caller holds `s.mu`): publishes it (`publish`) and logs
 /// why, level recomputes at most once per kLevelLogInterval.

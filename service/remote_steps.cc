@@ -223,15 +223,24 @@ absl::Status ObserveRemoteScores(SessionManager& sessions, Session& s,
   const uint64_t bad_before = bad_total();
   // The engine's top-K, as an engine that maps the arena gives it (RemapAndObserve): each live
   // entry's row-0 top-K over its compacted logits (RowTopKHost: ties to the lower index; a
-  // non-finite score is never in it), so a probe counts it and a sparse step's exploration
-  // blocks measure the step's miss, which the miss-target controller needs between probes.
-  // Remote sessions had no such measurement before 2026-12-07 (docs/budgets.md).
+  // non-finite score is never in it, as offline replay's TopKSlots), so a probe counts it and a
+  // sparse step's exploration blocks measure the step's miss, which the miss-target controller
+  // needs between probes. Remote sessions had no such measurement before 2026-12-07
+  // (docs/spind.md, "Remote mode"). Above kRowTopKMaxK (no DSA model) Observe computes the
+  // probe's top-K alone and sparse steps go unmeasured.
   const int32_t k = static_cast<int32_t>(g.topk);
   std::vector<int32_t> topk;
   if (k <= kRowTopKMaxK) {
     std::vector<int32_t> lens(static_cast<size_t>(n * rows), 0);
     for (int64_t e = 0; e < n; ++e) {
-      if (v.entries[e].seq >= 0) lens[e * rows] = v.compact_len[e * g.max_rows];
+      if (v.entries[e].seq < 0) continue;
+      lens[e * rows] = v.compact_len[e * g.max_rows];
+      // RowTopKHost ranks NaN last but +inf first: every non-finite score becomes NaN, which
+      // Observe skips and counts exactly as it does any non-finite score.
+      float* z = logits.data() + e * rows * stride;
+      for (int64_t c = 0; c < lens[e * rows]; ++c) {
+        if (!std::isfinite(z[c])) z[c] = NAN;
+      }
     }
     topk.assign(static_cast<size_t>(n * rows * k), -1);
     RowTopKArgs t{.logits = logits.data(), .logits_stride = stride, .width = stride,

@@ -24,7 +24,9 @@ absl::Status OpenRemoteSequences(SessionManager& sessions, Session& s,
 /// PredictMasks: begins a step when the request says so, selects one layer's blocks and
 /// answers each entry's block ids and compacted lengths. `before_step` runs when a step that
 /// passed every check is about to begin (spind refreshes the session's budgets there, after
-/// every layer of the last step, as offline replay does after each step).
+/// every layer of the last step, as offline replay does after each step). That refresh is the
+/// probe thread's work, not the call's: a BeginStep that then fails on the device (the only
+/// failure left after the checks) does not undo it.
 absl::Status PredictRemoteMasks(SessionManager& sessions, Session& s,
                                 const spin::v1::PredictMasksRequest& req,
                                 spin::v1::PredictMasksResponse* resp,

@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -44,9 +45,10 @@ struct Session {
   uint64_t budget_recomputes = 0;  ///< budget tables written by the allocator
   std::string budget_reason;       ///< why the last one was written ("first", "drift ...")
   /// The probe thread's bookkeeping (under mu): when it last read this session's counters, when
-  /// it last logged one of its miss-target level recomputes, and how many it left unlogged since.
+  /// it last logged one of its miss-target level recomputes (none yet: empty) and how many it left
+  /// unlogged since, and when the last one saved the model's warm curves.
   std::chrono::steady_clock::time_point probe_visited{};
-  std::chrono::steady_clock::time_point level_logged{};
+  std::optional<std::chrono::steady_clock::time_point> level_logged, level_saved;
   uint64_t level_unlogged = 0;
   bool freed = false;              ///< set (under mu) when the manager dropped the session
   /// The policy spind wrote last: the authority for GetPolicy, SetPolicy and the probe thread

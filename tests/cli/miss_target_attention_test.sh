@@ -13,13 +13,14 @@
 #   of the exploration estimate, an offline diagnostic): on the 32K trace it holds 1.1 M at
 #   every M, M 0.01 included, which locates the overshoot in the estimate, not the controller
 #   (its refusals are in spinctl_test.sh).
-# - Through spind (`spinctl --target ... replay --pace-ms 30`, the daemon's probe thread running
+# - Through spind (`spinctl --target ... replay --pace-ms 20`, the daemon's probe thread running
 #   the controller on its own clock): the 32K trace within 1.1 M at M 0.02 and 1.25 M at 0.01,
-#   at an effective sparsity within 0.02 of the offline run's. Before 2026-12-07's fix a
-#   miss-target session started at the uniform --sparsity table until the probe thread's first
-#   pass, and the thread read it every 100 ms, a table per five steps or so: 1.39 M at M 0.02
-#   (pace 20), 2.2-4.5 M at 0.01 (no pace, two runs).
-# - Remote mode (--remote): exactly the offline replay at M 0.01, 0.02 and 0.05, estimates included.
+#   at about the offline run's effective sparsity. Before 2026-12-07's fix a miss-target session
+#   started at the uniform --sparsity table until the probe thread's first pass, and the thread
+#   read it every 100 ms, a table per five steps or so: 1.34-1.40 M at M 0.01 and 1.10-1.39 M at
+#   0.02 (pace 20), 2.2-4.5 M at 0.01 unpaced.
+# - Remote mode (--remote): exactly the offline replay at M 0.01, 0.02 and 0.05, estimates
+#   included, and on a generated 3-row MTP trace.
 # Usage: miss_target_attention_test.sh SPINCTL REPO SPIND
 set -euo pipefail
 spinctl=$1 repo=$2 spind=$3
@@ -54,51 +55,62 @@ if [ "$est" = "$exact" ]; then
   echo "FAIL --miss-measure exact replayed exactly as the estimate"
   fail=1
 fi
-# Through spind, paced as an engine decodes (30 ms a step, three passes of the probe thread's
-# 10 ms miss-target interval).
+# Through spind, paced as an engine decodes (20 ms a step, two passes of the probe thread's
+# 10 ms miss-target interval). Timing decides which step a table lands on, so the bounds leave
+# room for a starved thread (a late table costs sparsity, not miss): within 1.1 M at M 0.02 and
+# 1.25 M at 0.01, and no sparser than offline by more than 0.01 nor denser by more than 0.06.
+# The spind before 2026-12-07 gave 1.34-1.40 M at M 0.01 here.
 work=$(mktemp -d)
 "$spind" --listen "unix://$work/s.sock" --backend cpu 2>"$work/spind.log" &
 pid=$!
 trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$work"' EXIT
-for _ in $(seq 50); do
-  "$spinctl" --target "unix://$work/s.sock" status >/dev/null 2>&1 && break
+ready=0
+for _ in $(seq 100); do
+  if "$spinctl" --target "unix://$work/s.sock" status >/dev/null 2>&1; then ready=1; break; fi
   sleep 0.2
 done
-sparsity() { python3 -c 'import json,sys; print(json.load(sys.stdin)["effective_sparsity"])' <<<"$1"; }
+if [ $ready = 0 ]; then
+  echo "FAIL spind did not answer within 20 s: $(tail -3 "$work/spind.log")"
+  exit 1
+fi
+sparsity() { python3 -c 'import json,sys; print(json.loads(sys.argv[1])["effective_sparsity"])' "$1"; }
 for m in 0.01 0.02; do
   offline=$("$spinctl" replay --trace "$long" --miss-target "$m" --probe-period 8 --json --quiet)
   target=(--target "unix://$work/s.sock")
-  if [ "$m" = 0.01 ]; then check "$long" "$m" 1.25 --pace-ms 30; else check "$long" "$m" 1.1 --pace-ms 30; fi
+  if [ "$m" = 0.01 ]; then check "$long" "$m" 1.25 --pace-ms 20; else check "$long" "$m" 1.1 --pace-ms 20; fi
   target=()
   a=$(sparsity "$json") b=$(sparsity "$offline")
-  if python3 -c "import sys; sys.exit(0 if abs($a - $b) <= 0.02 else 1)"; then
+  if python3 -c "import sys; sys.exit(0 if $b - 0.06 <= $a <= $b + 0.01 else 1)"; then
     echo "ok   through spind M $m: effective sparsity $a (offline $b)"
   else
-    echo "FAIL through spind M $m: effective sparsity $a, offline $b (more than 0.02 apart)"
+    echo "FAIL through spind M $m: effective sparsity $a, offline $b (outside [-0.06, +0.01])"
     fail=1
   fi
 done
 # Remote mode (spind gets the logits through ObserveScores, not the engine's top-K): spind takes
 # the top-K from the logits itself, so its sparse steps are measured as a mapped session's are,
 # and it refreshes the budgets as each step begins, after every layer of the last one, as replay
-# does offline: so the remote replay is the offline one, whatever the pace. Before 2026-12-07 a
-# remote session had no measurement between probes (1.72 M at M 0.02, every explore_miss 0) and
-# its tables came from the probe thread's clock.
+# does offline: so the remote replay is the offline one, whatever the pace, on the 32K trace and
+# on a generated MTP trace (3 rows: only row 0's top-K counts). Before 2026-12-07 a remote
+# session had no measurement between probes (1.7-1.9 M at M 0.02, every explore_miss 0) and its
+# tables came from the probe thread's clock.
 same() {  # the fields a remote replay and an offline one must share
   python3 -c 'import json,sys
 d = json.loads(sys.argv[1])
 print(d["effective_sparsity"], d["mean_miss"], d["worst_layer_mean_miss"],
       [(l["mean_miss"], l["explore_miss"], l["explore_steps"]) for l in d["per_layer"]])' "$1"
 }
-for m in 0.01 0.02 0.05; do
-  offline=$("$spinctl" replay --trace "$long" --miss-target "$m" --probe-period 8 --json --quiet)
-  remote=$("$spinctl" --target "unix://$work/s.sock" replay --trace "$long" --miss-target "$m" \
+"$spinctl" gen-trace "$work/mtp" --rows 3 --layers 2 --slots 4096 --steps 48 --seed 22 >/dev/null
+for run in "$long 0.01" "$long 0.02" "$long 0.05" "$work/mtp 0.05"; do
+  set -- $run
+  offline=$("$spinctl" replay --trace "$1" --miss-target "$2" --probe-period 8 --json --quiet)
+  remote=$("$spinctl" --target "unix://$work/s.sock" replay --trace "$1" --miss-target "$2" \
     --probe-period 8 --json --quiet --remote)
   if [ "$(same "$remote")" = "$(same "$offline")" ] \
      && python3 -c 'import json,sys; sys.exit(0 if all(l["explore_steps"] > 0 for l in json.loads(sys.argv[1])["per_layer"]) else 1)' "$remote"; then
-    echo "ok   remote M $m: the offline replay's misses, sparsity and estimates"
+    echo "ok   remote $(basename "$1") M $2: the offline replay's misses, sparsity and estimates"
   else
-    echo "FAIL remote M $m: $(same "$remote") against offline $(same "$offline")"
+    echo "FAIL remote $(basename "$1") M $2: $(same "$remote") against offline $(same "$offline")"
     fail=1
   fi
 done

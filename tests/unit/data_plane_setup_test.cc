@@ -92,8 +92,6 @@ TEST(DataPlaneSetup, PolicyAndBudgetWritesAdvanceTheEpoch) {
   EXPECT_EQ(dp->arena().sparsity[1], 0.7);
 }
 
-// The loop replay and the torch ops' local sessions run: a table only after probe steps, each
-// with a new epoch, the first one uniform at the target.
 // The first table: uniform at the target, dense for a miss target (InitialBudget), whatever the
 // table holds before (a miss-target session's first steps ran at the target until 2026-12-07).
 TEST(LocalBudgets, WriteInitialIsTheTargetOrDenseForAMissTarget) {
@@ -112,6 +110,8 @@ TEST(LocalBudgets, WriteInitialIsTheTargetOrDenseForAMissTarget) {
   }
 }
 
+// The loop replay and the torch ops' local sessions run: a table only after probe steps, each
+// with a new epoch, the first one uniform at the target.
 TEST(LocalBudgets, RecomputesAfterProbeStepsOnly) {
   EXPECT_FALSE(LocalBudgets::Create(Geo(), BudgetTuning{.smoothing = 0}).ok());
   std::unique_ptr<DataPlane> dp = *NewDataPlane(Spec(BudgetMode::kPerLayer, 2));
