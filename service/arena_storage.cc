@@ -71,12 +71,9 @@ class CpuArenaStorage final : public ArenaStorage {
   absl::Status CheckStep(const StepBatch& b) override { return ValidateStepBatch(host_, b); }
   absl::Status BeginStep(const StepBatch& b) override { return dp_->BeginStep(b); }
   absl::Status Select(int32_t layer) override { return dp_->Select(layer); }
-  absl::Status Observe(int32_t layer, const float* logits, int64_t stride,
-                       const int32_t* accepted) override {
-    return dp_->Observe(layer, logits, stride, accepted);
-  }
-  absl::Status ObserveTopK(int32_t layer, int32_t* topk, int32_t count, const float* logits,
-                           int64_t stride, const int32_t* accepted) override {
+  absl::Status Observe(int32_t layer, const float* logits, int64_t stride, const int32_t* accepted,
+                       int32_t* topk, int32_t count) override {
+    if (topk == nullptr) return dp_->Observe(layer, logits, stride, accepted);
     return dp_->RemapAndObserve(layer, topk, count, logits, stride, accepted);
   }
 

@@ -51,16 +51,13 @@ class ArenaStorage {
   virtual absl::Status CheckStep(const StepBatch& host_batch) = 0;
   virtual absl::Status BeginStep(const StepBatch& host_batch) = 0;
   virtual absl::Status Select(int32_t layer) = 0;
-  virtual absl::Status Observe(int32_t layer, const float* host_logits, int64_t stride,
-                               const int32_t* host_accepted) = 0;
-  /// Observe with the step's top-K given as the engine's (DataPlane::RemapAndObserve):
-  /// `host_topk[(e * rows + r) * count + k]` are compacted indices (-1: none); the buffer is
-  /// scratch (mapped in place on the CPU backend, left as it was on CUDA).
+  /// With `host_topk` (else null), the step's top-K given as the engine's
+  /// (DataPlane::RemapAndObserve): `host_topk[(e * rows + r) * count + k]` are compacted indices
+  /// (-1: none), a scratch buffer (mapped in place on the CPU backend, left as it was on CUDA).
   /// A probe counts that top-K, and a sparse step's exploration blocks estimate its miss (the
   /// miss-target controller's measurement between probes, docs/budgets.md).
-  virtual absl::Status ObserveTopK(int32_t layer, int32_t* host_topk, int32_t count,
-                                   const float* host_logits, int64_t stride,
-                                   const int32_t* host_accepted) = 0;
+  virtual absl::Status Observe(int32_t layer, const float* host_logits, int64_t stride,
+                               const int32_t* host_accepted, int32_t* host_topk, int32_t count) = 0;
 
  protected:
   ArenaView host_;

@@ -145,12 +145,8 @@ class CudaArenaStorage final : public ArenaStorage {
     SPIN_RETURN_IF_ERROR(dp_->Select(layer));
     return CheckDeviceError("Select");
   }
-  absl::Status Observe(int32_t layer, const float* logits, int64_t stride,
-                       const int32_t* accepted) override {
-    return ObserveTopK(layer, nullptr, 0, logits, stride, accepted);
-  }
-  absl::Status ObserveTopK(int32_t layer, int32_t* topk, int32_t count, const float* logits,
-                           int64_t stride, const int32_t* accepted) override {
+  absl::Status Observe(int32_t layer, const float* logits, int64_t stride, const int32_t* accepted,
+                       int32_t* topk, int32_t count) override {
     SPIN_RETURN_IF_ERROR(PullOutputs());
     if (host_.batch->selected_layer == layer) {
       // Otherwise the data plane's own call-order check answers below.

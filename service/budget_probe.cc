@@ -129,6 +129,16 @@ void ReportBudgets(Session& s, std::chrono::steady_clock::time_point now,
   log("info", line);
 }
 
+void RefreshAndReport(Session& s, const std::function<void(Session&)>& publish,
+                      const std::function<void(const char*, const std::string&)>& log) {
+  absl::StatusOr<bool> written = RefreshBudgets(s, false);
+  if (!written.ok()) {
+    log("error", absl::StrCat("budgets of session ", s.id, ": ", written.status().message()));
+  } else if (*written) {
+    ReportBudgets(s, std::chrono::steady_clock::now(), publish, log);
+  }
+}
+
 void BudgetProbe::Loop() {
   using Clock = std::chrono::steady_clock;
   // Every pass at the shorter interval: miss-target sessions are read each pass, the others
@@ -151,12 +161,7 @@ void BudgetProbe::Loop() {
       // Other sessions every interval_ (a pass may come up to `wait` early).
       if (!miss_target && now - s->probe_visited < interval_ - wait) continue;
       s->probe_visited = now;
-      absl::StatusOr<bool> written = RefreshBudgets(*s, false);
-      if (!written.ok()) {
-        log_("error", absl::StrCat("budgets of session ", s->id, ": ", written.status().message()));
-      } else if (*written) {
-        ReportBudgets(*s, now, publish_, log_);
-      }
+      RefreshAndReport(*s, publish_, log_);
     }
     lock.lock();
   }

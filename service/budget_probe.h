@@ -46,6 +46,11 @@ void ReportBudgets(Session& s, std::chrono::steady_clock::time_point now,
                    const std::function<void(Session&)>& publish,
                    const std::function<void(const char*, const std::string&)>& log);
 
+/// One refresh as the probe thread runs it (caller holds `s.mu`): RefreshBudgets, an error
+/// logged (the table in force stays), a written table reported (ReportBudgets).
+void RefreshAndReport(Session& s, const std::function<void(Session&)>& publish,
+                      const std::function<void(const char*, const std::string&)>& log);
+
 /// The background thread.
 class BudgetProbe {
  public:
@@ -56,8 +61,7 @@ class BudgetProbe {
   /// is called (holding the session's lock) after each table written; `log` gets a level
   /// ("info", "error") and a line (ReportBudgets).
   BudgetProbe(SessionManager* sessions, std::chrono::milliseconds interval,
-              std::chrono::milliseconds miss_target_interval,
-              std::function<void(Session&)> publish,
+              std::chrono::milliseconds miss_target_interval, std::function<void(Session&)> publish,
               std::function<void(const char*, const std::string&)> log);
   ~BudgetProbe();
   void Start();

@@ -21,12 +21,12 @@ struct Config {
   int device = 0;                        ///< CUDA device ordinal for the cuda backend
   uint64_t max_arena_bytes = 0;          ///< over all sessions; 0 = from the memory there
   uint32_t max_sessions = 64;
-  std::string log_format = "text";   ///< text | json
-  uint32_t client_grace_ms = 30000;  ///< a session outlives its last client by this much
-  uint32_t probe_interval_ms = 100;  ///< per-layer budgets: how often the probe thread runs
+  std::string log_format = "text";        ///< text | json
+  uint32_t client_grace_ms = 30000;       ///< a session outlives its last client by this much
+  uint32_t probe_interval_ms = 100;       ///< per-layer budgets: how often the probe thread runs
   uint32_t miss_target_interval_ms = 10;  ///< miss-target sessions: how often it reads them
-  std::vector<uint32_t> allow_uids;  ///< fd socket peers accepted besides spind's uid and root
-  std::vector<uint32_t> allow_gids;  ///< fd socket peers accepted by group
+  std::vector<uint32_t> allow_uids;       ///< fd socket peers accepted besides spind's uid and root
+  std::vector<uint32_t> allow_gids;       ///< fd socket peers accepted by group
   bool tcp_allow_unauthenticated = false;  ///< state-changing calls over TCP without a token
   uint32_t workers = 4;                    ///< threads for slow RPC work
   uint32_t fd_handshake_ms = 2000;         ///< whole fd-socket handshake deadline

@@ -82,8 +82,7 @@ absl::Status OpenRemoteSequences(SessionManager& sessions, Session& s,
 }
 
 absl::Status PredictRemoteMasks(SessionManager& sessions, Session& s,
-                                const pb::PredictMasksRequest& req,
-                                pb::PredictMasksResponse* resp,
+                                const pb::PredictMasksRequest& req, pb::PredictMasksResponse* resp,
                                 const std::function<void(Session&)>& before_step) {
   SPIN_RETURN_IF_ERROR(sessions.CheckBind(s, DriveMode::kRemote));
   const Geometry& g = s.geometry;
@@ -243,9 +242,14 @@ absl::Status ObserveRemoteScores(SessionManager& sessions, Session& s,
       }
     }
     topk.assign(static_cast<size_t>(n * rows * k), -1);
-    RowTopKArgs t{.logits = logits.data(), .logits_stride = stride, .width = stride,
-                  .lens = lens.data(), .rows = static_cast<int32_t>(n * rows), .k = k,
-                  .out = topk.data(), .out_stride = k};
+    RowTopKArgs t{.logits = logits.data(),
+                  .logits_stride = stride,
+                  .width = stride,
+                  .lens = lens.data(),
+                  .rows = static_cast<int32_t>(n * rows),
+                  .k = k,
+                  .out = topk.data(),
+                  .out_stride = k};
     SPIN_RETURN_IF_ERROR(RowTopKHost(t));
     for (int64_t x = 0; x < n * rows; x += rows) {
       for (int32_t j = 0; j < k; ++j) {
@@ -254,10 +258,9 @@ absl::Status ObserveRemoteScores(SessionManager& sessions, Session& s,
       }
     }
   }
-  const int32_t* acc = accepted.empty() ? nullptr : accepted.data();
-  if (absl::Status st = topk.empty() ? arena.Observe(req.layer(), logits.data(), stride, acc)
-                                     : arena.ObserveTopK(req.layer(), topk.data(), k,
-                                                         logits.data(), stride, acc);
+  if (absl::Status st = arena.Observe(req.layer(), logits.data(), stride,
+                                      accepted.empty() ? nullptr : accepted.data(),
+                                      topk.empty() ? nullptr : topk.data(), k);
       !st.ok()) {
     return st;
   }

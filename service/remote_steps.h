@@ -5,9 +5,8 @@
 // size or an index. The caller holds the session's lock.
 #pragma once
 
-#include <functional>
-
 #include <cstdint>
+#include <functional>
 
 #include "absl/status/status.h"
 #include "session_manager.h"

@@ -502,22 +502,13 @@ grpc::ServerUnaryReactor* SpinService::PredictMasks(grpc::CallbackServerContext*
                                                     pb::PredictMasksResponse* resp) {
   return OnSession(ctx, "PredictMasks", req->session(), true, [this, req, resp](Session& s) {
     // The probe thread leaves remote sessions alone: their budgets are refreshed here, between
-    // steps. A failure is logged (the probe thread's rule); the step goes on with its table.
+    // steps, by the thread's own rule (a failure is logged; the step goes on with its table).
     auto refresh = [this](Session& session) {
-      absl::StatusOr<bool> written = RefreshBudgets(session, false);
-      if (!written.ok()) {
-        if (log_) {
-          log_("error", absl::StrCat("budgets of session ", session.id, ": ",
-                                     written.status().message()));
-        }
-      } else if (*written) {
-        ReportBudgets(
-            session, std::chrono::steady_clock::now(),
-            [this](Session& x) { PublishBudgets(x); },
-            [this](const char* level, const std::string& line) {
-              if (log_) log_(level, line);
-            });
-      }
+      RefreshAndReport(
+          session, [this](Session& x) { PublishBudgets(x); },
+          [this](const char* level, const std::string& line) {
+            if (log_) log_(level, line);
+          });
     };
     return PredictRemoteMasks(*sessions_, s, *req, resp, refresh);
   });
