@@ -39,6 +39,7 @@ absl::StatusOr<bool> RefreshBudgets(Session& s, bool policy_changed) {
   // session's geometry in the controller.
   const Policy& p = s.policy;
   if (!TableFromProbes(p.budget_mode)) {
+    SaveUnsavedWarmCurves(s);
     s.budgets.reset();  // a later switch back starts from fresh curves
     return false;
   }
@@ -56,13 +57,18 @@ absl::StatusOr<bool> RefreshBudgets(Session& s, bool policy_changed) {
     s.budget_reason = u->reason;
     // The model's curves for its next sessions (warm budgets): a file written with two fsyncs,
     // so a miss-target session's level recomputes (about one a step) save at most once per
-    // kLevelLogInterval.
+    // kLevelLogInterval; the newest curves are saved when the session ends
+    // (SaveUnsavedWarmCurves).
     const auto now = std::chrono::steady_clock::now();
     const bool level = IsLevelRecompute(u->reason);
-    if (s.warm && !s.model.empty() &&
-        (!level || !s.level_saved || now - *s.level_saved >= kLevelLogInterval)) {
-      s.warm->Save(s.model, s.geometry, s.budgets->smoothed(), s.budgets->num_blocks());
-      if (level) s.level_saved = now;
+    if (s.warm && !s.model.empty()) {
+      if (!level || !s.level_saved || now - *s.level_saved >= kLevelLogInterval) {
+        s.warm->Save(s.model, s.geometry, s.budgets->smoothed(), s.budgets->num_blocks());
+        s.warm_unsaved = false;
+        if (level) s.level_saved = now;
+      } else {
+        s.warm_unsaved = true;
+      }
     }
     return true;
   }
@@ -101,6 +107,12 @@ void BudgetProbe::Stop() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+}
+
+void SaveUnsavedWarmCurves(Session& s) {
+  if (!s.warm_unsaved || !s.warm || s.model.empty() || s.budgets == nullptr) return;
+  s.warm->Save(s.model, s.geometry, s.budgets->smoothed(), s.budgets->num_blocks());
+  s.warm_unsaved = false;
 }
 
 bool IsLevelRecompute(const std::string& reason) {

@@ -37,6 +37,10 @@ absl::Status WriteSessionBudgets(Session& s, const std::vector<double>& sparsity
 /// "slack ...") are logged, and save the model's warm curves, at most this often per session.
 inline constexpr std::chrono::seconds kLevelLogInterval{10};
 
+/// Saves the model's warm curves if a level recompute left them unsaved (caller holds `s.mu`):
+/// SessionManager::Free runs it for a session that ends, and spind for each session when it stops.
+void SaveUnsavedWarmCurves(Session& s);
+
 /// True for a miss-target level recompute's reason ("miss ...", "slack ...").
 bool IsLevelRecompute(const std::string& reason);
 

@@ -316,6 +316,11 @@ int main(int argc, char** argv) {
   probe.Stop();
   fds.Stop();
   sessions.StopReaper();
+  // The newest warm curves of sessions still attached (the model's next sessions start there).
+  for (const std::shared_ptr<spin::service::Session>& s : sessions.List()) {
+    std::lock_guard<std::mutex> lock(s->mu);
+    spin::service::SaveUnsavedWarmCurves(*s);
+  }
   unlink(socket_path.c_str());
   if (!gpu_link.empty()) {
     // Only our own link: another spind of this GPU may have replaced it since.

@@ -7,6 +7,7 @@
 #include <ctime>
 
 #include "absl/strings/str_cat.h"
+#include "budget_probe.h"
 #include "spin/status_macros.h"
 
 namespace spin::service {
@@ -266,6 +267,7 @@ void SessionManager::Free(const std::string& id) {
   {
     std::lock_guard<std::mutex> lock(s->mu);
     s->freed = true;
+    SaveUnsavedWarmCurves(*s);
   }
   if (on_free_) on_free_(id);
 }

@@ -1342,5 +1342,65 @@ TEST(Spind, MissTargetSessionStartsDenseBeforeTheProbeThreadsFirstPass) {
   }
 }
 
+// A miss-target session's level recomputes (about one a step) save the model's warm curves at
+// most once per 10 s; the newest curves are saved when the session ends, by Detach or by spind
+// stopping, so the model's next session starts from them rather than from the first seconds'.
+TEST(Spind, MissTargetWarmCurvesAreSavedWhenTheSessionEnds) {
+  GenTraceOptions g;
+  g.layers = 4;
+  g.slots = 64 * 96;
+  g.steps = 60;
+  g.topk = 256;
+  g.seed = 74;
+  const std::string dir = ::testing::TempDir() + "/spind_warm_mt_trace";
+  ASSERT_TRUE(GenerateTrace(dir, g).ok());
+  absl::StatusOr<Trace> t = LoadTrace(dir);
+  ASSERT_TRUE(t.ok());
+  const std::string state = ::testing::TempDir() + "/spind-state-mt-" + std::to_string(getpid());
+  std::filesystem::remove_all(state);
+  client::AttachOptions ao;
+  ao.geometry = TraceGeometry(t->meta(), t->n_max(), StateDtype::kFp32);
+  ao.policy.probe_period = 4;
+  ao.policy.budget_mode = BudgetMode::kMissTarget;
+  ao.policy.miss_target = 0.02;
+  auto curves = [&](const std::string& model) {
+    std::ifstream f(state + "/" + model + ".budgets.json");
+    if (!f) return nlohmann::json();
+    return nlohmann::json::parse(f, nullptr, false).value("curves", nlohmann::json());
+  };
+  const auto start = std::chrono::steady_clock::now();
+  Daemon d({"--state-dir", state});
+  ASSERT_TRUE(d.ready());
+  // One session ends by Detach, the other by spind's SIGTERM.
+  std::vector<nlohmann::json> during;
+  std::vector<std::unique_ptr<client::Session>> sessions;
+  for (const char* model : {"mt-detach", "mt-stop"}) {
+    ao.model = model;
+    auto s = client::Session::Attach("unix://" + d.socket(), ao);
+    ASSERT_TRUE(s.ok()) << s.status();
+    ReplayOptions o;
+    o.policy = ao.policy;
+    o.local_budgets = false;
+    o.progress = [](int, int) { std::this_thread::sleep_for(std::chrono::milliseconds(2)); };
+    ASSERT_TRUE(ReplayOn((*s)->data_plane(), *t, o).ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the last probe passes
+    absl::StatusOr<client::Budgets> b = (*s)->GetBudgets();
+    ASSERT_TRUE(b.ok());
+    ASSERT_GE(b->recomputes, 3u);
+    during.push_back(curves(model));
+    ASSERT_TRUE(during.back().is_array()) << "the first recompute saved " << model << "'s curves";
+    sessions.push_back(std::move(*s));
+  }
+  ASSERT_TRUE(sessions[0]->Detach().ok());
+  const nlohmann::json detached = curves("mt-detach");
+  ASSERT_EQ(d.Terminate(), 0);
+  if (std::chrono::steady_clock::now() - start > std::chrono::seconds(9)) {
+    GTEST_SKIP() << "the runs took longer than the 10 s between level saves: nothing to show";
+  }
+  EXPECT_NE(detached, during[0]) << "Detach saved the newest curves";
+  EXPECT_NE(curves("mt-stop"), during[1]) << "stopping spind saved the newest curves";
+  EXPECT_EQ(curves("mt-detach"), detached) << "a detached session's curves are not saved again";
+}
+
 }  // namespace
 }  // namespace spin::testing
