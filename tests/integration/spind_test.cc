@@ -1085,19 +1085,33 @@ TEST(Spind, RemoteReplayReportsTheDaemonsBudgets) {
 // Warm budgets: a per-layer session of a model spind has seen starts from that model's last
 // per-layer table, also after a restart; another model, a uniform session, a bad or mismatched
 // file start uniform (the bad file logged); a model name that is no file name is refused.
-TEST(Spind, WarmBudgetsSurviveARestart) {
+// A generated 4-layer, 60-step trace (`name`, `seed`) and an empty state directory for the warm
+// budget tests.
+struct WarmFixture {
+  absl::StatusOr<Trace> trace;
+  std::string state;
+};
+WarmFixture MakeWarmFixture(const std::string& name, uint64_t seed) {
   GenTraceOptions g;
   g.layers = 4;
   g.slots = 64 * 96;
   g.steps = 60;
   g.topk = 256;
-  g.seed = 73;
-  const std::string dir = ::testing::TempDir() + "/spind_warm_trace";
-  ASSERT_TRUE(GenerateTrace(dir, g).ok());
-  absl::StatusOr<Trace> t = LoadTrace(dir);
-  ASSERT_TRUE(t.ok());
-  const std::string state = ::testing::TempDir() + "/spind-state-" + std::to_string(getpid());
-  std::filesystem::remove_all(state);
+  g.seed = seed;
+  const std::string dir = ::testing::TempDir() + "/spind_" + name + "_trace";
+  WarmFixture f;
+  absl::Status made = GenerateTrace(dir, g);
+  f.trace = made.ok() ? LoadTrace(dir) : absl::StatusOr<Trace>(made);
+  f.state = ::testing::TempDir() + "/spind-state-" + name + "-" + std::to_string(getpid());
+  std::filesystem::remove_all(f.state);
+  return f;
+}
+
+TEST(Spind, WarmBudgetsSurviveARestart) {
+  WarmFixture f = MakeWarmFixture("warm", 73);
+  ASSERT_TRUE(f.trace.ok()) << f.trace.status();
+  const absl::StatusOr<Trace>& t = f.trace;
+  const std::string& state = f.state;
   client::AttachOptions ao;
   ao.geometry = TraceGeometry(t->meta(), t->n_max(), StateDtype::kFp32);
   ao.policy.target_sparsity = 0.5;
@@ -1346,18 +1360,10 @@ TEST(Spind, MissTargetSessionStartsDenseBeforeTheProbeThreadsFirstPass) {
 // most once per 10 s; the newest curves are saved when the session ends, by Detach or by spind
 // stopping, so the model's next session starts from them rather than from the first seconds'.
 TEST(Spind, MissTargetWarmCurvesAreSavedWhenTheSessionEnds) {
-  GenTraceOptions g;
-  g.layers = 4;
-  g.slots = 64 * 96;
-  g.steps = 60;
-  g.topk = 256;
-  g.seed = 74;
-  const std::string dir = ::testing::TempDir() + "/spind_warm_mt_trace";
-  ASSERT_TRUE(GenerateTrace(dir, g).ok());
-  absl::StatusOr<Trace> t = LoadTrace(dir);
-  ASSERT_TRUE(t.ok());
-  const std::string state = ::testing::TempDir() + "/spind-state-mt-" + std::to_string(getpid());
-  std::filesystem::remove_all(state);
+  WarmFixture f = MakeWarmFixture("warm-mt", 74);
+  ASSERT_TRUE(f.trace.ok()) << f.trace.status();
+  const absl::StatusOr<Trace>& t = f.trace;
+  const std::string& state = f.state;
   client::AttachOptions ao;
   ao.geometry = TraceGeometry(t->meta(), t->n_max(), StateDtype::kFp32);
   ao.policy.probe_period = 4;
