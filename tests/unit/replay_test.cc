@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_split.h"
 #include "gen_trace.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -237,6 +238,34 @@ TEST(Replay, SummaryOnAGeneratedTrace) {
     EXPECT_TRUE(j["per_layer"][0].contains(key)) << key;
   }
   EXPECT_NE(SummaryTable(*s).find("all"), std::string::npos);
+}
+
+// The human table shows, next to each layer's realized mean miss, the exploration estimate the
+// controller read for it, or "-" when no sparse step was measured by exploration blocks.
+TEST(Replay, SummaryTableShowsTheExplorationEstimate) {
+  ReplaySummary s;
+  s.steps = 64;
+  s.layers = 2;
+  LayerSummary measured;
+  measured.layer = 0;
+  measured.mean_miss = 0.0190;
+  measured.explore_miss = 0.0123;
+  measured.explore_steps = 49;
+  LayerSummary unmeasured;
+  unmeasured.layer = 1;
+  unmeasured.mean_miss = 0.0100;
+  s.per_layer = {measured, unmeasured};
+  const std::vector<std::string> lines = absl::StrSplit(SummaryTable(s), '\n');
+  ASSERT_GE(lines.size(), 3u);
+  EXPECT_EQ(std::vector<std::string>(absl::StrSplit(lines[0], ' ', absl::SkipEmpty()))[2],
+            "est_miss");
+  const std::vector<std::string> l0 = absl::StrSplit(lines[1], ' ', absl::SkipEmpty());
+  const std::vector<std::string> l1 = absl::StrSplit(lines[2], ' ', absl::SkipEmpty());
+  ASSERT_GE(l0.size(), 3u);
+  ASSERT_GE(l1.size(), 3u);
+  EXPECT_EQ(l0[1], "0.0190");
+  EXPECT_EQ(l0[2], "0.0123");
+  EXPECT_EQ(l1[2], "-");
 }
 
 TEST(Replay, Bf16AndFp32GiveSimilarQuality) {

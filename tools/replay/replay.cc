@@ -448,17 +448,21 @@ std::string SummaryJson(const ReplaySummary& s) {
 }
 
 std::string SummaryTable(const ReplaySummary& s) {
+  // est_miss: the exploration blocks' estimate of the sparse steps' miss, what spind's
+  // controller reads between probes (docs/budgets.md); "-" where no step was measured by it.
   std::string out =
-      absl::StrFormat("%5s  %9s  %8s  %8s  %9s  %6s  %6s  %5s\n", "layer", "mean_miss", "p99_miss",
-                      "sparsity", "effective", "budget", "probes", "bad");
+      absl::StrFormat("%5s  %9s  %8s  %8s  %8s  %9s  %6s  %6s  %5s\n", "layer", "mean_miss",
+                      "est_miss", "p99_miss", "sparsity", "effective", "budget", "probes", "bad");
   for (const LayerSummary& l : s.per_layer) {
-    absl::StrAppendFormat(&out, "%5d  %9.4f  %8.4f  %8.4f  %9.4f  %6.4f  %6d  %5d\n", l.layer,
-                          l.mean_miss, l.p99_miss, l.sparsity, l.effective_sparsity, l.budget,
+    const std::string est =
+        l.explore_steps > 0 ? absl::StrFormat("%.4f", l.explore_miss) : std::string("-");
+    absl::StrAppendFormat(&out, "%5d  %9.4f  %8s  %8.4f  %8.4f  %9.4f  %6.4f  %6d  %5d\n", l.layer,
+                          l.mean_miss, est, l.p99_miss, l.sparsity, l.effective_sparsity, l.budget,
                           l.probe_steps, l.bad_scores);
   }
-  absl::StrAppendFormat(&out, "%5s  %9.4f  %8.4f  %8.4f  %9.4f  %6s  %6s  %5d\n", "all",
-                        s.mean_miss, s.p99_miss, s.realized_sparsity, s.effective_sparsity, "", "",
-                        s.bad_scores);
+  absl::StrAppendFormat(&out, "%5s  %9.4f  %8s  %8.4f  %8.4f  %9.4f  %6s  %6s  %5d\n", "all",
+                        s.mean_miss, "", s.p99_miss, s.realized_sparsity, s.effective_sparsity, "",
+                        "", s.bad_scores);
   absl::StrAppendFormat(&out,
                         "%d steps x %d layers: %d sparse and %d dense (fresh or probe) "
                         "layer-steps\n",
