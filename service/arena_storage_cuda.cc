@@ -162,19 +162,15 @@ class CudaArenaStorage final : public ArenaStorage {
       da = static_cast<const int32_t*>(d);
     }
     if (topk == nullptr) {
-      if (absl::Status s = dp_->Observe(layer, static_cast<const float*>(dl), stride, da); !s.ok())
-        return s;
-      return CheckDeviceError("ObserveScores");
+      SPIN_RETURN_IF_ERROR(dp_->Observe(layer, static_cast<const float*>(dl), stride, da));
+    } else {
+      const uint64_t idx_bytes = rows * static_cast<uint64_t>(count) * sizeof(int32_t);
+      SPIN_ASSIGN_OR_RETURN(void* dt, topk_.Put(topk, idx_bytes));
+      // The mapped indices stay on the device: the caller does not read them (no copy back that
+      // could fail a call whose observation already happened).
+      SPIN_RETURN_IF_ERROR(dp_->RemapAndObserve(layer, static_cast<int32_t*>(dt), count,
+                                                static_cast<const float*>(dl), stride, da));
     }
-    const uint64_t idx_bytes = rows * static_cast<uint64_t>(count) * sizeof(int32_t);
-    SPIN_ASSIGN_OR_RETURN(void* dt, topk_.Put(topk, idx_bytes));
-    if (absl::Status s = dp_->RemapAndObserve(layer, static_cast<int32_t*>(dt), count,
-                                              static_cast<const float*>(dl), stride, da);
-        !s.ok()) {
-      return s;
-    }
-    // The mapped indices stay on the device: the caller does not read them (no copy back that
-    // could fail a call whose observation already happened).
     return CheckDeviceError("ObserveScores");
   }
 

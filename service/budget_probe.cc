@@ -61,14 +61,10 @@ absl::StatusOr<bool> RefreshBudgets(Session& s, bool policy_changed) {
     // (SaveUnsavedWarmCurves).
     const auto now = std::chrono::steady_clock::now();
     const bool level = IsLevelRecompute(u->reason);
-    if (s.warm && !s.model.empty()) {
-      if (!level || !s.level_saved || now - *s.level_saved >= kLevelLogInterval) {
-        s.warm->Save(s.model, s.geometry, s.budgets->smoothed(), s.budgets->num_blocks());
-        s.warm_unsaved = false;
-        if (level) s.level_saved = now;
-      } else {
-        s.warm_unsaved = true;
-      }
+    s.warm_unsaved = true;
+    if (!level || !s.level_saved || now - *s.level_saved >= kLevelLogInterval) {
+      SaveUnsavedWarmCurves(s);
+      if (level) s.level_saved = now;
     }
     return true;
   }

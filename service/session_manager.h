@@ -50,8 +50,9 @@ struct Session {
   std::chrono::steady_clock::time_point probe_visited{};
   std::optional<std::chrono::steady_clock::time_point> level_logged, level_saved;
   uint64_t level_unlogged = 0;
-  /// A level recompute's curves were not saved (the interval had not passed): they are saved
-  /// when the session is freed or spind stops (SaveUnsavedWarmCurves), so none is lost.
+  /// The controller's curves changed since the model's warm file was last written (a level
+  /// recompute within the interval leaves them so): SaveUnsavedWarmCurves writes them when the
+  /// session is freed or spind stops, so none is lost.
   bool warm_unsaved = false;
   bool freed = false;  ///< set (under mu) when the manager dropped the session
   /// The policy spind wrote last: the authority for GetPolicy, SetPolicy and the probe thread
